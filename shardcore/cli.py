@@ -1,0 +1,93 @@
+"""The ``shardcore`` command: plan a layout, check it on a live world, list backends."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from .errors import ShardcoreError
+from .layout import ORDERS, Layout, plan_layout
+
+_COLUMNS = ("shard", "role", "name", "ranks", "tp", "cp", "pp", "dp", "ep", "expt_tp", "expt_dp")
+
+
+def format_table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
+    """A plain left-aligned text table."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells]
+    return "\n".join(lines)
+
+
+def layout_table(layout: Layout) -> str:
+    """One row per shard: role, name, window and every size."""
+    rows = []
+    for plan in layout.shards:
+        spec = plan.spec
+        rows.append((plan.index, spec.role or "-", spec.name or "-", f"[{plan.rank_offset}, {plan.ranks.stop})",
+                     spec.tp, spec.cp, spec.pp, spec.dp, spec.ep, spec.expt_tp, spec.expt_dp))
+    text = format_table(rows, _COLUMNS)
+    idle = ", ".join(f"[{w.start}, {w.stop})" for w in layout.idle)
+    return text + (f"\nidle ranks: {idle}" if idle else "")
+
+
+def rank_table(layout: Layout, rank: int) -> str:
+    """One rank's shard, coordinates and named groups."""
+    plan = layout.shard_of(rank)
+    if plan is None:
+        return f"rank {rank} is idle: it belongs to no shard"
+    coords = ", ".join(f"{k}={v}" for k, v in plan.coords(rank).items())
+    rows = [(name, "-" if ranks is None else list(ranks)) for name, ranks in plan.groups_of(rank).items()]
+    return f"rank {rank} in shard {plan.index} ({plan.spec}), coords {coords}\n" + format_table(rows, ("group", "ranks"))
+
+
+def _add_layout_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shards", required=True, help="e.g. 'tp=4,pp=2,role=train+tp=2,dp=4,role=prefill', or @file.yaml")
+    parser.add_argument("--order", default="tp-cp-dp-pp", choices=[*ORDERS, "tp-dp-pp", "tp-pp-dp"])
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    layout = plan_layout(args.world, args.shards, order=args.order, rank_offset=args.rank_offset, allow_idle=args.allow_idle)
+    if args.json:
+        data = layout.to_dict()
+        if args.rank is not None:
+            plan = layout.shard_of(args.rank)
+            data["rank"] = {"rank": args.rank, "shard": None if plan is None else plan.index,
+                            "groups": {k: None if v is None else list(v) for k, v in layout.groups_of(args.rank).items()}}
+        print(json.dumps(data, indent=2))
+        return 0
+    print(layout_table(layout))
+    if args.rank is not None:
+        print()
+        print(rank_table(layout, args.rank))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardcore", description="Lay out heterogeneous parallel jobs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    plan = sub.add_parser("plan", help="print the layout of shards over a world (no torch needed)")
+    plan.add_argument("--world", type=int, required=True, help="total number of ranks")
+    _add_layout_args(plan)
+    plan.add_argument("--rank-offset", type=int, default=0, help="first rank of the first shard")
+    plan.add_argument("--allow-idle", action="store_true", help="allow ranks after the last shard to stay idle")
+    plan.add_argument("--rank", type=int, help="also show this rank's groups")
+    plan.add_argument("--json", action="store_true", help="print the full layout as JSON")
+    plan.set_defaults(func=_cmd_plan)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ShardcoreError as error:
+        print(f"shardcore: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""Typed errors: every message names the bad value, what was expected and the fix."""
+
+from __future__ import annotations
+
+
+class ShardcoreError(Exception):
+    """Base class of every error shardcore raises on purpose."""
+
+
+class ShardSpecError(ShardcoreError, ValueError):
+    """A shard spec (string, dict, JSON or YAML) is malformed or inconsistent."""
+
+
+class LayoutError(ShardcoreError, ValueError):
+    """Shards do not fit the world, or a grid / rank request is out of range."""
+
+
+class BackendNotFoundError(ShardcoreError, LookupError):
+    """No installed backend has the requested name."""
+
+
+class BackendUnavailableError(ShardcoreError, RuntimeError):
+    """The backend is installed but cannot work here (framework or device missing)."""
+
+
+class GroupCreationError(ShardcoreError, RuntimeError):
+    """Process-group creation failed, timed out, or ranks disagree on how to do it."""
+
+
+class LayoutMismatchError(GroupCreationError):
+    """Ranks of one world planned different layouts (config drift between ranks)."""

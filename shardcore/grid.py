@@ -1,0 +1,130 @@
+"""Grid: named parallel dims over a contiguous rank window, first dim varying fastest."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from math import prod
+
+from .errors import LayoutError
+
+Dims = str | Sequence[str]
+
+
+class Grid:
+    """Pure index math equivalent to Megatron-Core's ``HyperCommGrid``.
+
+    ``rank = rank_offset + sum(coord_i * prod(shape[:i]))``. Nothing is enumerated
+    unless asked for, so a grid over a million ranks costs a few integers.
+    """
+
+    __slots__ = ("shape", "dim_names", "rank_offset", "size", "_strides")
+
+    def __init__(self, shape: Sequence[int], dim_names: Sequence[str], rank_offset: int = 0) -> None:
+        shape, dim_names = tuple(shape), tuple(dim_names)
+        if len(shape) != len(dim_names):
+            raise LayoutError(f"grid shape {shape} and dim names {dim_names} differ in length")
+        if len(set(dim_names)) != len(dim_names):
+            raise LayoutError(f"grid dim names {dim_names} repeat a name; each dim needs its own name")
+        for name, size in zip(dim_names, shape):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise LayoutError(f"grid dim {name}={size!r}: sizes must be positive integers")
+        if isinstance(rank_offset, bool) or not isinstance(rank_offset, int) or rank_offset < 0:
+            raise LayoutError(f"rank_offset={rank_offset!r}: expected a non-negative integer")
+        self.shape: tuple[int, ...] = shape
+        self.dim_names: tuple[str, ...] = dim_names
+        self.rank_offset = rank_offset
+        self.size = prod(shape)
+        strides, stride = [], 1
+        for size in shape:
+            strides.append(stride)
+            stride *= size
+        self._strides: tuple[int, ...] = tuple(strides)
+
+    def __repr__(self) -> str:
+        dims = ", ".join(f"{n}={s}" for n, s in zip(self.dim_names, self.shape))
+        return f"Grid({dims}, rank_offset={self.rank_offset})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Grid):
+            return NotImplemented
+        return (self.shape, self.dim_names, self.rank_offset) == (other.shape, other.dim_names, other.rank_offset)
+
+    def __hash__(self) -> int:
+        return hash((self.shape, self.dim_names, self.rank_offset))
+
+    def __contains__(self, rank: object) -> bool:
+        return isinstance(rank, int) and self.rank_offset <= rank < self.rank_offset + self.size
+
+    def size_of(self, dim: str) -> int:
+        """The size of one named dim."""
+        return self.shape[self._index(dim)]
+
+    def stride_of(self, dim: str) -> int:
+        """Distance in ranks between neighbours along one dim."""
+        return self._strides[self._index(dim)]
+
+    def _index(self, dim: str) -> int:
+        try:
+            return self.dim_names.index(dim)
+        except ValueError:
+            raise LayoutError(f"unknown grid dim {dim!r}: this grid has {', '.join(self.dim_names)}") from None
+
+    def _dim_indices(self, dims: Dims) -> list[int]:
+        names = [dims] if isinstance(dims, str) else list(dims)
+        indices = sorted({self._index(name) for name in names})
+        if len(indices) != len(names):
+            raise LayoutError(f"dims {names} name a dim twice")
+        return indices
+
+    def _check_rank(self, rank: int) -> None:
+        if rank not in self:
+            raise LayoutError(
+                f"rank {rank!r} is outside this grid's ranks "
+                f"[{self.rank_offset}, {self.rank_offset + self.size})"
+            )
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's coordinate along every dim."""
+        self._check_rank(rank)
+        local = rank - self.rank_offset
+        return {name: (local // stride) % size for name, size, stride in zip(self.dim_names, self.shape, self._strides)}
+
+    def rank_at(self, coords: dict[str, int]) -> int:
+        """The rank at the given coordinates (missing dims count as 0)."""
+        rank = self.rank_offset
+        for name, value in coords.items():
+            index = self._index(name)
+            if not 0 <= value < self.shape[index]:
+                raise LayoutError(f"coordinate {name}={value} outside [0, {self.shape[index]})")
+            rank += value * self._strides[index]
+        return rank
+
+    def _expand(self, base: int, indices: Sequence[int]) -> list[int]:
+        """All ranks reached from ``base`` along ``indices``, ascending (strides grow with index)."""
+        ranks = [base]
+        for index in indices:
+            stride = self._strides[index]
+            ranks = [r + k * stride for k in range(self.shape[index]) for r in ranks]
+        return ranks
+
+    def group_ranks(self, rank: int, dims: Dims) -> tuple[int, ...]:
+        """Sorted ranks of ``rank``'s group along ``dims``, in O(group size)."""
+        self._check_rank(rank)
+        indices = self._dim_indices(dims)
+        local = rank - self.rank_offset
+        base = rank - sum(((local // self._strides[i]) % self.shape[i]) * self._strides[i] for i in indices)
+        return tuple(self._expand(base, indices))
+
+    def iter_groups(self, dims: Dims) -> Iterator[tuple[int, ...]]:
+        """Every group along ``dims``, ordered by first rank (Megatron's enumeration order)."""
+        indices = self._dim_indices(dims)
+        others = [i for i in range(len(self.shape)) if i not in indices]
+        for base in self._expand(self.rank_offset, others):
+            yield tuple(self._expand(base, indices))
+
+    def rank_enum(self, dims: Dims) -> list[list[int]]:
+        """All groups along ``dims``: the same groups in the same order as ``HyperCommGrid.get_rank_enum``."""
+        return [list(group) for group in self.iter_groups(dims)]
+
+
+__all__ = ["Dims", "Grid"]
