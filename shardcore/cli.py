@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -65,6 +66,36 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_check(args: argparse.Namespace) -> int:
+    from . import check
+
+    options = {"shards": args.shards, "backend": args.backend, "order": args.order, "allow_idle": args.allow_idle,
+               "strategy": args.strategy, "timeout": args.timeout}
+    joined = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if joined else args.nproc
+    layout = plan_layout(world, args.shards, order=args.order, allow_idle=args.allow_idle)
+    if not joined:
+        print(f"shardcore check: {world} local gloo processes, backend {args.backend or 'default'}, "
+              f"strategy {args.strategy}, order {layout.order}")
+    reports = check.run_joined(options) if joined else check.run_local(world, options)
+    if reports is None:
+        return 0
+    table, ok = check.summary(reports, layout)
+    print(table)
+    print("all groups match the plan" if ok else "MISMATCH: some groups differ from the plan")
+    return 0 if ok else 1
+
+
+def _cmd_backends(args: argparse.Namespace) -> int:
+    from .plugins import list_backends
+
+    rows = [(info.name, info.distribution, info.version, "available" if info.available else f"unavailable: {info.reason}")
+            for info in list_backends()]
+    print(format_table(rows, ("backend", "distribution", "version", "status")) if rows else
+          "no backends installed: pip install ./plugins/dtensor (or megatron, hyperparallel)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardcore", description="Lay out heterogeneous parallel jobs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -76,6 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--rank", type=int, help="also show this rank's groups")
     plan.add_argument("--json", action="store_true", help="print the full layout as JSON")
     plan.set_defaults(func=_cmd_plan)
+    check = sub.add_parser("check", help="build the layout on a live world and verify every group with a collective")
+    check.add_argument("--nproc", type=int, default=8, help="local gloo processes to start (ignored under torchrun)")
+    _add_layout_args(check)
+    check.add_argument("--backend", help="backend name (default: $SHARDCORE_BACKEND, else dtensor)")
+    check.add_argument("--strategy", default="local", choices=["local", "world"])
+    check.add_argument("--allow-idle", action="store_true", help="allow ranks after the last shard to stay idle")
+    check.add_argument("--timeout", type=float, default=120.0, help="seconds before a stuck group is an error")
+    check.set_defaults(func=_cmd_check)
+    backends = sub.add_parser("backends", help="list installed backends and whether they work here")
+    backends.set_defaults(func=_cmd_backends)
     return parser
 
 

@@ -6,11 +6,14 @@ import hashlib
 import json
 from bisect import bisect_right
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .errors import LayoutError
 from .grid import Grid
 from .spec import ShardSpec, ShardsInput, parse_shards
+
+if TYPE_CHECKING:
+    from .topology import TopologyReport
 
 MAX_WORLD_SIZE = 1 << 24
 """Largest world planned: far above any cluster, small enough that a group always fits in memory."""
@@ -108,9 +111,13 @@ class ShardPlan:
 
 
 def distinct_groups(groups: Groups) -> tuple[DistinctGroup, ...]:
-    """Each distinct rank set once, in GROUP_NAMES order, with the names that share it."""
+    """Each distinct rank set once, in creation order, with the names that share it.
+
+    Creation order is GROUP_NAMES, then any backend-specific names sorted: the same on
+    every rank, which is what keeps members-only creation free of wait cycles.
+    """
     names_by_ranks: dict[tuple[int, ...], list[str]] = {}
-    for name in GROUP_NAMES:
+    for name in [*GROUP_NAMES, *sorted(set(groups) - set(GROUP_NAMES))]:
         ranks = groups.get(name)
         if ranks is not None:
             names_by_ranks.setdefault(ranks, []).append(name)
@@ -156,6 +163,12 @@ class Layout:
     def idle_ranks(self) -> list[int]:
         """Every rank that belongs to no shard."""
         return [rank for window in self.idle for rank in window]
+
+    def check_topology(self, ranks_per_node: int) -> TopologyReport:
+        """Which groups cross a node of ``ranks_per_node`` ranks; see shardcore.topology."""
+        from .topology import check_topology  # topology imports this module
+
+        return check_topology(self, ranks_per_node)
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
 
 from .grid import Dims
 from .spec import ShardSpec
@@ -47,4 +48,34 @@ class ShardPlanLike(Protocol):
     def coords(self, rank: int) -> dict[str, int]: ...
 
 
-__all__ = ["GridLike", "ShardPlanLike"]
+NamedGrids = Mapping[str, "tuple[GridLike, Dims]"]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What a backend plugin implements; subclass it to inherit the defaults.
+
+    The engine creates every group (the 15 standard names plus ``extra_groups``) and
+    hands them to ``make_handle``; a backend never creates process groups itself.
+    """
+
+    name: str
+    description: str
+
+    def unavailable_reason(self) -> str | None:
+        """None when the backend can work here, else why not and the command that fixes it."""
+        return None
+
+    def validate(self, layout: Any, options: Mapping[str, Any]) -> None:
+        """Raise a ShardcoreError for layouts or options this backend cannot serve (runs on every rank)."""
+
+    def extra_groups(self, plan: ShardPlanLike, options: Mapping[str, Any]) -> NamedGrids:
+        """Named groups beyond the standard 15, each as (grid over the shard's ranks, dims)."""
+        return {}
+
+    def make_handle(self, plan: ShardPlanLike, rank: int, groups: Mapping[str, Any], options: Mapping[str, Any]) -> Any:
+        """The framework object for a member rank, from its groups (name -> ProcessGroup or None)."""
+        ...
+
+
+__all__ = ["Backend", "GridLike", "NamedGrids", "ShardPlanLike"]

@@ -120,8 +120,11 @@ def _parse_value(key: str, value: str, shard: str) -> Any:
         raise ShardSpecError(f"{key}={value!r} in shard {shard!r}: expected a positive integer, e.g. {key}=2") from None
 
 
-def _parse_one(shard: str) -> ShardSpec | None:
-    """One shard of the grammar (``key=value`` items, comma separated); None when empty."""
+def _parse_one(shard: str) -> ShardSpec:
+    """One non-empty shard of the grammar (``key=value`` items, comma separated).
+
+    Empty items are skipped, so a shard of only commas is a default shard, as in Megatron.
+    """
     values: dict[str, Any] = {}
     for item in shard.split(","):
         item = item.strip()
@@ -136,13 +139,13 @@ def _parse_one(shard: str) -> ShardSpec | None:
         if key in values:
             warnings.warn(f"key {key!r} repeated in shard {shard!r}; the last value wins", stacklevel=4)
         values[key] = _parse_value(key, value, shard)
-    return ShardSpec(**values) if values else None
+    return ShardSpec(**values)
 
 
 def _parse_grammar(text: str) -> list[ShardSpec]:
-    """Megatron's ``--inference-shards`` grammar: shards split by ``+`` or ``;``."""
-    parsed = (_parse_one(chunk.strip()) for chunk in text.replace("+", ";").split(";"))
-    return [spec for spec in parsed if spec is not None]
+    """Megatron's ``--inference-shards`` grammar: shards split by ``+`` or ``;``, empty ones skipped."""
+    chunks = (chunk.strip() for chunk in text.replace("+", ";").split(";"))
+    return [_parse_one(chunk) for chunk in chunks if chunk]
 
 
 def _load_document(text: str, source: str) -> Any:
@@ -159,12 +162,15 @@ def _load_document(text: str, source: str) -> Any:
         try:
             return yaml.safe_load(text)
         except yaml.YAMLError as yaml_error:
-            raise ShardSpecError(f"{source} is neither JSON nor YAML: {yaml_error}") from None
+            detail = " ".join(str(yaml_error).split())  # one line: YAML's message spans several
+            raise ShardSpecError(f"{source} is neither JSON nor YAML: {detail}") from None
 
 
 def _parse_text(text: str, source: str) -> list[ShardSpec]:
     stripped = text.strip()
-    if stripped[:1] in ("[", "{", "-") or ":" in stripped:
+    # A document starts like a list, a mapping or a comment, or has ':' and no '=' (grammar never
+    # has ':' without '='; a shard name may hold ':').
+    if stripped[:1] in ("[", "{", "-", "#") or (":" in stripped and "=" not in stripped):
         document = _load_document(stripped, source)
         if not isinstance(document, list):
             raise ShardSpecError(

@@ -1,0 +1,66 @@
+"""The DTensor backend: a member rank gets dense, expert and dp×cp DeviceMeshes over its window."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shardcore.device import device_type
+from shardcore.hookspecs import hookimpl
+from shardcore.layout import ShardPlan
+from shardcore.protocols import Backend, GridLike
+
+
+@dataclass(frozen=True)
+class DTensorShard:
+    """A member rank's meshes: ``mesh`` (pp, dp, cp, tp), ``expert_mesh``, and the flat ``dp_cp`` mesh."""
+
+    mesh: Any
+    expert_mesh: Any
+    dp_cp: Any
+    device_type: str
+
+
+def window_mesh(grid: GridLike, groups: Mapping[str, Any], device: str) -> Any:
+    """A DeviceMesh over a grid's window that wraps the existing group of each dim (creates none).
+
+    Mesh dims are the grid dims slowest first, because a mesh tensor is row-major; every
+    grid dim name is also the name of the group along that dim.
+    """
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dims = tuple(reversed(grid.dim_names))
+    ranks = torch.arange(grid.rank_offset, grid.rank_offset + grid.size).reshape(tuple(reversed(grid.shape)))
+    return DeviceMesh.from_group([groups[d] for d in dims], device, mesh=ranks, mesh_dim_names=dims)
+
+
+class DTensorBackend(Backend):
+    """DeviceMeshes over each shard's window, wrapping the groups shardcore created."""
+
+    name = "dtensor"
+    description = "PyTorch DTensor DeviceMeshes (dense, expert, dp×cp) over each shard's window"
+
+    def unavailable_reason(self) -> str | None:
+        if importlib.util.find_spec("torch") is None:
+            return "torch is not installed: pip install torch"
+        return None
+
+    def make_handle(self, plan: ShardPlan, rank: int, groups: Mapping[str, Any], options: Mapping[str, Any]) -> DTensorShard:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        device = options.get("device_type") or device_type()
+        return DTensorShard(
+            mesh=window_mesh(plan.decoder_grid, groups, device),
+            expert_mesh=window_mesh(plan.expert_grid, groups, device),
+            dp_cp=DeviceMesh.from_group(groups["dp_cp"], device, mesh_dim_names=("dp_cp",)),
+            device_type=device,
+        )
+
+
+@hookimpl
+def shardcore_register_backends(register: Callable[[Backend], None]) -> None:
+    """Register the ``dtensor`` backend."""
+    register(DTensorBackend())

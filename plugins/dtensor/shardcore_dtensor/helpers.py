@@ -1,0 +1,126 @@
+"""Plain-DTensor conveniences: start the default group, build a mesh, read DP/TP facts off a mesh.
+
+Errors are shardcore's typed ones, which are also the ValueError / RuntimeError callers expect.
+"""
+
+from __future__ import annotations
+
+import inspect
+from math import prod
+from typing import Any
+
+from shardcore.device import comm_backend, device_type
+from shardcore.errors import GroupCreationError, LayoutError
+
+
+def ensure_distributed_initialized(
+    backend: str | None = None,
+    init_method: str | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> bool:
+    """Initialise the default process group unless it already is; True when this call did it.
+
+    The backend defaults to the device's collective library (nccl, hccl, else gloo); nccl
+    is bound to the current CUDA device where torch supports ``device_id``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise GroupCreationError("this torch build has no torch.distributed; install a build with distributed support")
+    if dist.is_initialized():
+        return False
+    backend = backend or comm_backend(device_type())
+    kwargs: dict[str, Any] = {
+        key: value for key, value in (("init_method", init_method), ("rank", rank), ("world_size", world_size))
+        if value is not None
+    }
+    if backend == "nccl" and torch.cuda.is_available() and "device_id" in inspect.signature(dist.init_process_group).parameters:
+        kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group(backend=backend, **kwargs)
+    return True
+
+
+def build_device_mesh(
+    device_type: str = "cuda",
+    mesh_shape: tuple[int, ...] | None = None,
+    mesh_dim_names: tuple[str, ...] | None = None,
+) -> Any:
+    """A DeviceMesh over the whole initialised world; the shape must use every rank exactly."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        raise GroupCreationError("torch.distributed is not initialized: call ensure_distributed_initialized() first")
+    world = dist.get_world_size()
+    shape = tuple(mesh_shape) if mesh_shape is not None else (world,)
+    if prod(shape) != world:
+        raise LayoutError(f"mesh_shape={shape} holds {prod(shape)} ranks but the world has {world}: make their product {world}")
+    return init_device_mesh(device_type, shape, mesh_dim_names=mesh_dim_names)
+
+
+def _mesh_shape_and_coordinate(device_mesh: Any) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    shape = tuple(int(size) for size in device_mesh.mesh.shape)
+    coordinate = device_mesh.get_coordinate() if hasattr(device_mesh, "get_coordinate") else None
+    return shape, None if coordinate is None else tuple(int(c) for c in coordinate)
+
+
+def _dim_index(device_mesh: Any, dim: int | str, shape: tuple[int, ...], what: str) -> int:
+    """A mesh dim given by position or by name."""
+    if isinstance(dim, str):
+        names = tuple(getattr(device_mesh, "mesh_dim_names", None) or ())
+        if dim not in names:
+            raise LayoutError(f"{what}={dim!r} is not a dim of this mesh (dims: {', '.join(names) or 'unnamed'})")
+        return names.index(dim)
+    if not 0 <= dim < len(shape):
+        raise LayoutError(f"{what}={dim} is out of range for a mesh with shape {shape}")
+    return dim
+
+
+def resolve_data_parallel_partition(
+    device_mesh: Any, dp_mesh_dim: int | str | None, sharded_by_data_parallel: bool
+) -> tuple[int, int]:
+    """(number of data partitions, this rank's partition) for a data loader's sampler.
+
+    Unsharded data or no mesh is one partition; a mesh-like object without ``.mesh``
+    shards by the whole world.
+    """
+    import torch.distributed as dist
+
+    if not sharded_by_data_parallel or device_mesh is None:
+        return 1, 0
+    if getattr(device_mesh, "mesh", None) is None:
+        if dist.is_initialized():
+            return dist.get_world_size(), dist.get_rank()
+        return 1, 0
+    shape, coordinate = _mesh_shape_and_coordinate(device_mesh)
+    if dp_mesh_dim is None:
+        if len(shape) != 1:
+            raise LayoutError(f"dp_mesh_dim is required to shard data over a {len(shape)}-D mesh of shape {shape}")
+        index = 0
+    else:
+        index = _dim_index(device_mesh, dp_mesh_dim, shape, "dp_mesh_dim")
+    if coordinate is None:
+        raise LayoutError("this rank is not in the supplied DeviceMesh, so it has no data-parallel partition")
+    return shape[index], coordinate[index]
+
+
+def resolve_tensor_parallel_group_size(device_mesh: Any, tp_mesh_dim: int | str, tensor_parallel_enabled: bool) -> int:
+    """The TP group size from a mesh: 1 when TP is off or there is no mesh."""
+    import torch.distributed as dist
+
+    if not tensor_parallel_enabled or device_mesh is None:
+        return 1
+    if getattr(device_mesh, "mesh", None) is None:
+        return dist.get_world_size() if dist.is_initialized() else 1
+    shape = tuple(int(size) for size in device_mesh.mesh.shape)
+    return shape[_dim_index(device_mesh, tp_mesh_dim, shape, "tp_mesh_dim")]
+
+
+__all__ = [
+    "build_device_mesh",
+    "ensure_distributed_initialized",
+    "resolve_data_parallel_partition",
+    "resolve_tensor_parallel_group_size",
+]

@@ -1,0 +1,157 @@
+"""``shardcore check``: build a layout on a live world and verify every group with a collective."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .errors import GroupCreationError
+
+
+@dataclass
+class RankReport:
+    """What one rank saw: its shard, how many groups it verified, and anything wrong."""
+
+    rank: int
+    shard: int | None
+    verified: int = 0
+    build_seconds: float = 0.0
+    failures: list[str] = field(default_factory=list)
+
+
+def _verify(shard: Any, rank: int, device: str) -> tuple[int, list[str]]:
+    """All-gather global ranks over each distinct group; the result must equal the planned members."""
+    import torch
+    import torch.distributed as dist
+
+    from .layout import distinct_groups
+
+    verified, failures = 0, []
+    for ranks, names in distinct_groups(shard.group_ranks):
+        group = shard.groups.get(names[0])
+        if group is None:
+            failures.append(f"rank {rank}: group {'/'.join(names)} {list(ranks)} was not created")
+            continue
+        out = [torch.empty(1, dtype=torch.int64, device=device) for _ in ranks]
+        dist.all_gather(out, torch.tensor([rank], dtype=torch.int64, device=device), group=group)
+        seen = tuple(int(t.item()) for t in out)
+        if seen != ranks:
+            failures.append(f"rank {rank}: group {'/'.join(names)} gathered {list(seen)}, planned {list(ranks)}")
+        verified += 1
+    return verified, failures
+
+
+def check_rank(options: dict[str, Any]) -> RankReport:
+    """Run on one rank of an initialised world: build, verify, destroy, sync."""
+    import torch.distributed as dist
+
+    from .device import device_type
+    from .shards import build_shards, destroy_shards, my_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = "cpu" if str(dist.get_backend()) == "gloo" else device_type()
+    started = time.perf_counter()
+    shards = build_shards(
+        world, options["shards"], backend=options.get("backend"), order=options.get("order", "tp-cp-dp-pp"),
+        allow_idle=options.get("allow_idle", False), strategy=options.get("strategy", "local"),
+        timeout=options.get("timeout"),
+    )
+    mine = my_shard(shards)
+    report = RankReport(rank, None if mine is None else mine.index, build_seconds=time.perf_counter() - started)
+    try:
+        if mine is not None:
+            report.verified, report.failures = _verify(mine, rank, device)
+    finally:
+        destroy_shards(shards)
+    dist.barrier()
+    return report
+
+
+def _init_from_env() -> None:
+    import torch
+    import torch.distributed as dist
+
+    from .device import comm_backend, device_type
+
+    device = device_type()
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    elif device == "npu":
+        torch.npu.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=os.environ.get("SHARDCORE_COMM_BACKEND") or comm_backend(device))
+
+
+def local_worker(options: dict[str, Any]) -> dict[str, Any]:
+    """Entry point of each process started by the local launcher (gloo on CPU)."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend="gloo")
+    try:
+        return asdict(check_rank(options))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_local(nproc: int, options: dict[str, Any]) -> list[RankReport]:
+    """Start ``nproc`` local gloo processes with torch's elastic launcher and collect their reports."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"shardcore-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0, monitor_interval=0.1,
+        start_method="spawn",
+    )
+    try:
+        results = elastic_launch(config, local_worker)(options)
+    except ChildFailedError as error:
+        messages = [f"rank {r}: {failure.message}" for r, failure in sorted(error.failures.items())]
+        raise GroupCreationError("shardcore check failed:\n" + "\n".join(messages)) from None
+    return [RankReport(**results[rank]) for rank in sorted(results)]
+
+
+def run_joined(options: dict[str, Any]) -> list[RankReport] | None:
+    """Join the world torchrun set up (RANK, WORLD_SIZE); rank 0 gets every report, others None."""
+    import torch.distributed as dist
+
+    _init_from_env()
+    try:
+        report = asdict(check_rank(options))
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, report)
+        return [RankReport(**r) for r in gathered] if dist.get_rank() == 0 else None
+    finally:
+        dist.destroy_process_group()
+
+
+def summary(reports: list[RankReport], layout: Any) -> tuple[str, bool]:
+    """One table row per shard (and idle ranks), and whether everything matched."""
+    from .cli import format_table
+
+    rows, ok = [], True
+    for plan in layout.shards:
+        mine = [r for r in reports if r.shard == plan.index]
+        failures = [f for r in mine for f in r.failures]
+        ok &= not failures and len(mine) == plan.world_size
+        status = "ok" if not failures and len(mine) == plan.world_size else f"FAILED ({len(failures)} mismatches)"
+        rows.append((plan.index, plan.spec.role or "-", f"[{plan.rank_offset}, {plan.ranks.stop})", str(plan.spec),
+                     sum(r.verified for r in mine), f"{max((r.build_seconds for r in mine), default=0):.3f}", status))
+    idle = [r for r in reports if r.shard is None]
+    if idle:
+        rows.append(("idle", "-", f"{len(idle)} ranks", "-", 0, f"{max(r.build_seconds for r in idle):.3f}", "ok"))
+    table = format_table(rows, ("shard", "role", "ranks", "spec", "groups verified", "build s (max)", "status"))
+    details = [f for r in reports for f in r.failures]
+    return table + ("\n" + "\n".join(details) if details else ""), ok
+
+
+__all__ = ["RankReport", "check_rank", "local_worker", "run_joined", "run_local", "summary"]

@@ -1,0 +1,141 @@
+"""ShardSpec: defaults, derived sizes, dict / string / JSON / YAML / @file round trips."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardcore import ShardSpec, ShardSpecError, format_shards, parse_shards
+
+ROLES = (None, "train", "prefill", "decode")
+
+
+@st.composite
+def specs(draw: st.DrawFn) -> ShardSpec:
+    """A valid ShardSpec: small sizes, an expert grid that tiles, maybe a role and a name."""
+    tp, cp, pp, dp = (draw(st.integers(1, 4)) for _ in range(4))
+    per_stage = tp * cp * dp
+    expt_tp = draw(st.sampled_from([d for d in range(1, per_stage + 1) if per_stage % d == 0]))
+    rest = per_stage // expt_tp
+    ep = draw(st.sampled_from([d for d in range(1, rest + 1) if rest % d == 0]))
+    name = draw(st.none() | st.text(min_size=1, max_size=10).filter(_valid_name))
+    return ShardSpec(tp=tp, pp=pp, cp=cp, dp=dp, ep=ep, expt_tp=expt_tp, role=draw(st.sampled_from(ROLES)), name=name)
+
+
+def _valid_name(name: str) -> bool:
+    try:
+        ShardSpec(name=name)
+    except ShardSpecError:
+        return False
+    return True
+
+
+def test_defaults_and_derived_sizes() -> None:
+    spec = ShardSpec()
+    assert (spec.tp, spec.pp, spec.cp, spec.dp, spec.ep, spec.expt_tp) == (1, 1, 1, 1, 1, 1)
+    assert spec.role is None and spec.name is None
+    spec = ShardSpec(tp=4, cp=2, pp=2, dp=3, ep=2, expt_tp=2)
+    assert spec.world_size == 48
+    assert spec.expt_dp == 48 // (2 * 2 * 2)
+
+
+def test_expt_tp_resolves_to_tp() -> None:
+    assert ShardSpec(tp=2).expt_tp == 2
+    assert ShardSpec(tp=2) == ShardSpec(tp=2, expt_tp=2)
+    assert hash(ShardSpec(tp=2)) == hash(ShardSpec(tp=2, expt_tp=2))
+
+
+def test_spec_is_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ShardSpec().tp = 2  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("value", [True, False, 1.0, "2", None])
+def test_sizes_must_be_ints(value: object) -> None:
+    with pytest.raises(ShardSpecError, match="tp="):
+        ShardSpec(tp=value)  # type: ignore[arg-type]
+
+
+def test_from_dict_rejects_unknown_keys_and_non_mappings() -> None:
+    with pytest.raises(ShardSpecError, match="'tpp'"):
+        ShardSpec.from_dict({"tpp": 2})
+    with pytest.raises(ShardSpecError, match="list"):
+        ShardSpec.from_dict([("tp", 2)])  # type: ignore[arg-type]
+
+
+@settings(deadline=None, max_examples=200)
+@given(specs())
+def test_dict_round_trip(spec: ShardSpec) -> None:
+    data = spec.to_dict()
+    assert {"tp", "pp", "cp", "dp", "ep", "expt_tp"} <= data.keys()
+    assert ("role" in data) == (spec.role is not None) and ("name" in data) == (spec.name is not None)
+    assert ShardSpec.from_dict(data) == spec
+    assert ShardSpec.from_dict(json.loads(json.dumps(data))) == spec
+
+
+@settings(deadline=None, max_examples=200)
+@given(st.lists(specs(), min_size=1, max_size=4))
+def test_string_round_trip(shards: list[ShardSpec]) -> None:
+    assert parse_shards(format_shards(shards)) == tuple(shards)
+    assert parse_shards(";".join(map(str, shards))) == tuple(shards)
+
+
+@settings(deadline=None, max_examples=100)
+@given(st.lists(specs(), min_size=1, max_size=4))
+def test_json_yaml_and_file_inputs(shards: list[ShardSpec]) -> None:
+    dicts = [spec.to_dict() for spec in shards]
+    expected = tuple(shards)
+    assert parse_shards(json.dumps(dicts)) == expected
+    assert parse_shards(yaml.safe_dump(dicts)) == expected
+    assert parse_shards(dicts) == expected
+    assert parse_shards(shards) == expected
+    assert parse_shards([str(spec) for spec in shards]) == expected
+    with tempfile.TemporaryDirectory() as tmp:
+        for suffix, text in ((".json", json.dumps(dicts)), (".yaml", yaml.safe_dump(dicts)),
+                             (".txt", format_shards(shards) + "\n")):
+            path = Path(tmp) / f"shards{suffix}"
+            path.write_text(text, encoding="utf-8")
+            assert parse_shards(f"@{path}") == expected
+            assert parse_shards(f"  @{path} ") == expected
+
+
+def test_handwritten_yaml_and_json() -> None:
+    text = """
+# a training window and two inference engines
+- {tp: 4, pp: 2, role: train, name: policy}
+- tp: 2
+  ep: 2
+  role: prefill
+- {tp: 1, dp: 2, role: decode}
+"""
+    assert parse_shards(text) == (
+        ShardSpec(tp=4, pp=2, role="train", name="policy"),
+        ShardSpec(tp=2, ep=2, role="prefill"),
+        ShardSpec(dp=2, role="decode"),
+    )
+    assert parse_shards('[{"tp": 2, "expt_tp": null}, {"dp": 4}]') == (ShardSpec(tp=2), ShardSpec(dp=4))
+
+
+def test_single_spec_and_file_relative_path(tmp_path: Path) -> None:
+    assert parse_shards(ShardSpec(tp=2)) == (ShardSpec(tp=2),)
+    (tmp_path / "s.yaml").write_text("- {tp: 2}\n", encoding="utf-8")
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        assert parse_shards("@s.yaml") == (ShardSpec(tp=2),)
+    finally:
+        os.chdir(cwd)
+
+
+def test_names_with_document_characters_round_trip() -> None:
+    """A name may hold ':' or '#'; its spec string must still parse as the grammar, not YAML."""
+    shards = (ShardSpec(tp=2, name="llama:70b"), ShardSpec(name="a # b"), ShardSpec(name="[x]"))
+    assert parse_shards(format_shards(shards)) == shards
