@@ -15,14 +15,27 @@ from .errors import (
     ShardSpecError,
 )
 from .grid import Grid
+from .hookspecs import hookimpl
 from .layout import GROUP_NAMES, DistinctGroup, Layout, ShardPlan, plan_layout
-from .protocols import GridLike, ShardPlanLike
+from .plugins import BackendInfo, get_backend, list_backends, register_backend
+from .protocols import Backend, GridLike, ShardPlanLike
+from .shards import Shard, build_shards, destroy_shards, my_shard
 from .spec import ShardSpec, format_shards, parse_shards
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GROUP_NAMES",
+    "Backend",
+    "BackendInfo",
+    "Shard",
+    "build_shards",
+    "destroy_shards",
+    "get_backend",
+    "hookimpl",
+    "list_backends",
+    "my_shard",
+    "register_backend",
     "BackendNotFoundError",
     "BackendUnavailableError",
     "DistinctGroup",

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 
 from .errors import ShardcoreError
 from .layout import ORDERS, Layout, plan_layout
+from .picture import DEFAULT_RANKS_PER_NODE, render_svg
+from .topology import TOPOLOGY_GROUPS, check_topology
 
 _COLUMNS = ("shard", "role", "name", "ranks", "tp", "cp", "pp", "dp", "ep", "expt_tp", "expt_dp")
 
@@ -50,20 +52,42 @@ def _add_layout_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    usage = ("--strict needs --ranks-per-node K" if args.strict and args.ranks_per_node is None else
+             "--highlight needs --svg FILE" if args.highlight and not args.svg else None)
+    if usage:
+        print(f"shardcore: error: {usage}", file=sys.stderr)
+        return 2
     layout = plan_layout(args.world, args.shards, order=args.order, rank_offset=args.rank_offset, allow_idle=args.allow_idle)
+    report = None if args.ranks_per_node is None else check_topology(layout, args.ranks_per_node)
+    if args.svg:
+        per_node = DEFAULT_RANKS_PER_NODE if args.ranks_per_node is None else args.ranks_per_node
+        text = render_svg(layout, per_node, args.highlight)
+        try:
+            with open(args.svg, "w", encoding="utf-8") as file:
+                file.write(text)
+        except OSError as error:
+            print(f"shardcore: error: cannot write {args.svg!r}: {error}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.svg}: {layout.world_size} ranks, nodes of {per_node}", file=sys.stderr)
+    failed = bool(args.strict and report is not None and report.warnings)
     if args.json:
         data = layout.to_dict()
         if args.rank is not None:
             plan = layout.shard_of(args.rank)
             data["rank"] = {"rank": args.rank, "shard": None if plan is None else plan.index,
                             "groups": {k: None if v is None else list(v) for k, v in layout.groups_of(args.rank).items()}}
+        if report is not None:
+            data["topology"] = report.to_dict()
         print(json.dumps(data, indent=2))
-        return 0
+        return 1 if failed else 0
     print(layout_table(layout))
     if args.rank is not None:
         print()
         print(rank_table(layout, args.rank))
-    return 0
+    if report is not None:
+        print()
+        print(report.format())
+    return 1 if failed else 0
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -106,6 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--allow-idle", action="store_true", help="allow ranks after the last shard to stay idle")
     plan.add_argument("--rank", type=int, help="also show this rank's groups")
     plan.add_argument("--json", action="store_true", help="print the full layout as JSON")
+    plan.add_argument("--ranks-per-node", type=int, metavar="K",
+                      help="check which groups cross a node of K ranks (node = rank // K) and print the findings")
+    plan.add_argument("--strict", action="store_true",
+                      help="with --ranks-per-node: exit 1 when a tp, cp, ep, expt_tp or tp_ep group crosses nodes")
+    plan.add_argument("--svg", metavar="FILE", help="write a picture of the layout as SVG: nodes as rows, ranks as "
+                      f"cells (nodes of --ranks-per-node ranks, {DEFAULT_RANKS_PER_NODE} when not given)")
+    plan.add_argument("--highlight", metavar="NAME", choices=TOPOLOGY_GROUPS,
+                      help=f"with --svg: outline every group of this name ({', '.join(TOPOLOGY_GROUPS)})")
     plan.set_defaults(func=_cmd_plan)
     check = sub.add_parser("check", help="build the layout on a live world and verify every group with a collective")
     check.add_argument("--nproc", type=int, default=8, help="local gloo processes to start (ignored under torchrun)")

@@ -3,11 +3,21 @@
 Each distinct rank set is created once per process, in one global order (name slot,
 then first rank), so no two ranks wait on each other in a cycle. Two strategies:
 
-* ``local`` (default): only members call ``new_group(..., use_local_synchronization=True)``;
-  a rank's cost is its own groups. torch names such a group by hashing its ranks with the
-  number of groups the calling process holds, so ranks first agree on that count.
+* ``local`` (default): only members call ``new_group``; a rank's cost is its own groups.
 * ``world``: every rank calls ``new_group`` for every group of every shard, Megatron's
-  pattern: O(world) calls per rank, safe with any history of earlier groups.
+  pattern: O(world) calls per rank.
+
+Why ``local`` does not use ``use_local_synchronization=True``: torch names such a group
+``sha1(ranks, number of live groups)``, and destroying groups lowers that number, so a
+rebuilt layout reuses the old names and gloo reads the old incarnation's addresses from
+the store (measured: the second build/destroy cycle of ``tp=2,pp=2`` on 4 ranks fails
+in connectFullMesh). Default-mode groups are named by torch's world-wide counter
+``group_count``, which never goes down. ``local`` sets that counter, before each group,
+to ``start + slot * world_size + first rank``: a number every member computes alike,
+unique among all groups of the build, and above every earlier name. Afterwards every
+rank, member or not, leaves the counter at ``start + slots * world_size``, so later
+world-collective group creation (Megatron, ``init_device_mesh``) still agrees on names.
+Ranks check before starting that they hold the same counter.
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from .errors import GroupCreationError, LayoutMismatchError
-from .layout import DECODER_GROUPS, EXPERT_GROUPS, Groups, Layout, ShardPlan, distinct_groups
+from .layout import DECODER_GROUPS, EXPERT_GROUPS, GROUP_NAMES, Groups, Layout, ShardPlan, distinct_groups
 from .protocols import NamedGrids
 
 if TYPE_CHECKING:
@@ -46,13 +56,34 @@ def _c10d() -> Any:
 
 
 def live_group_count() -> int:
-    """Process groups this process holds (the number torch mixes into local group names)."""
+    """Process groups this process holds, the default group included."""
     return len(_c10d()._world.pg_names)
 
 
-def _named_group_count() -> int:
-    """Groups created in default mode so far (the number torch puts in their names)."""
+def group_counter() -> int:
+    """torch's counter that names default-mode groups; every rank must hold the same value."""
     return int(_c10d()._world.group_count)
+
+
+def _set_group_counter(value: int) -> None:
+    _c10d()._world.group_count = value
+
+
+def check_local_strategy() -> None:
+    """Members-only creation deadlocks where torch makes every rank take part; refuse it upfront."""
+    import os
+
+    if os.environ.get("TORCH_DIST_INIT_BARRIER") == "1":
+        raise GroupCreationError(
+            "TORCH_DIST_INIT_BARRIER=1 makes every group creation a world barrier, so members-only creation "
+            "would hang: unset it or use strategy='world'"
+        )
+    if _c10d()._get_default_group().bound_device_id is not None:
+        raise GroupCreationError(
+            "the default group is bound to a device (init_process_group(device_id=...)), so torch splits "
+            "communicators with every rank taking part and members-only creation would hang: "
+            "init without device_id or use strategy='world'"
+        )
 
 
 def as_timedelta(timeout: float | timedelta | None) -> timedelta:
@@ -142,11 +173,11 @@ def _all_groups(plan: ShardPlan, extra: NamedGrids) -> Iterator[tuple[int, ...]]
                 yield ranks
 
 
-def _new_group(ranks: tuple[int, ...], names: Sequence[str], plan: ShardPlan, local: bool, timeout: timedelta) -> Any:
+def _new_group(ranks: tuple[int, ...], names: Sequence[str], plan: ShardPlan, timeout: timedelta) -> Any:
     dist = _dist()
     started = time.monotonic()
     try:
-        return dist.new_group(list(ranks), timeout=timeout, use_local_synchronization=local)
+        return dist.new_group(list(ranks), timeout=timeout)
     except Exception as error:
         raise GroupCreationError(
             f"rank {dist.get_rank()}: creating group {'/'.join(names) or '?'} of shard {plan.index} with ranks "
@@ -170,16 +201,25 @@ def create_groups(
     groups: dict[str, ProcessGroup | None] = dict.fromkeys(planned)
     names = {group.ranks: group.names for group in distinct_groups(planned)}
     created: list[ProcessGroup] = []
+
+    def create(ranks: tuple[int, ...], plan: ShardPlan) -> None:
+        pg = _new_group(ranks, names.get(ranks, ()), plan, timeout)
+        if ranks in names:
+            created.append(pg)
+            groups.update(dict.fromkeys(names[ranks], pg))
+
     try:
-        for plan in layout.shards:
-            if strategy == "local" and plan is not mine:
-                continue
-            todo = iter(names) if strategy == "local" else _all_groups(plan, extras.get(plan.index, {}))
-            for ranks in todo:
-                pg = _new_group(ranks, names.get(ranks, ()), plan, strategy == "local", timeout)
-                if ranks in names:
-                    created.append(pg)
-                    groups.update(dict.fromkeys(names[ranks], pg))
+        if strategy == "world":
+            for plan in layout.shards:
+                for ranks in _all_groups(plan, extras.get(plan.index, {})):
+                    create(ranks, plan)
+        else:
+            slots = [*GROUP_NAMES, *sorted({name for extra in extras.values() for name in extra})]
+            start, slot_of = group_counter(), {name: i for i, name in enumerate(slots)}
+            for ranks, group_names in names.items():
+                _set_group_counter(start + slot_of[group_names[0]] * layout.world_size + ranks[0])
+                create(ranks, mine)  # type: ignore[arg-type]
+            _set_group_counter(start + len(slots) * layout.world_size)
     except BaseException:
         destroy_groups(created)
         raise
@@ -200,6 +240,8 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "STRATEGIES",
     "as_timedelta",
+    "check_local_strategy",
+    "group_counter",
     "create_groups",
     "destroy_groups",
     "is_fake_world",

@@ -84,12 +84,15 @@ def build_shards(
     wait = engine.as_timedelta(timeout)
     if strategy not in engine.STRATEGIES:
         raise GroupCreationError(f"strategy={strategy!r}: expected one of {', '.join(engine.STRATEGIES)}")
+    if strategy == "local":
+        engine.check_local_strategy()
     fake = engine.is_fake_world()
     if fake:
         log.info("shardcore: fake backend, ranks cannot see each other: agreement checks skipped")
     else:
-        count = engine.live_group_count() if strategy == "local" else engine._named_group_count()
-        engine.rendezvous(engine.next_phase("agree"), f"{layout.fingerprint()}:{chosen.name}|{strategy}|{count}", wait)
+        engine.rendezvous(
+            engine.next_phase("agree"), f"{layout.fingerprint()}:{chosen.name}|{strategy}|{engine.group_counter()}", wait
+        )
     extras = {plan.index: chosen.extra_groups(plan, backend_options) for plan in layout.shards}
     planned, groups, created = engine.create_groups(layout, rank, extras, strategy, wait)
     result = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from math import prod
 from typing import TYPE_CHECKING, Any, Literal
 
 from .errors import LayoutError
@@ -146,14 +147,19 @@ class TopologyReport:
         for p in self.placements:
             lines.append(f"  shard {p.shard}: ranks [{p.ranks.start}, {p.ranks.stop}) on {_nodes(p.nodes)}"
                          f"{_straddle_note(p, self.ranks_per_node)}")
-        for f in sorted(self.crossings, key=lambda f: (f.severity != "warning", f.shard)):
-            lines.append(f"  {f.severity:<7}  shard {f.shard} {f.name}: {f.crossing} of {f.total} groups cross nodes, "
+        for f in self.warnings:
+            lines.append(f"  warning  shard {f.shard} {f.name}: {f.crossing} of {f.total} groups cross nodes, "
                          f"e.g. {f.describe_example()}")
+        for p in self.placements:
+            infos = [f"{f.name} {f.crossing}/{f.total}" for f in self.crossings
+                     if f.shard == p.shard and f.severity == "info"]
+            if infos:
+                lines.append(f"  info     shard {p.shard}: groups crossing nodes: {', '.join(infos)}")
         count = len(self.warnings)
         if count:
-            names = ", ".join(sorted({f.name for f in self.warnings}))
+            names = ", ".join(dict.fromkeys(f.name for f in self.warnings))
             lines.append(f"{count} warning{'s' if count > 1 else ''}: {names} groups span nodes; place them within a "
-                         f"node (shards starting on node boundaries, sizes dividing {self.ranks_per_node})")
+                         f"node (shards starting on node boundaries, group sizes dividing {self.ranks_per_node})")
         else:
             lines.append("no warnings: tp, cp, ep, expt_tp and tp_ep groups all stay within a node")
         return "\n".join(lines)
@@ -224,6 +230,13 @@ def node_crossings(grid: Grid, dims: Sequence[str], k: int) -> tuple[int, int | 
     return count, first
 
 
+def grid_of(plan: ShardPlan, name: str) -> tuple[Grid, tuple[str, ...]]:
+    """The grid (decoder or expert) and dims that define the group ``name``."""
+    if name in DECODER_GROUPS:
+        return plan.decoder_grid, DECODER_GROUPS[name]
+    return plan.expert_grid, EXPERT_GROUPS[name]
+
+
 def _placement(plan: ShardPlan, k: int, world_size: int) -> ShardPlacement:
     ranks = plan.ranks
     return ShardPlacement(
@@ -241,12 +254,9 @@ def check_topology(layout: Layout, ranks_per_node: int) -> TopologyReport:
     findings = []
     for plan in layout.shards:
         for name in TOPOLOGY_GROUPS:
-            grid, dims = (plan.decoder_grid, DECODER_GROUPS[name]) if name in DECODER_GROUPS else \
-                (plan.expert_grid, EXPERT_GROUPS[name])
+            grid, dims = grid_of(plan, name)
             crossing, first = node_crossings(grid, dims, k)
-            group_size = 1
-            for d in dims:
-                group_size *= grid.size_of(d)
+            group_size = prod(grid.size_of(d) for d in dims)
             severity: Severity = "ok" if not crossing else ("warning" if name in BANDWIDTH_GROUPS else "info")
             findings.append(GroupFinding(plan.index, name, severity, crossing, grid.size // group_size, group_size,
                                          first, grid, dims))
@@ -262,5 +272,6 @@ __all__ = [
     "TopologyReport",
     "check_ranks_per_node",
     "check_topology",
+    "grid_of",
     "node_crossings",
 ]

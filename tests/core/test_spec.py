@@ -112,13 +112,14 @@ def test_handwritten_yaml_and_json() -> None:
 # a training window and two inference engines
 - {tp: 4, pp: 2, role: train, name: policy}
 - tp: 2
+  dp: 2
   ep: 2
   role: prefill
 - {tp: 1, dp: 2, role: decode}
 """
     assert parse_shards(text) == (
         ShardSpec(tp=4, pp=2, role="train", name="policy"),
-        ShardSpec(tp=2, ep=2, role="prefill"),
+        ShardSpec(tp=2, dp=2, ep=2, role="prefill"),
         ShardSpec(dp=2, role="decode"),
     )
     assert parse_shards('[{"tp": 2, "expt_tp": null}, {"dp": 4}]') == (ShardSpec(tp=2), ShardSpec(dp=4))

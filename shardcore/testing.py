@@ -1,0 +1,91 @@
+"""A real local gloo world for tests of shardcore and its plugins (spawned processes on 127.0.0.1).
+
+``run_world(4, fn, arg)`` runs ``fn(rank, world_size, arg)`` on every rank after
+``init_process_group("gloo")`` and returns the results in rank order. ``fn`` must be a
+module-level function (it is pickled into spawned processes). A rank that raises, or a
+world that outlives ``timeout``, fails the call with a message naming the ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from .errors import ShardcoreError
+
+
+class WorldError(ShardcoreError, RuntimeError):
+    """A rank of a test world failed or did not finish in time."""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _bootstrap(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, results: Any,
+               pg_timeout: float) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+        value = fn(rank, world_size, *args)
+        results.put((rank, True, value))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 180.0,
+              pg_timeout: float = 60.0, allow_failures: bool = False) -> list[Any]:
+    """Run ``fn`` on a fresh local gloo world; with ``allow_failures`` a failed rank yields its traceback."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = _free_port()
+    procs = [context.Process(target=_bootstrap, args=(r, world_size, port, fn, args, results, pg_timeout), daemon=True)
+             for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    outcome: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcome) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                late = sorted(set(range(world_size)) - set(outcome))
+                raise WorldError(f"ranks {late} of a {world_size}-rank world did not finish within {timeout:g}s")
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode not in (None, 0)]
+                if dead:
+                    raise WorldError(f"ranks {dead} died (exit codes {[procs[r].exitcode for r in dead]})") from None
+                continue
+            outcome[rank] = (ok, value)
+    finally:
+        for proc in procs:
+            proc.join(timeout=max(0.1, min(10.0, deadline - time.monotonic())))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    failed = {rank: value for rank, (ok, value) in outcome.items() if not ok}
+    if failed and not allow_failures:
+        first = min(failed)
+        raise WorldError(f"ranks {sorted(failed)} failed; rank {first}:\n{failed[first]}")
+    return [outcome[rank][1] for rank in range(world_size)]
+
+
+__all__ = ["WorldError", "run_world"]

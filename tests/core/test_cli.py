@@ -1,0 +1,108 @@
+"""`shardcore plan`: the table, --rank, --json, and one clear line with exit 2 for a bad spec."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardcore import plan_layout
+from shardcore.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = "tp=4,pp=2,role=train,name=policy+tp=2,ep=2,dp=2,role=prefill+tp=1,dp=4,role=decode"
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_table(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, "plan", "--world", "16", "--shards", SPEC)
+    assert code == 0 and err == ""
+    lines = out.strip().splitlines()
+    header = lines[0].split()
+    for column in ("shard", "role", "name", "tp", "cp", "pp", "dp", "ep", "expt_tp", "expt_dp"):
+        assert column in header
+    rows = [line for line in lines[1:] if line.strip()]
+    assert len(rows) == 3
+    assert "train" in rows[0] and "policy" in rows[0] and "[0, 8)" in rows[0]
+    assert "prefill" in rows[1] and "[8, 12)" in rows[1]
+    assert "decode" in rows[2] and "[12, 16)" in rows[2]
+
+
+def test_plan_table_lists_idle_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "plan", "--world", "12", "--shards", "tp=4", "--rank-offset", "2", "--allow-idle")
+    assert code == 0
+    assert "[2, 6)" in out and "[0, 2)" in out and "[6, 12)" in out
+
+
+def test_plan_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "plan", "--world", "16", "--shards", SPEC, "--rank", "9")
+    assert code == 0
+    groups = plan_layout(16, SPEC).groups_of(9)
+    lines = {line.split()[0]: line for line in out.splitlines() if line.split()}
+    assert str(list(groups["tp"])) in lines["tp"]  # type: ignore[arg-type]
+    assert str(list(groups["tp_ep"])) in lines["tp_ep"]  # type: ignore[arg-type]
+    assert "rank 9" in out and "shard 1" in out
+
+
+def test_plan_idle_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "plan", "--world", "6", "--shards", "tp=4", "--allow-idle", "--rank", "5")
+    assert code == 0 and "rank 5 is idle" in out
+
+
+def test_plan_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "plan", "--world", "16", "--shards", SPEC, "--json", "--order", "tp-pp-dp")
+    assert code == 0
+    data = json.loads(out)
+    assert data == plan_layout(16, SPEC, order="tp-pp-dp").to_dict()
+    assert [shard["ranks"] for shard in data["shards"]] == [[0, 8], [8, 12], [12, 16]]
+
+
+def test_plan_json_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "plan", "--world", "16", "--shards", SPEC, "--json", "--rank", "3")
+    assert code == 0
+    rank = json.loads(out)["rank"]
+    assert rank["shard"] == 0
+    assert rank["groups"]["tp"] == [0, 1, 2, 3] and rank["groups"]["pp"] == [3, 7]
+    assert rank["groups"]["pos_embd"] == [3] and rank["groups"]["embd"] == [3, 7]
+
+
+@pytest.mark.parametrize(
+    ("argv", "token"),
+    [
+        (["--world", "4", "--shards", "tp=abc"], "'abc'"),
+        (["--world", "4", "--shards", "tp=2,ep=4"], "ep"),
+        (["--world", "4", "--shards", "tp=8"], "world has 4"),
+        (["--world", "8", "--shards", "tp=4"], "allow-idle"),
+        (["--world", "4", "--shards", "[tp: 4"], "neither JSON nor YAML"),
+    ],
+)
+def test_plan_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], token: str) -> None:
+    code, out, err = _run(capsys, "plan", *argv)
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and token in err
+
+
+def test_python_dash_m(tmp_path: Path) -> None:
+    spec = tmp_path / "shards.yaml"
+    spec.write_text("- {tp: 2, role: prefill}\n- {tp: 1, dp: 2, role: decode}\n", encoding="utf-8")
+    done = subprocess.run([sys.executable, "-m", "shardcore", "plan", "--world", "4", "--shards", f"@{spec}", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert [shard["spec"]["role"] for shard in json.loads(done.stdout)["shards"]] == ["prefill", "decode"]
+    bad = subprocess.run([sys.executable, "-m", "shardcore", "plan", "--world", "4", "--shards", "role=x"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert len(bad.stderr.strip().splitlines()) == 1 and "'x'" in bad.stderr
+
+
+def test_plan_rank_outside_the_world(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(capsys, "plan", "--world", "4", "--shards", "tp=4", "--rank", "9")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "rank 9" in err

@@ -1,0 +1,104 @@
+"""The SVG picture parses as XML, carries one element per rank (or per node) and outlines groups."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from shardcore.cli import main
+from shardcore.errors import LayoutError
+from shardcore.layout import plan_layout
+from shardcore.picture import MAX_RANK_CELLS, render_svg
+
+NS = "{http://www.w3.org/2000/svg}"
+SPEC = "tp=4,pp=2,role=train+tp=2,dp=4,role=prefill,name=a&b<c>+tp=8,role=decode"
+
+
+def _parse(text: str) -> ET.Element:
+    root = ET.fromstring(text)
+    assert root.tag == f"{NS}svg"
+    return root
+
+
+def _by_class(root: ET.Element, tag: str, cls: str) -> list[ET.Element]:
+    return [e for e in root.iter(f"{NS}{tag}") if e.get("class") == cls]
+
+
+def test_one_cell_per_rank_carrying_its_shard_and_idle_marked() -> None:
+    layout = plan_layout(32, SPEC, allow_idle=True)
+    root = _parse(render_svg(layout, 8))
+    cells = _by_class(root, "rect", "rank")
+    assert [int(c.get("data-rank", -1)) for c in cells] == list(range(32))
+    expected = ["0"] * 8 + ["1"] * 8 + ["2"] * 8 + ["idle"] * 8
+    assert [c.get("data-shard") for c in cells] == expected
+    assert {c.get("fill") for c in cells[24:]} == {"#dcdcdc"}
+    assert len({c.get("fill") for c in cells[:24]}) == 3
+    texts = [t.text for t in root.iter(f"{NS}text")]
+    assert "1,0,0,3" in texts  # rank 7: pp=1, dp=0, cp=0, tp=3
+    assert any("a&b<c>" in (t or "") for t in texts)  # escaped on write, intact on parse
+
+
+def test_legend_names_index_role_name_and_parallelism() -> None:
+    root = _parse(render_svg(plan_layout(32, SPEC, allow_idle=True), 8))
+    legend = [t.text for t in _by_class(root, "g", "legend")[0].iter(f"{NS}text")]
+    assert legend == ["shard 0 · train · tp=4,pp=2 · ranks 0-7",
+                      "shard 1 · prefill · a&b<c> · tp=2,dp=4 · ranks 8-15",
+                      "shard 2 · decode · tp=8 · ranks 16-23",
+                      "idle · ranks 24-31"]
+
+
+def test_highlight_outlines_each_group_and_dashes_the_ones_spanning_nodes() -> None:
+    layout = plan_layout(32, "tp=4,dp=3+tp=8", allow_idle=True)  # second shard: [12, 20), crossing node 1|2
+    root = _parse(render_svg(layout, 8, highlight="tp"))
+    groups = _by_class(root, "g", "group")
+    assert [g.get("data-members") for g in groups] == ["0 1 2 3", "4 5 6 7", "8 9 10 11",
+                                                      " ".join(map(str, range(12, 20)))]
+    assert [g.get("stroke-dasharray") for g in groups] == [None, None, None, "6 4"]
+    assert [len(g.findall(f"{NS}rect")) for g in groups] == [1, 1, 1, 2]  # split at the node boundary
+
+
+def test_strided_groups_are_outlined_member_by_member() -> None:
+    root = _parse(render_svg(plan_layout(8, "tp=2,dp=4"), 8, highlight="dp"))
+    groups = _by_class(root, "g", "group")
+    assert [g.get("data-members") for g in groups] == ["0 2 4 6", "1 3 5 7"]
+    assert all(len(g.findall(f"{NS}rect")) == 4 for g in groups)
+
+
+def test_large_world_falls_back_to_one_cell_per_node() -> None:
+    layout = plan_layout(2048 + 4, "tp=8,dp=128+tp=4,dp=128", allow_idle=True)  # shard 1 [1024, 1536)
+    assert layout.world_size > MAX_RANK_CELLS
+    root = _parse(render_svg(layout, 8, highlight="tp"))
+    assert _by_class(root, "rect", "rank") == []
+    nodes = _by_class(root, "rect", "node")
+    assert [int(n.get("data-node", -1)) for n in nodes] == list(range(257))
+    assert nodes[0].get("data-shards") == "0" and nodes[128].get("data-shards") == "1"
+    assert nodes[192].get("data-shards") == "idle" and nodes[256].get("data-shards") == "idle"
+
+
+def test_a_node_shared_by_shards_is_split_by_a_gradient() -> None:
+    layout = plan_layout(2000, "tp=4,dp=300+tp=2,dp=400", allow_idle=True)  # boundary at 1200 = node 150
+    nodes = _by_class(_parse(render_svg(layout, 7)), "rect", "node")
+    assert len(nodes) == 286  # ceil(2000 / 7)
+    shared = nodes[1200 // 7]
+    assert shared.get("data-shards") == "0 1"
+    assert shared.get("fill") == f"url(#node{1200 // 7})"
+
+
+def test_bad_arguments_raise_layout_errors() -> None:
+    layout = plan_layout(8, "tp=8")
+    with pytest.raises(LayoutError, match="ranks_per_node=0"):
+        render_svg(layout, 0)
+    with pytest.raises(LayoutError, match="highlight='embd'"):
+        render_svg(layout, 8, highlight="embd")
+
+
+def test_cli_writes_the_svg(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "layout.svg"
+    code = main(["plan", "--world", "32", "--shards", SPEC, "--allow-idle", "--svg", str(path), "--highlight", "tp"])
+    assert code == 0
+    root = _parse(path.read_text(encoding="utf-8"))
+    assert len(_by_class(root, "rect", "rank")) == 32
+    assert "nodes of 8" in capsys.readouterr().err  # the default node size, said aloud
+    assert main(["plan", "--world", "8", "--shards", "tp=8", "--highlight", "tp"]) == 2
