@@ -41,6 +41,7 @@ STRATEGIES = ("local", "world")
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 _MAX_LISTED = 16
 _sequence = 0
+_previous_phase: str | None = None
 
 
 def _dist() -> Any:
@@ -115,7 +116,10 @@ def rendezvous(phase: str, value: str, timeout: timedelta) -> None:
 
     Store-based, so it works on any backend and names the ranks that are missing or
     differ: a GroupCreationError on timeout, a LayoutMismatchError when values differ.
+    Once a phase completes, no rank reads the previous one again, so its keys are deleted
+    (each rank its own value, rank 0 the shared ones): the store holds one phase at a time.
     """
+    global _previous_phase
     dist = _dist()
     rank, world = dist.get_rank(), dist.get_world_size()
     store, prefix = _store(), f"shardcore/{phase}"
@@ -133,14 +137,29 @@ def rendezvous(phase: str, value: str, timeout: timedelta) -> None:
             f"rank {rank}: ranks {_listed(missing)} did not reach '{phase}' within {timeout.total_seconds():g}s; "
             f"every rank of the world must call build_shards (is one dead, slow, or running other code?)"
         ) from None
+    previous, _previous_phase = _previous_phase, prefix
+    if previous is not None:
+        _delete_phase(store, previous, rank)
     if store.check([f"{prefix}/differ"]):
         differ = sorted(int(r) for r in store.get(f"{prefix}/differ").decode().split(",") if r)
         theirs = store.get(f"{prefix}/value/{differ[0]}").decode()
+        if 2 * len(differ) > world:  # the first to arrive is the odd one out: name the minority
+            differ_set = set(differ)
+            differ, theirs, reference = [r for r in range(world) if r not in differ_set], reference, theirs
         error = GroupCreationError if reference.split("|")[0] == theirs.split("|")[0] else LayoutMismatchError
         raise error(
-            f"rank {rank}: ranks {_listed(differ)} disagree with the first rank to arrive at '{phase}': "
-            f"they have {theirs!r}, it has {reference!r} (layout fingerprint | strategy | group count)"
+            f"rank {rank}: ranks {_listed(differ)} disagree with the other {world - len(differ)} ranks at "
+            f"'{phase}': they have {theirs!r}, the others {reference!r} (layout fingerprint | strategy | group count)"
         )
+
+
+def _delete_phase(store: Store, prefix: str, rank: int) -> None:
+    """Drop a completed phase's keys: this rank's value, and on rank 0 the shared keys."""
+    keys = [f"{prefix}/value/{rank}"]
+    if rank == 0:
+        keys += [f"{prefix}/{key}" for key in ("reference", "differ", "arrived", "done")]
+    for key in keys:
+        store.delete_key(key)
 
 
 def next_phase(name: str) -> str:

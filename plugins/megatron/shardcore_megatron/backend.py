@@ -1,0 +1,72 @@
+"""The Megatron backend: a member rank's groups as a real ``ProcessGroupCollection``."""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import fields
+from typing import Any
+
+from shardcore.errors import BackendUnavailableError
+from shardcore.hookspecs import hookimpl
+from shardcore.layout import GROUP_NAMES
+from shardcore.protocols import Backend, ShardPlanLike
+
+INSTALL_HINT = "pip install megatron-core==0.16.1 einops"
+
+
+def missing_requirement() -> str | None:
+    """The first of megatron-core / einops that is not installed, found without importing either."""
+    for module, name in (("megatron", "megatron-core"), ("einops", "einops")):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            return name
+    if importlib.util.find_spec("megatron.core") is None:
+        return "megatron-core"
+    return None
+
+
+def collection_class() -> type:
+    """Megatron's ProcessGroupCollection, imported on first use (megatron.core takes seconds to import)."""
+    missing = missing_requirement()
+    if missing:
+        raise BackendUnavailableError(f"{missing} is not installed: {INSTALL_HINT}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Transformer Engine / Apex / absl-py absent: harmless here
+        from megatron.core.process_groups_config import ProcessGroupCollection
+    return ProcessGroupCollection
+
+
+def collection_fields() -> tuple[str, ...]:
+    """The standard group names the installed ProcessGroupCollection has (older releases lack some)."""
+    names = {f.name for f in fields(collection_class())}
+    return tuple(name for name in GROUP_NAMES if name in names)
+
+
+def make_collection(groups: Mapping[str, Any]) -> Any:
+    """A ProcessGroupCollection with every field Megatron's inference builder sets; absent groups are None."""
+    return collection_class()(**{name: groups.get(name) for name in collection_fields()})
+
+
+class MegatronBackend(Backend):
+    """Real Megatron-Core ProcessGroupCollections over each shard's window."""
+
+    name = "megatron"
+    description = "Megatron-Core ProcessGroupCollection (tp, cp, pp, dp, mp, ..., embd, pos_embd) per shard"
+
+    def unavailable_reason(self) -> str | None:
+        missing = missing_requirement()
+        return f"{missing} is not installed: {INSTALL_HINT}" if missing else None
+
+    def make_handle(self, plan: ShardPlanLike, rank: int, groups: Mapping[str, Any], options: Mapping[str, Any]) -> Any:
+        return make_collection(groups)
+
+
+@hookimpl
+def shardcore_register_backends(register: Callable[[Backend], None]) -> None:
+    """Register the ``megatron`` backend."""
+    register(MegatronBackend())

@@ -1,0 +1,74 @@
+"""Rank functions for the fault tests: each returns (outcome, error type, message, elapsed seconds)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from shardcore import build_shards
+from shardcore.errors import ShardcoreError
+from shardcore.shards import destroy_shards
+
+SPEC = "tp=2+tp=2"
+OTHER_SPEC = "tp=4"
+
+
+def _attempt(world: int, spec: str, timeout: float, **kwargs: Any) -> tuple[str, str, str, float]:
+    started = time.monotonic()
+    try:
+        shards = build_shards(world, spec, timeout=timeout, **kwargs)
+    except ShardcoreError as error:
+        return "error", type(error).__name__, str(error), time.monotonic() - started
+    elapsed = time.monotonic() - started
+    destroy_shards(shards)
+    return "ok", "", "", elapsed
+
+
+def different_spec(rank: int, world: int, odd_rank: int, timeout: float) -> tuple[str, str, str, float]:
+    """``odd_rank`` plans another layout than the rest."""
+    return _attempt(world, OTHER_SPEC if rank == odd_rank else SPEC, timeout)
+
+
+def never_calls(rank: int, world: int, absent: int, timeout: float, strategy: str) -> tuple[str, str, str, float]:
+    """``absent`` runs other code (sleeps) instead of calling build_shards."""
+    if rank == absent:
+        time.sleep(timeout + 5)
+        return "absent", "", "", 0.0
+    return _attempt(world, SPEC, timeout, strategy=strategy)
+
+
+def killed_in_creation(rank: int, world: int, victim: int, call: int, timeout: float,
+                       strategy: str) -> tuple[str, str, str, float]:
+    """``victim`` dies (os._exit) on its ``call``-th group creation, after the agreement."""
+    if rank == victim:
+        from shardcore import groups
+
+        real, calls = groups._new_group, [0]
+
+        def dying(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == call:
+                os._exit(17)
+            return real(*args, **kwargs)
+
+        groups._new_group = dying  # type: ignore[assignment]
+    return _attempt(world, SPEC, timeout, strategy=strategy)
+
+
+def slow_in_creation(rank: int, world: int, slow: int, delay: float, timeout: float,
+                     strategy: str) -> tuple[str, str, str, float]:
+    """``slow`` sleeps ``delay`` seconds before its first group creation, longer than the timeout."""
+    if rank == slow:
+        from shardcore import groups
+
+        real, calls = groups._new_group, [0]
+
+        def sleepy(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == 1:
+                time.sleep(delay)
+            return real(*args, **kwargs)
+
+        groups._new_group = sleepy  # type: ignore[assignment]
+    return _attempt(world, SPEC, timeout, strategy=strategy)
