@@ -113,9 +113,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _cmd_backends(args: argparse.Namespace) -> int:
     from .plugins import list_backends
 
-    rows = [(info.name, info.distribution, info.version, "available" if info.available else f"unavailable: {info.reason}")
-            for info in list_backends()]
-    print(format_table(rows, ("backend", "distribution", "version", "status")) if rows else
+    rows = [(info.name, info.distribution, info.version, "available" if info.available else f"unavailable: {info.reason}",
+             info.description) for info in list_backends()]
+    print(format_table(rows, ("backend", "distribution", "version", "status", "description")) if rows else
           "no backends installed: pip install ./plugins/dtensor (or megatron, hyperparallel)")
     return 0
 

@@ -89,3 +89,23 @@ def dtensor_roundtrip(rank: int, world: int) -> dict[str, Any]:
     }
     destroy_shards(shards)
     return result
+
+
+def bad_calls(rank: int, world: int) -> dict[str, str]:
+    """Each bad argument's error message (nothing is created)."""
+    from shardcore import ShardcoreError
+
+    calls = {
+        "world": lambda: build_shards(4, "tp=4"),
+        "strategy": lambda: build_shards(world, "tp=2", strategy="nowhere"),
+        "backend": lambda: build_shards(world, "tp=2", backend="nope"),
+        "timeout": lambda: build_shards(world, "tp=2", timeout=-1),
+    }
+    messages = {}
+    for key, call in calls.items():
+        try:
+            call()
+            messages[key] = "no error"
+        except ShardcoreError as error:
+            messages[key] = str(error)
+    return messages
