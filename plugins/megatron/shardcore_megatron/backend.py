@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import fields
@@ -16,25 +17,36 @@ from shardcore.protocols import Backend, ShardPlanLike
 INSTALL_HINT = "pip install megatron-core==0.16.1 einops"
 
 
+def _has_megatron_core() -> bool:
+    """megatron.core is present; looked up on disk, since find_spec("megatron.core") imports megatron."""
+    try:
+        spec = importlib.util.find_spec("megatron")
+    except (ImportError, ValueError):
+        return False
+    locations = (spec.submodule_search_locations or []) if spec is not None else []
+    return any(os.path.isfile(os.path.join(location, "core", "__init__.py")) for location in locations)
+
+
 def missing_requirement() -> str | None:
     """The first of megatron-core / einops that is not installed, found without importing either."""
-    for module, name in (("megatron", "megatron-core"), ("einops", "einops")):
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            return name
-    if importlib.util.find_spec("megatron.core") is None:
+    if not _has_megatron_core():
         return "megatron-core"
-    return None
+    try:
+        return None if importlib.util.find_spec("einops") is not None else "einops"
+    except (ImportError, ValueError):
+        return "einops"
+
+
+def require_available() -> None:
+    """Raise BackendUnavailableError, with the install command, when megatron-core or einops is missing."""
+    missing = missing_requirement()
+    if missing:
+        raise BackendUnavailableError(f"{missing} is not installed: {INSTALL_HINT}")
 
 
 def collection_class() -> type:
     """Megatron's ProcessGroupCollection, imported on first use (megatron.core takes seconds to import)."""
-    missing = missing_requirement()
-    if missing:
-        raise BackendUnavailableError(f"{missing} is not installed: {INSTALL_HINT}")
+    require_available()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Transformer Engine / Apex / absl-py absent: harmless here
         from megatron.core.process_groups_config import ProcessGroupCollection

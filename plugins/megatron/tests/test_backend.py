@@ -1,0 +1,119 @@
+"""Listing, lazy import, the unavailable path, and the drop-in builders' typed errors (no world needed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+import shardcore
+from shardcore import LayoutError, ShardSpecError
+from shardcore.errors import BackendUnavailableError, GroupCreationError
+from shardcore_megatron import backend as megatron_backend
+from shardcore_megatron.shards import (
+    InferenceShard,
+    build_inference_pg_collection,
+    build_inference_pg_collections_for_shards,
+    normalize_shard_specs,
+)
+
+
+def _hide_megatron(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+
+    def find_spec(name: str, *args: object) -> object:
+        return None if name.split(".")[0] == "megatron" else real(name, *args)
+
+    monkeypatch.setattr(megatron_backend.importlib.util, "find_spec", find_spec)
+
+
+def test_listed_without_importing_megatron() -> None:
+    code = ("import sys, shardcore; b = {i.name: i for i in shardcore.list_backends()}['megatron']; "
+            "print(b.available, b.distribution, any(m.split('.')[0] == 'megatron' for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["True", "shardcore-megatron", "False"]
+
+
+def test_unavailable_without_megatron_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    _hide_megatron(monkeypatch)
+    info = {i.name: i for i in shardcore.list_backends()}["megatron"]
+    assert not info.available
+    assert info.reason == "megatron-core is not installed: pip install megatron-core==0.16.1 einops"
+    with pytest.raises(BackendUnavailableError, match="pip install megatron-core==0.16.1 einops"):
+        shardcore.get_backend("megatron")
+    with pytest.raises(BackendUnavailableError, match="megatron-core is not installed"):
+        build_inference_pg_collection(4, 2, 1, 1, 1, 2)
+
+
+@pytest.mark.parametrize("spec, world, error, match", [
+    ("TP=2", 2, ShardSpecError, "keys are lower case"),
+    ("tp", 1, ShardSpecError, "expected key=value"),
+    ("tp=a", 1, ShardSpecError, "positive integer"),
+    ("role=", 1, ShardSpecError, "role"),
+    (";+;", 1, ShardSpecError, "empty"),
+    ("tp=2,pp=2", 2, LayoutError, "need 4 ranks"),
+    ("tp=2", 4, LayoutError, "idle"),
+    ("tp=2,ep=2", 2, ShardSpecError, "does not divide"),
+    ("tp=0", 1, ShardSpecError, "positive"),
+    ("tp=2,pp=2,dp=2,ep=2,expt_tp=2", 8, LayoutError, None),
+])
+def test_for_shards_raises_typed_errors(spec: str, world: int, error: type, match: str | None) -> None:
+    mapping = match is None  # the last case: tp-pp-dp with decoder and expert pp groups apart
+    with pytest.raises(error, match=match or "pp groups differ"):
+        build_inference_pg_collections_for_shards(world, spec, mapping)
+
+
+def test_all_typed_errors_are_value_errors_where_megatron_asserts() -> None:
+    with pytest.raises(ValueError):
+        build_inference_pg_collections_for_shards(4, "tp=2,foo=1")
+    with pytest.raises(ShardSpecError, match="InferenceShardSpec"):
+        build_inference_pg_collections_for_shards(4, [42])
+    with pytest.raises(ShardSpecError):
+        build_inference_pg_collections_for_shards(4, 42)
+    with pytest.raises(LayoutError, match="rank_offset"):
+        build_inference_pg_collections_for_shards(4, "tp=2", rank_offset=4)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((0,), "world_size=0"),
+    ((6, 4, 1, 1, 1, 4), "not divisible by tp\\*cp\\*pp"),
+    ((4, 2, 1, 1, 4, 2), "does not divide"),
+    ((4, -1), "tp_size=-1"),
+    ((4, 2, 1, 1, 1, 2, False, -1), "rank_offset"),
+])
+def test_single_builder_raises_typed_errors(args: tuple, match: str) -> None:
+    pytest.importorskip("torch")
+    with pytest.raises((ShardSpecError, LayoutError), match=match):
+        build_inference_pg_collection(*args)
+
+
+def test_needs_an_initialised_world() -> None:
+    pytest.importorskip("torch")
+    with pytest.raises(GroupCreationError, match="init_process_group"):
+        build_inference_pg_collections_for_shards(4, "tp=2,role=prefill+tp=1,dp=2,role=decode")
+
+
+@dataclass(frozen=True)
+class SpecLike:
+    """Stands in for Megatron's InferenceShardSpec (not in 0.16.1)."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    dp: int = 1
+    cp: int = 1
+    expt_tp: int | None = None
+    role: str | None = None
+
+
+def test_spec_inputs_agree() -> None:
+    text = normalize_shard_specs("tp=2,role=prefill+tp=1,dp=2,role=decode")
+    objects = normalize_shard_specs([SpecLike(tp=2, role="prefill"), SpecLike(tp=1, dp=2, role="decode")])
+    dicts = normalize_shard_specs([{"tp": 2, "role": "prefill"}, {"tp": 1, "dp": 2, "role": "decode"}])
+    assert text == objects == dicts
+    assert text[0].expt_tp == 2 and text[1].world_size == 2
+    assert normalize_shard_specs([SpecLike(tp=2, cp=2, role="train")])[0].world_size == 4  # cp > 1, role=train
+    assert [f for f in InferenceShard.__dataclass_fields__][:4] == ["spec", "rank_offset", "world_size", "pg_collection"]
