@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
 
 from .errors import ShardcoreError
-from .layout import ORDERS, Layout, plan_layout
+from .grid import Grid
+from .layout import DECODER_GROUPS, EXPERT_GROUPS, ORDERS, Layout, ShardPlan, plan_layout
 from .picture import DEFAULT_RANKS_PER_NODE, render_svg
 from .topology import TOPOLOGY_GROUPS, check_topology
 
@@ -36,13 +38,51 @@ def layout_table(layout: Layout) -> str:
     return text + (f"\nidle ranks: {idle}" if idle else "")
 
 
+MAX_SHOWN_RANKS = 4096
+"""A group larger than this is shown as its size, first and last rank, never built as a list."""
+
+
+def _group_span(grid: Grid, rank: int, dims: tuple[str, ...]) -> tuple[int, int, int]:
+    """(size, first rank, last rank) of ``rank``'s group along ``dims``, in O(len(dims))."""
+    coords = grid.coords(rank)
+    first = rank - sum(coords[d] * grid.stride_of(d) for d in dims)
+    last = first + sum((grid.size_of(d) - 1) * grid.stride_of(d) for d in dims)
+    return math.prod(grid.size_of(d) for d in dims), first, last
+
+
+def shown_groups(plan: ShardPlan, rank: int) -> dict[str, list[int] | dict[str, int] | None]:
+    """A member rank's named groups for printing: lists up to MAX_SHOWN_RANKS ranks, else a summary.
+
+    ``shardcore plan --rank`` on a world of millions must not build lists of millions of ranks.
+    """
+    shown: dict[str, list[int] | dict[str, int] | None] = {}
+    for grid, groups in ((plan.decoder_grid, DECODER_GROUPS), (plan.expert_grid, EXPERT_GROUPS)):
+        for name, dims in groups.items():
+            size, first, last = _group_span(grid, rank, dims)
+            shown[name] = (list(grid.group_ranks(rank, dims)) if size <= MAX_SHOWN_RANKS else
+                           {"size": size, "first": first, "last": last})
+    _, first, last = _group_span(plan.decoder_grid, rank, ("pp",))
+    embd = [first, last] if last != first else [first]
+    shown["embd"] = embd if rank in embd else None
+    shown["pos_embd"] = [first] if rank == first else None
+    return shown
+
+
+def _format_group(ranks: list[int] | dict[str, int] | None) -> object:
+    if ranks is None:
+        return "-"
+    if isinstance(ranks, dict):
+        return f"[{ranks['first']}, ..., {ranks['last']}] ({ranks['size']} ranks, over {MAX_SHOWN_RANKS}: not listed)"
+    return ranks
+
+
 def rank_table(layout: Layout, rank: int) -> str:
     """One rank's shard, coordinates and named groups."""
     plan = layout.shard_of(rank)
     if plan is None:
         return f"rank {rank} is idle: it belongs to no shard"
     coords = ", ".join(f"{k}={v}" for k, v in plan.coords(rank).items())
-    rows = [(name, "-" if ranks is None else list(ranks)) for name, ranks in plan.groups_of(rank).items()]
+    rows = [(name, _format_group(ranks)) for name, ranks in shown_groups(plan, rank).items()]
     return f"rank {rank} in shard {plan.index} ({plan.spec}), coords {coords}\n" + format_table(rows, ("group", "ranks"))
 
 
@@ -75,7 +115,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if args.rank is not None:
             plan = layout.shard_of(args.rank)
             data["rank"] = {"rank": args.rank, "shard": None if plan is None else plan.index,
-                            "groups": {k: None if v is None else list(v) for k, v in layout.groups_of(args.rank).items()}}
+                            "groups": {} if plan is None else shown_groups(plan, args.rank)}
         if report is not None:
             data["topology"] = report.to_dict()
         print(json.dumps(data, indent=2))
@@ -114,8 +154,8 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     from .plugins import list_backends
 
     rows = [(info.name, info.distribution, info.version, "available" if info.available else f"unavailable: {info.reason}",
-             info.description) for info in list_backends()]
-    print(format_table(rows, ("backend", "distribution", "version", "status", "description")) if rows else
+             info.device or "-", info.description) for info in list_backends()]
+    print(format_table(rows, ("backend", "distribution", "version", "status", "device", "description")) if rows else
           "no backends installed: pip install ./plugins/dtensor (or megatron, hyperparallel)")
     return 0
 

@@ -27,6 +27,7 @@ class BackendInfo:
     available: bool
     reason: str | None
     description: str = ""
+    device: str | None = None
 
 
 def _entry_points(name: str | None = None) -> list:
@@ -103,14 +104,17 @@ def list_backends() -> list[BackendInfo]:
             infos[ep.name] = BackendInfo(ep.name, distribution, version, False, f"plugin failed to load: {error}")
             continue
         for backend in backends.values():
-            reason = backend.unavailable_reason()
-            infos[backend.name] = BackendInfo(
-                backend.name, distribution, version, reason is None, reason, getattr(backend, "description", "")
-            )
+            infos[backend.name] = _info(backend, distribution, version)
     for backend in _registered.values():
-        reason = backend.unavailable_reason()
-        infos[backend.name] = BackendInfo(backend.name, "(in-process)", "-", reason is None, reason, backend.description)
+        infos[backend.name] = _info(backend, "(in-process)", "-")
     return [infos[name] for name in sorted(infos)]
+
+
+def _info(backend: Backend, distribution: str, version: str) -> BackendInfo:
+    reason = backend.unavailable_reason()
+    note = getattr(backend, "device_note", None)
+    device = note() if reason is None and callable(note) else None
+    return BackendInfo(backend.name, distribution, version, reason is None, reason, getattr(backend, "description", ""), device)
 
 
 __all__ = [

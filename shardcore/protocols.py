@@ -66,6 +66,10 @@ class Backend(Protocol):
         """None when the backend can work here, else why not and the command that fixes it."""
         return None
 
+    def device_note(self) -> str | None:
+        """Which device and collective library this backend would use here, and why (for listings)."""
+        return None
+
     def validate(self, layout: Any, options: Mapping[str, Any]) -> None:
         """Raise a ShardcoreError for layouts or options this backend cannot serve (runs on every rank)."""
 

@@ -48,6 +48,10 @@ class DTensorBackend(Backend):
             return "torch is not installed: pip install torch"
         return None
 
+    def device_note(self) -> str:
+        """The mesh device type: cuda, else a working Ascend NPU, else cpu."""
+        return f"would use {device_type()}"
+
     def make_handle(self, plan: ShardPlan, rank: int, groups: Mapping[str, Any], options: Mapping[str, Any]) -> DTensorShard:
         from torch.distributed.device_mesh import DeviceMesh
 

@@ -15,12 +15,19 @@ from shardcore.grid import Grid
 from shardcore.hookspecs import hookimpl
 from shardcore.protocols import Backend, NamedGrids, ShardPlanLike
 
-from .context import mesh_classes, wrap_mesh
+from .context import mesh_classes, wrap_mesh, wrap_ranks
 from .device import device_note, select_device
 from .topology import StageSizes, check_dense_tp_layout, resolve_sizes, stage_start
 
 OPTIONS = ("dp_replicate", "dp_shard", "edp_shard", "sequence_parallel", "loss_parallel", "device_type")
 """Backend options of ``build_shards(..., backend="hyperparallel", **options)``."""
+
+MESH_GROUPS: dict[str, dict[str, str]] = {
+    "device_mesh": {"dp": "dp", "cp": "cp", "tp": "tp"},
+    "fsdp_non_moe_mesh": {"fsdp_replicate": "fsdp_replicate", "fsdp_shard": "fsdp_shard", "tp": "tp"},
+    "fsdp_moe_mesh": {"edp_replicate": "edp_replicate", "edp_shard": "edp_shard", "ep": "hp_ep"},
+}
+"""For each mesh, the engine group that each of its dims wraps."""
 
 
 def _option(options: Mapping[str, Any], key: str, plan: ShardPlanLike) -> Any:
@@ -106,17 +113,16 @@ class HyperParallelBackend(Backend):
         coords = plan.decoder_grid.coords(rank)
         start = stage_start(plan.rank_offset, sizes, coords["pp"])
 
-        def mesh(shape_names: tuple[tuple[int, ...], tuple[str, ...]], group_names: Sequence[str]) -> Any:
+        def mesh(kind: str, shape_names: tuple[tuple[int, ...], tuple[str, ...]] | None) -> Any:
+            if shape_names is None:
+                return None
             shape, names = shape_names
-            return wrap_mesh([groups[g] for g in group_names], shape, names, start, device)
+            return wrap_mesh([groups[MESH_GROUPS[kind][d]] for d in names], shape, names, start, device)
 
-        device_mesh = mesh(sizes.device_mesh(), ("dp", "cp", "tp"))
-        fsdp_mesh = mesh(sizes.fsdp_non_moe_mesh(), ("fsdp_replicate", "fsdp_shard", "tp"))
+        device_mesh = mesh("device_mesh", sizes.device_mesh())
+        fsdp_mesh = mesh("fsdp_non_moe_mesh", sizes.fsdp_non_moe_mesh())
         check_dense_tp_layout(device_mesh, fsdp_mesh)
-        expert = sizes.fsdp_moe_mesh()
-        expert_mesh = None
-        if expert is not None:
-            expert_mesh = mesh(expert, ("edp_replicate", "edp_shard", "hp_ep")[-len(expert[0]):])
+        expert_mesh = mesh("fsdp_moe_mesh", sizes.fsdp_moe_mesh())
         context_cls, _, _ = mesh_classes()
         context = context_cls(
             device_mesh=device_mesh, fsdp_non_moe_mesh=fsdp_mesh, fsdp_moe_mesh=expert_mesh,
@@ -128,16 +134,9 @@ class HyperParallelBackend(Backend):
             loss_parallel=bool(_option(options, "loss_parallel", plan)),
         )
         dp_cp_ranks = plan.decoder_grid.group_ranks(rank, ("cp", "dp"))
-        context._dp_cp_mesh = _dp_cp_mesh(groups["dp_cp"], dp_cp_ranks, device)
+        # the engine's dp_cp group; DeviceMesh._flatten would create a new group instead
+        context._dp_cp_mesh = wrap_ranks(groups["dp_cp"], list(dp_cp_ranks), device, "dp_cp")
         return context
-
-
-def _dp_cp_mesh(group: Any, ranks: Sequence[int], device: str) -> Any:
-    """The flat dp x cp mesh from the engine's dp_cp group: DeviceMesh._flatten would create a group."""
-    import torch
-    from torch.distributed.device_mesh import DeviceMesh
-
-    return DeviceMesh.from_group(group, device, mesh=torch.tensor(list(ranks)), mesh_dim_names=("dp_cp",))
 
 
 def distributed_setup(mesh_context: Any, **fields: Any) -> Any:

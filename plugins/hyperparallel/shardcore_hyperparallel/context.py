@@ -32,6 +32,14 @@ def wrap_mesh(groups: list[Any], shape: tuple[int, ...], names: tuple[str, ...],
     return DeviceMesh.from_group(groups, device, mesh=ranks, mesh_dim_names=names)
 
 
+def wrap_ranks(group: Any, ranks: list[int], device: str, name: str) -> Any:
+    """A 1-D torch DeviceMesh over an existing group whose ranks need not be consecutive."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group, device, mesh=torch.tensor(ranks), mesh_dim_names=(name,))
+
+
 def _flat_dp_cp(mesh_context: Any) -> Any:
     """dp x cp as one 1-D mesh: the prebuilt one when present, else flattened from device_mesh."""
     prebuilt = getattr(mesh_context, "_dp_cp_mesh", None)
@@ -127,7 +135,13 @@ class MeshContext:
         check_dense_tp_layout(self.device_mesh, self.fsdp_non_moe_mesh)
         expert = sizes.fsdp_moe_mesh()
         self.fsdp_moe_mesh = build(expert) if expert is not None else None
-        self._dp_cp_mesh = build(((sizes.dp * sizes.cp,), ("dp_cp",)))
+        self._dp_cp_mesh = None
+        for stage in range(sizes.pp):  # dp x cp flattened: stride tp inside each stage window
+            for t in range(sizes.tp):
+                ranks = [stage * sizes.stage_size + i * sizes.tp + t for i in range(sizes.dp * sizes.cp)]
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    self._dp_cp_mesh = wrap_ranks(group, ranks, device_type, "dp_cp")
         _fill_ranks(self, sizes, rank - start)
 
 
@@ -190,4 +204,4 @@ def mesh_classes() -> tuple[type, type, str]:
     return ShardMeshContext, setup, where
 
 
-__all__ = ["DistributedSetup", "MeshContext", "mesh_classes", "wrap_mesh"]
+__all__ = ["DistributedSetup", "MeshContext", "mesh_classes", "wrap_mesh", "wrap_ranks"]

@@ -34,7 +34,7 @@ def select_device() -> DeviceChoice:
 
     if torch.cuda.is_available():
         return DeviceChoice("cuda", "nccl", f"CUDA is available; no NPU: {npu_reason}")
-    return DeviceChoice("cpu", "gloo", f"no NPU ({npu_reason}) and no CUDA device")
+    return DeviceChoice("cpu", "gloo", f"no CUDA device; no NPU: {npu_reason}")
 
 
 def device_note() -> str:

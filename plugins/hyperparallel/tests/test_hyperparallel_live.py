@@ -1,0 +1,69 @@
+"""Live gloo worlds: every mesh dim of every rank's MeshContext all-reduces and all-gathers as planned."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+import hyperparallel_workers as workers  # noqa: E402
+from hp_expected import group_along, hp_meshes, stage_window  # noqa: E402
+
+from shardcore.testing import run_world  # noqa: E402
+
+SHARDS = "tp=2,pp=2,ep=2,expt_tp=1+cp=2,dp=2,ep=2,expt_tp=1"
+STANDALONE = {"dp_size": 2, "tp_size": 2, "pp_size": 2, "ep_size": 2, "dp_shard_size": 1, "dp_replicate_size": 2}
+SIZES = [  # (offset, tp, cp, dp, pp, ep, dp_shard, edp_shard) of each shard
+    (0, 2, 1, 1, 2, 2, 1, 1),
+    (4, 1, 2, 2, 1, 2, 2, 1),
+]
+
+
+@pytest.fixture(scope="module")
+def reports() -> list[dict]:
+    options = {"dp_shard": {1: 2}, "sequence_parallel": True}
+    return run_world(8, workers.build_and_probe, SHARDS, options, STANDALONE, timeout=240)
+
+
+def _check_dims(probe: dict, window: list[int], shape: tuple[int, ...], names: tuple[str, ...], rank: int) -> None:
+    for dim, name in enumerate(names):
+        seen, expected = probe[name], group_along(window, shape, rank, dim)
+        assert seen["sum"] == shape[dim] == seen["mesh_size"], (name, rank)
+        assert seen["ranks"] == expected, (name, rank)
+        assert seen["local"] == expected.index(rank), (name, rank)
+
+
+@pytest.mark.parametrize("rank", range(8))
+def test_each_mesh_all_reduces_over_hyper_parallels_groups(reports: list[dict], rank: int) -> None:
+    report = reports[rank]
+    shard = 0 if rank < 4 else 1
+    offset, tp, cp, dp, pp, ep, dp_shard, edp_shard = SIZES[shard]
+    assert report["shard"] == shard and report["type"] == "MeshContext"
+    window = stage_window(offset, tp, cp, dp, rank)
+    for kind, (shape, names) in hp_meshes(tp, cp, dp, pp, ep, dp_shard, edp_shard).items():
+        assert report[kind]["names"] == list(names), kind
+        _check_dims(report[kind]["dims"], window, shape, names, rank)
+    local = rank - window[0]
+    assert report["dp_cp"]["ranks"] == [r for r in window if (r - window[0]) % tp == local % tp]
+    assert report["dp_cp"]["sum"] == dp * cp
+    assert report["cp"]["ranks"] == group_along(window, (dp, cp, tp), rank, 1)
+    fields = report["fields"]
+    assert (fields["tp_size"], fields["cp_size"], fields["dp_size"], fields["pp_size"], fields["ep_size"]) == (tp, cp, dp, pp, ep)
+    assert fields["dp_shard_size"] == dp_shard and fields["dp_replicate_size"] == dp * cp // dp_shard
+    assert fields["pp_rank"] == (rank - offset) // len(window)
+    assert (fields["dp_rank"], fields["cp_rank"], fields["tp_rank"]) == (local // (cp * tp), local // tp % cp, local % tp)
+    assert fields["ep_rank"] == local % ep
+    assert fields["sequence_parallel"] is True and fields["loss_parallel"] is False
+    assert report["pp_enabled"] == (pp > 1)
+
+
+@pytest.mark.parametrize("rank", range(8))
+def test_standalone_build_meshs_on_the_whole_world(reports: list[dict], rank: int) -> None:
+    """The fallback MeshContext without shardcore: stages of 4 (dp=2, tp=2), pp=2, ep=2 -> 3-D expert mesh."""
+    result = reports[rank]["standalone"]
+    window = stage_window(0, 2, 1, 2, rank)
+    for kind, (shape, names) in hp_meshes(tp=2, cp=1, dp=2, pp=2, ep=2, dp_shard=1, edp_shard=1).items():
+        _check_dims(result[kind], window, shape, names, rank)
+    assert result["dp_cp"]["ranks"] == [r for r in window if r % 2 == rank % 2]
+    local = rank % 4
+    assert result["ranks"] == [local // 2, 0, local % 2, local % 2]
