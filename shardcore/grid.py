@@ -100,11 +100,28 @@ class Grid:
         return rank
 
     def _expand(self, base: int, indices: Sequence[int]) -> list[int]:
-        """All ranks reached from ``base`` along ``indices``, ascending (strides grow with index)."""
-        ranks = [base]
+        """All ranks reached from ``base`` along ``indices``, ascending (strides grow with index).
+
+        Dims that are contiguous in rank order merge into one strided range, and each further
+        dim shifts the ranks so far with C-level ``map``: no Python loop per member, so large
+        groups (dp, tp_dp_cp of a big world) cost little more than their list.
+        """
+        runs: list[list[int]] = []  # [stride, size] of merged dims, fastest first
         for index in indices:
-            stride = self._strides[index]
-            ranks = [r + k * stride for k in range(self.shape[index]) for r in ranks]
+            stride, size = self._strides[index], self.shape[index]
+            if runs and runs[-1][0] * runs[-1][1] == stride:
+                runs[-1][1] *= size
+            else:
+                runs.append([stride, size])
+        if not runs:
+            return [base]
+        stride, size = runs[0]
+        ranks = list(range(base, base + stride * size, stride))
+        for stride, size in runs[1:]:
+            grown: list[int] = []
+            for k in range(size):
+                grown.extend(map((k * stride).__add__, ranks))
+            ranks = grown
         return ranks
 
     def group_ranks(self, rank: int, dims: Dims) -> tuple[int, ...]:
