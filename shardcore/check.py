@@ -102,6 +102,11 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _failure_text(message: Any) -> str:
+    """The error line of a worker's failure record (a dict with 'message', or plain text)."""
+    return str(message.get("message", message)) if isinstance(message, dict) else str(message)
+
+
 def run_local(nproc: int, options: dict[str, Any]) -> list[RankReport]:
     """Start ``nproc`` local gloo processes with torch's elastic launcher and collect their reports."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -115,7 +120,7 @@ def run_local(nproc: int, options: dict[str, Any]) -> list[RankReport]:
     try:
         results = elastic_launch(config, local_worker)(options)
     except ChildFailedError as error:
-        messages = [f"rank {r}: {failure.message}" for r, failure in sorted(error.failures.items())]
+        messages = [f"rank {r}: {_failure_text(failure.message)}" for r, failure in sorted(error.failures.items())]
         raise GroupCreationError("shardcore check failed:\n" + "\n".join(messages)) from None
     return [RankReport(**results[rank]) for rank in sorted(results)]
 
