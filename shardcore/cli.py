@@ -38,7 +38,7 @@ def layout_table(layout: Layout) -> str:
     return text + (f"\nidle ranks: {idle}" if idle else "")
 
 
-MAX_SHOWN_RANKS = 4096
+MAX_SHOWN_RANKS = 1024
 """A group larger than this is shown as its size, first and last rank, never built as a list."""
 
 

@@ -118,7 +118,19 @@ def rendezvous(phase: str, value: str, timeout: timedelta) -> None:
     differ: a GroupCreationError on timeout, a LayoutMismatchError when values differ.
     Once a phase completes, no rank reads the previous one again, so its keys are deleted
     (each rank its own value, rank 0 the shared ones): the store holds one phase at a time.
+    A store that goes away (its host died) is a GroupCreationError too.
     """
+    dist = _dist()
+    try:
+        _rendezvous(phase, value, timeout)
+    except dist.DistError as error:
+        raise GroupCreationError(
+            f"rank {dist.get_rank()}: lost the store at '{phase}' ({error}); its host (rank 0 under torchrun) "
+            f"has probably died"
+        ) from None
+
+
+def _rendezvous(phase: str, value: str, timeout: timedelta) -> None:
     global _previous_phase
     dist = _dist()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -131,10 +143,17 @@ def rendezvous(phase: str, value: str, timeout: timedelta) -> None:
         store.set(f"{prefix}/done", "1")
     try:
         store.wait([f"{prefix}/done"], timeout)
-    except dist.DistStoreError:
-        missing = [r for r in range(world) if not store.check([f"{prefix}/value/{r}"])]
+    except dist.DistError as error:
+        try:
+            missing = [r for r in range(world) if not store.check([f"{prefix}/value/{r}"])]
+            failed = [r for r in missing if store.check([f"{prefix}/failed/{r}"])]
+        except dist.DistError:
+            raise error from None  # the store itself is gone: rendezvous() names it
+        why = f"; ranks {_listed(failed)} failed before it" if failed else ""
+        if failed:
+            why += f" (rank {failed[0]}: {store.get(f'{prefix}/failed/{failed[0]}').decode()})"
         raise GroupCreationError(
-            f"rank {rank}: ranks {_listed(missing)} did not reach '{phase}' within {timeout.total_seconds():g}s; "
+            f"rank {rank}: ranks {_listed(missing)} did not reach '{phase}' within {timeout.total_seconds():g}s{why}; "
             f"every rank of the world must call build_shards (is one dead, slow, or running other code?)"
         ) from None
     previous, _previous_phase = _previous_phase, prefix
@@ -160,6 +179,14 @@ def _delete_phase(store: Store, prefix: str, rank: int) -> None:
         keys += [f"{prefix}/{key}" for key in ("reference", "differ", "arrived", "done")]
     for key in keys:
         store.delete_key(key)
+
+
+def report_failure(phase: str, error: BaseException) -> None:
+    """Leave why this rank will not reach ``phase``, for the ranks that time out waiting for it."""
+    try:
+        _store().set(f"shardcore/{phase}/failed/{_dist().get_rank()}", f"{type(error).__name__}: {error}"[:500])
+    except Exception:  # best effort: the store's host may be gone
+        log.debug("shardcore: could not report the failure to the store", exc_info=True)
 
 
 def next_phase(name: str) -> str:
@@ -267,5 +294,6 @@ __all__ = [
     "live_group_count",
     "next_phase",
     "rendezvous",
+    "report_failure",
     "requested_groups",
 ]

@@ -87,14 +87,19 @@ def build_shards(
     if strategy == "local":
         engine.check_local_strategy()
     fake = engine.is_fake_world()
+    # Both phase names now, so a rank that fails in between stays in step with the others.
+    agree, built = engine.next_phase("agree"), engine.next_phase("built")
     if fake:
         log.info("shardcore: fake backend, ranks cannot see each other: agreement checks skipped")
     else:
-        engine.rendezvous(
-            engine.next_phase("agree"), f"{layout.fingerprint()}:{chosen.name}|{strategy}|{engine.group_counter()}", wait
-        )
+        engine.rendezvous(agree, f"{layout.fingerprint()}:{chosen.name}|{strategy}|{engine.group_counter()}", wait)
     extras = {plan.index: chosen.extra_groups(plan, backend_options) for plan in layout.shards}
-    planned, groups, created = engine.create_groups(layout, rank, extras, strategy, wait)
+    try:
+        planned, groups, created = engine.create_groups(layout, rank, extras, strategy, wait)
+    except BaseException as error:
+        if not fake:
+            engine.report_failure(built, error)
+        raise
     result = []
     try:
         for plan in layout.shards:
@@ -104,7 +109,7 @@ def build_shards(
                 shard.handle = chosen.make_handle(plan, rank, groups, backend_options)
             result.append(shard)
         if not fake:
-            engine.rendezvous(engine.next_phase("built"), "built", wait)
+            engine.rendezvous(built, "built", wait)
     except BaseException:
         engine.destroy_groups(created)
         raise

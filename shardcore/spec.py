@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -148,10 +149,36 @@ def _parse_grammar(text: str) -> list[ShardSpec]:
     return [_parse_one(chunk) for chunk in chunks if chunk]
 
 
+MAX_DOCUMENT_DEPTH = 64
+_BRACKETS = re.compile(r"[\[\]{}]")
+_LEADING = re.compile(r"[ \t]*(?:-(?:[ \t]+|$))*")
+
+
+def _nesting_depth(text: str) -> int:
+    """A bound on a JSON/YAML document's nesting (brackets; indentation and leading '- ' per line),
+    stopping early once over MAX_DOCUMENT_DEPTH.
+
+    Deeply nested documents overflow json's and YAML's recursion (libyaml segfaults), so they are
+    refused before parsing; a shard list needs a depth of 3 or so.
+    """
+    depth = 0
+    for match in _BRACKETS.finditer(text):
+        depth += 1 if match.group() in "[{" else -1
+        if depth > MAX_DOCUMENT_DEPTH:
+            return depth
+    return max((len(_LEADING.match(line).group()) for line in text.splitlines()), default=0)  # type: ignore[union-attr]
+
+
 def _load_document(text: str, source: str) -> Any:
     """JSON, else YAML (PyYAML is optional)."""
+    if _nesting_depth(text) > MAX_DOCUMENT_DEPTH:
+        raise ShardSpecError(
+            f"{source} is nested more than {MAX_DOCUMENT_DEPTH} levels deep: a shard list is a flat list of mappings"
+        )
     try:
         return json.loads(text)
+    except RecursionError:
+        raise ShardSpecError(f"{source} is nested too deeply: a shard list is a flat list of mappings") from None
     except ValueError as json_error:
         try:
             import yaml
@@ -160,7 +187,9 @@ def _load_document(text: str, source: str) -> Any:
                 f"{source} is not valid JSON ({json_error}); for YAML install PyYAML: pip install 'shardcore[yaml]'"
             ) from None
         try:
-            return yaml.safe_load(text)
+            return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # C parser when built
+        except RecursionError:
+            raise ShardSpecError(f"{source} is nested too deeply: a shard list is a flat list of mappings") from None
         except yaml.YAMLError as yaml_error:
             detail = " ".join(str(yaml_error).split())  # one line: YAML's message spans several
             raise ShardSpecError(f"{source} is neither JSON nor YAML: {detail}") from None
@@ -207,7 +236,7 @@ def parse_shards(spec: ShardsInput) -> tuple[ShardSpec, ...]:
             path = Path(spec.strip()[1:])
             try:
                 text = path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as error:
+            except (OSError, ValueError) as error:  # ValueError: undecodable, or a NUL in the path
                 raise ShardSpecError(f"cannot read shard file {str(path)!r}: {error}") from None
             shards = _parse_text(text, f"shard file {str(path)!r}")
         else:

@@ -49,7 +49,8 @@ def _bootstrap(rank: int, world_size: int, port: int, fn: Callable[..., Any], ar
 
 def run_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 180.0,
               pg_timeout: float = 60.0, allow_failures: bool = False) -> list[Any]:
-    """Run ``fn`` on a fresh local gloo world; with ``allow_failures`` a failed rank yields its traceback."""
+    """Run ``fn`` on a fresh local gloo world; with ``allow_failures`` a failed rank yields its traceback
+    and a dead one ``"died (exit code N)"``."""
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")
@@ -71,8 +72,9 @@ def run_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
                 rank, ok, value = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode not in (None, 0)]
-                if dead:
+                if dead and not allow_failures:
                     raise WorldError(f"ranks {dead} died (exit codes {[procs[r].exitcode for r in dead]})") from None
+                outcome.update({r: (False, f"died (exit code {procs[r].exitcode})") for r in dead})
                 continue
             outcome[rank] = (ok, value)
     finally:

@@ -72,3 +72,37 @@ def slow_in_creation(rank: int, world: int, slow: int, delay: float, timeout: fl
 
         groups._new_group = sleepy  # type: ignore[assignment]
     return _attempt(world, SPEC, timeout, strategy=strategy)
+
+
+def build_destroy_cycles(rank: int, world: int, cycles: int, spec: str, strategy: str) -> dict[str, Any]:
+    """Build and destroy ``spec`` ``cycles`` times; live groups, open fds and store keys before and after."""
+    from torch.distributed import distributed_c10d
+
+    from shardcore.groups import live_group_count
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    store = distributed_c10d._get_default_store()
+    before = {"groups": live_group_count(), "fds": fds(), "keys": store.num_keys()}
+    keys_after_first = 0
+    for cycle in range(cycles):
+        shards = build_shards(world, spec, strategy=strategy, timeout=60)
+        destroy_shards(shards)
+        if cycle == 0:
+            keys_after_first = store.num_keys()
+    after = {"groups": live_group_count(), "fds": fds(), "keys": store.num_keys()}
+    # shardcore's own rendezvous keys still in the store, over every phase of every cycle
+    from shardcore import groups
+
+    ours = 0
+    for sequence in range(1, groups._sequence + 1):
+        for name in ("agree", "built"):
+            prefix = f"shardcore/{sequence}/{name}"
+            keys = [f"{prefix}/{key}" for key in ("reference", "differ", "arrived", "done")]
+            keys += [f"{prefix}/value/{r}" for r in range(world)]
+            ours += sum(store.check([key]) for key in keys)
+    import torch.distributed as dist
+
+    dist.barrier()  # rank 0 hosts the store: it must not exit while the others still read it
+    return {"before": before, "after": after, "keys_after_first": keys_after_first, "shardcore_keys": ours}

@@ -1,0 +1,131 @@
+"""Long fuzz run of parse_shards, plan_layout and `shardcore plan` (issue 6): N random inputs.
+
+Each input runs once under tracemalloc; its CPU time (tracemalloc's overhead included, so an
+over-estimate) and allocation peak are recorded. Fails on any exception other than a
+ShardcoreError (or argparse's exit 2), on > 100 ms, or on > 100 MB for one input.
+
+    python benchmarks/fuzz_long.py --n 100000 --seed 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import random
+import sys
+import time
+import tracemalloc
+import warnings
+from typing import Any
+
+from shardcore.cli import main
+from shardcore.errors import ShardcoreError
+from shardcore.layout import plan_layout
+from shardcore.spec import parse_shards
+
+TOKENS = ["tp", "pp", "cp", "dp", "ep", "expt_tp", "role", "name", "TP", "=", ",", "+", ";", " ", "\n", "-", ":",
+          "[", "]", "{", "}", "@", "0", "1", "2", "4", "8", "16", "-1", "99999999999999999999", "train", "prefill",
+          "decode", "x", "é", "\x00", "1e3", "0x10", "_", "=2", "=4", ",tp=", "+tp=", "- {tp: 2}\n", "- tp: "]
+KEYS = ["tp", "pp", "cp", "dp", "ep", "expt_tp", "role", "name", "bogus", ""]
+FLAGS = ["--json", "--allow-idle", "--order=tp-pp-dp", "--order=bad", "--strict", "--rank=0", "--rank=5",
+         "--rank=16777215", "--rank=-1", "--rank=x", "--rank-offset=3", "--ranks-per-node=8", "--ranks-per-node=0",
+         "--bogus"]
+
+
+def text(rng: random.Random) -> str:
+    if rng.random() < 0.8:
+        return "".join(rng.choice(TOKENS) for _ in range(rng.randint(0, 30)))
+    return "".join(chr(rng.randint(0, 0x2FF)) for _ in range(rng.randint(0, 40)))
+
+
+def value(rng: random.Random) -> Any:
+    return rng.choice([lambda: rng.randint(-3, 2**40), lambda: rng.choice([True, None, 2.5, float("nan"), "2", [1]]),
+                       lambda: text(rng), lambda: rng.choice(["train", "prefill", "decode"]),
+                       lambda: rng.choice([1, 2, 4, 8])])()
+
+
+def spec(rng: random.Random) -> Any:
+    kind = rng.random()
+    if kind < 0.6:
+        return text(rng)
+    if kind < 0.75:
+        return f"tp={rng.choice([1, 2, 4096, 2**24])},pp={rng.choice([1, 2, 4096])},dp={rng.choice([1, 2, 4096])}"
+    if kind < 0.95:
+        return [rng.choice([lambda: {rng.choice(KEYS): value(rng) for _ in range(rng.randint(0, 5))},
+                            lambda: text(rng), lambda: None, lambda: 3])() for _ in range(rng.randint(0, 4))]
+    return rng.choice([None, 3, b"tp=2", {"tp": 2}])
+
+
+def world(rng: random.Random) -> Any:
+    return rng.choice([lambda: rng.randint(-2, 4096), lambda: rng.choice([2**24, 2**24 + 1, 2**40, None, "8", 2.0])])()
+
+
+def one_input(rng: random.Random) -> tuple[str, Any, str]:
+    target = rng.randrange(3)
+    if target == 0:
+        s = spec(rng)
+        return "parse_shards", lambda: parse_shards(s), repr(s)
+    if target == 1:
+        w, s, off = world(rng), spec(rng), rng.choice([0, 0, 1, 7, -1, 2**24])
+        order = rng.choice(["tp-cp-dp-pp", "tp-cp-pp-dp", "tp-dp-pp", "tp-pp-dp", "bad", None])
+        idle = rng.random() < 0.5
+        return "plan_layout", lambda: plan_layout(w, s, order=order, rank_offset=off, allow_idle=idle), repr((w, s, order, off, idle))
+    w = str(world(rng)) if rng.random() < 0.9 else text(rng)
+    s = spec(rng)
+    s = s if isinstance(s, str) else text(rng)
+    args = ["plan", f"--world={w}", f"--shards={s}", *rng.sample(FLAGS, rng.randint(0, 4))]
+    return "cli", lambda: main(args), repr(args)
+
+
+def run(n: int, seed: int) -> int:
+    rng = random.Random(seed)
+    worst_time: dict[str, tuple[float, str]] = {}
+    worst_mem: dict[str, tuple[int, str]] = {}
+    counts: dict[str, int] = {}
+    bad = 0
+    started = time.monotonic()
+    warnings.simplefilter("ignore")
+    parse_shards("- {tp: 2}")  # import PyYAML once, outside the measurements
+    for i in range(n):
+        kind, call, shown = one_input(rng)
+        counts[kind] = counts.get(kind, 0) + 1
+        tracemalloc.start()
+        t0 = time.process_time()
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                call()
+        except ShardcoreError:
+            pass
+        except SystemExit as exit_:
+            if exit_.code != 2:
+                bad += 1
+                print(f"input {i} ({kind}): SystemExit({exit_.code})", file=sys.stderr)
+        except BaseException as error:  # noqa: BLE001 - the point of fuzzing
+            bad += 1
+            print(f"input {i} ({kind}): {type(error).__name__}: {error}", file=sys.stderr)
+        elapsed = time.process_time() - t0
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        if elapsed > worst_time.get(kind, (0.0, ""))[0]:
+            worst_time[kind] = (elapsed, f"input {i}: {shown[:200]}")
+        if peak > worst_mem.get(kind, (0, ""))[0]:
+            worst_mem[kind] = (peak, f"input {i}: {shown[:200]}")
+    total = time.monotonic() - started
+    print(f"{n} inputs, seed {seed}, {total:.0f} s wall; bad: {bad}")
+    print("| target | inputs | max CPU time / input | max allocated / input |")
+    print("|---|---:|---:|---:|")
+    for kind in sorted(counts):
+        print(f"| {kind} | {counts[kind]:,} | {worst_time[kind][0] * 1000:.1f} ms | {worst_mem[kind][0] / 2**20:.2f} MiB |")
+    for kind in sorted(counts):
+        print(f"slowest {kind}: {worst_time[kind][1]}\nlargest {kind}: {worst_mem[kind][1]}")
+    over = any(t > 0.1 for t, _ in worst_time.values()) or any(m > 100 * 2**20 for m, _ in worst_mem.values())
+    return 1 if bad or over else 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=100_000)
+    parser.add_argument("--seed", type=int, default=0)
+    options = parser.parse_args()
+    sys.exit(run(options.n, options.seed))
