@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -196,23 +196,28 @@ def next_phase(name: str) -> str:
     return f"{_sequence}/{name}"
 
 
-def requested_groups(plan: ShardPlan, rank: int, extra: NamedGrids) -> dict[str, tuple[int, ...] | None]:
-    """A member rank's standard groups plus the backend's extra ones."""
-    groups = plan.groups_of(rank)
+def requested_groups(
+    plan: ShardPlan, rank: int, extra: NamedGrids, names: Collection[str] = GROUP_NAMES
+) -> dict[str, tuple[int, ...] | None]:
+    """A member rank's standard groups among ``names``, plus the backend's extra ones."""
+    groups = {name: ranks for name, ranks in plan.groups_of(rank).items() if name in names}
     groups.update({name: grid.group_ranks(rank, dims) for name, (grid, dims) in sorted(extra.items())})
     return groups
 
 
-def _all_groups(plan: ShardPlan, extra: NamedGrids) -> Iterator[tuple[int, ...]]:
-    """Every distinct group of a shard, in the global creation order (slot, first rank)."""
+def _all_groups(plan: ShardPlan, extra: NamedGrids, names: Collection[str]) -> Iterator[tuple[int, ...]]:
+    """Every distinct group of a shard among ``names`` and the extras, in the global creation order."""
     seen: set[tuple[int, ...]] = set()
-    slots: list[Iterator[tuple[int, ...]]] = [plan.decoder_grid.iter_groups(d) for d in DECODER_GROUPS.values()]
-    slots += [plan.expert_grid.iter_groups(d) for d in EXPERT_GROUPS.values()]
     pp_groups = list(plan.decoder_grid.iter_groups("pp"))
-    slots.append(iter([(p[0], p[-1]) if len(p) > 1 else (p[0],) for p in pp_groups]))
-    slots.append(iter([(p[0],) for p in pp_groups]))
-    slots += [grid.iter_groups(dims) for _, (grid, dims) in sorted(extra.items())]
-    for slot in slots:
+    slots: dict[str, Iterable[tuple[int, ...]]] = {
+        **{name: plan.decoder_grid.iter_groups(dims) for name, dims in DECODER_GROUPS.items()},
+        **{name: plan.expert_grid.iter_groups(dims) for name, dims in EXPERT_GROUPS.items()},
+        "embd": [(p[0], p[-1]) if len(p) > 1 else (p[0],) for p in pp_groups],
+        "pos_embd": [(p[0],) for p in pp_groups],
+    }
+    slots = {name: groups for name, groups in slots.items() if name in names}
+    slots.update({name: grid.iter_groups(dims) for name, (grid, dims) in sorted(extra.items())})
+    for slot in slots.values():
         for ranks in slot:
             if ranks not in seen:
                 seen.add(ranks)
@@ -233,9 +238,16 @@ def _new_group(ranks: tuple[int, ...], names: Sequence[str], plan: ShardPlan, ti
 
 
 def create_groups(
-    layout: Layout, rank: int, extras: Mapping[int, NamedGrids], strategy: str, timeout: timedelta
+    layout: Layout,
+    rank: int,
+    extras: Mapping[int, NamedGrids],
+    strategy: str,
+    timeout: timedelta,
+    names: Collection[str] = GROUP_NAMES,
 ) -> tuple[Groups, dict[str, ProcessGroup | None], list[ProcessGroup]]:
-    """Create this rank's groups: (planned ranks by name, group by name, groups created).
+    """Create this rank's groups among ``names`` plus the backend's extras.
+
+    Returns (planned ranks by name, group by name, groups created).
 
     Both dicts are empty on an idle rank. On failure every group created so far is
     destroyed before the error propagates.
@@ -243,26 +255,26 @@ def create_groups(
     if strategy not in STRATEGIES:
         raise GroupCreationError(f"strategy={strategy!r}: expected one of {', '.join(STRATEGIES)}")
     mine = layout.shard_of(rank)
-    planned = requested_groups(mine, rank, extras.get(mine.index, {})) if mine is not None else {}
+    planned = requested_groups(mine, rank, extras.get(mine.index, {}), names) if mine is not None else {}
     groups: dict[str, ProcessGroup | None] = dict.fromkeys(planned)
-    names = {group.ranks: group.names for group in distinct_groups(planned)}
+    shared = {group.ranks: group.names for group in distinct_groups(planned)}
     created: list[ProcessGroup] = []
 
     def create(ranks: tuple[int, ...], plan: ShardPlan) -> None:
-        pg = _new_group(ranks, names.get(ranks, ()), plan, timeout)
-        if ranks in names:
+        pg = _new_group(ranks, shared.get(ranks, ()), plan, timeout)
+        if ranks in shared:
             created.append(pg)
-            groups.update(dict.fromkeys(names[ranks], pg))
+            groups.update(dict.fromkeys(shared[ranks], pg))
 
     try:
         if strategy == "world":
             for plan in layout.shards:
-                for ranks in _all_groups(plan, extras.get(plan.index, {})):
+                for ranks in _all_groups(plan, extras.get(plan.index, {}), names):
                     create(ranks, plan)
         else:
             slots = [*GROUP_NAMES, *sorted({name for extra in extras.values() for name in extra})]
             start, slot_of = group_counter(), {name: i for i, name in enumerate(slots)}
-            for ranks, group_names in names.items():
+            for ranks, group_names in shared.items():
                 _set_group_counter(start + slot_of[group_names[0]] * layout.world_size + ranks[0])
                 create(ranks, mine)  # type: ignore[arg-type]
             _set_group_counter(start + len(slots) * layout.world_size)

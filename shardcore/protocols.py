@@ -61,6 +61,8 @@ class Backend(Protocol):
 
     name: str
     description: str
+    group_names: tuple[str, ...] | None = None
+    """The standard groups the handle uses (None: all 15); build_shards creates only these by default."""
 
     def unavailable_reason(self) -> str | None:
         """None when the backend can work here, else why not and the command that fixes it."""

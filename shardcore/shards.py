@@ -9,7 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 from . import groups as engine
-from .errors import GroupCreationError
+from .errors import GroupCreationError, LayoutError
 from .layout import GROUP_NAMES, Layout, ShardPlan, plan_layout
 from .plugins import get_backend
 from .spec import ShardSpec, ShardsInput
@@ -67,16 +67,20 @@ def build_shards(
     allow_idle: bool = False,
     strategy: str = "local",
     timeout: float | timedelta | None = None,
+    groups: Sequence[str] | None = None,
     **backend_options: Any,
 ) -> list[Shard]:
     """Plan the layout, create this rank's groups and build its backend handle.
 
-    Every rank of the world calls it, idle ranks too. Before any group is created the
-    ranks check they planned the same layout; the call ends with a world sync so that
-    no rank (least of all the store's host) tears down while others still create.
+    Every rank of the world calls it, idle ranks too. ``groups`` names the standard
+    groups to create (default: those the backend's handle uses, ``Backend.group_names``);
+    the others stay None, so no rank pays for communicators nobody uses. Before any group
+    is created the ranks check they planned the same layout; the call ends with a world
+    sync so that no rank (least of all the store's host) tears down while others still create.
     """
     rank, _ = _require_world(total_world_size)
     chosen = get_backend(backend)
+    names = _group_names(groups if groups is not None else chosen.group_names)
     layout = shards if isinstance(shards, Layout) else plan_layout(
         total_world_size, shards, order=order, rank_offset=rank_offset, allow_idle=allow_idle
     )
@@ -92,10 +96,11 @@ def build_shards(
     if fake:
         log.info("shardcore: fake backend, ranks cannot see each other: agreement checks skipped")
     else:
-        engine.rendezvous(agree, f"{layout.fingerprint()}:{chosen.name}|{strategy}|{engine.group_counter()}", wait)
+        plan_id = f"{layout.fingerprint()}:{chosen.name}:{','.join(names)}"
+        engine.rendezvous(agree, f"{plan_id}|{strategy}|{engine.group_counter()}", wait)
     extras = {plan.index: chosen.extra_groups(plan, backend_options) for plan in layout.shards}
     try:
-        planned, groups, created = engine.create_groups(layout, rank, extras, strategy, wait)
+        planned, created_by_name, created = engine.create_groups(layout, rank, extras, strategy, wait, names)
     except BaseException as error:
         if not fake:
             engine.report_failure(built, error)
@@ -105,8 +110,9 @@ def build_shards(
         for plan in layout.shards:
             shard = Shard(plan.index, plan.spec, plan.rank_offset, plan.world_size, plan, dict.fromkeys(GROUP_NAMES))
             if rank in plan:
-                shard.is_member, shard.groups, shard.group_ranks, shard._created = True, groups, planned, created
-                shard.handle = chosen.make_handle(plan, rank, groups, backend_options)
+                shard.is_member, shard.group_ranks, shard._created = True, planned, created
+                shard.groups.update(created_by_name)
+                shard.handle = chosen.make_handle(plan, rank, shard.groups, backend_options)
             result.append(shard)
         if not fake:
             engine.rendezvous(built, "built", wait)
@@ -114,6 +120,18 @@ def build_shards(
         engine.destroy_groups(created)
         raise
     return result
+
+
+def _group_names(names: Sequence[str] | None) -> tuple[str, ...]:
+    """The standard group names to create, in creation order; None means all 15."""
+    if names is None:
+        return GROUP_NAMES
+    if isinstance(names, str):
+        names = [names]
+    unknown = [name for name in names if name not in GROUP_NAMES]
+    if unknown:
+        raise LayoutError(f"unknown group name {unknown[0]!r}: choose from {', '.join(GROUP_NAMES)}")
+    return tuple(name for name in GROUP_NAMES if name in names)
 
 
 def my_shard(shards: Sequence[Shard]) -> Shard | None:

@@ -30,7 +30,7 @@ def simulate(world: int, shards: str, ranks: list[int], strategy: str = "local",
         try:
             before = live_group_count()
             started = time.perf_counter()
-            built = shardcore.build_shards(world, layout, strategy=strategy, backend=backend)
+            built = shardcore.build_shards(world, layout, strategy=strategy, backend=backend, groups=shardcore.GROUP_NAMES)
             seconds = time.perf_counter() - started
             created = live_group_count() - before
             mine = shardcore.my_shard(built)

@@ -8,7 +8,9 @@ pytest.importorskip("torch")
 
 import engine_workers as workers  # noqa: E402
 
-from shardcore import plan_layout  # noqa: E402
+from shardcore_dtensor import DTensorBackend  # noqa: E402
+
+from shardcore import GROUP_NAMES, plan_layout  # noqa: E402
 from shardcore.testing import run_world  # noqa: E402
 
 HETERO = "tp=2,pp=2,role=prefill+tp=4,dp=2,ep=2,expt_tp=2,role=decode"
@@ -19,9 +21,9 @@ def _cases() -> list[dict]:
     cases = []
     for order in ("tp-cp-dp-pp", "tp-cp-pp-dp"):
         for strategy in ("local", "world"):
-            kwargs = {"order": order, "strategy": strategy, "allow_idle": True, "timeout": 60}
+            kwargs = {"order": order, "strategy": strategy, "allow_idle": True, "timeout": 60, "groups": GROUP_NAMES}
             cases.append({"shards": WITH_TRAIN, "kwargs": kwargs})
-    cases.append({"shards": "tp=2,cp=2,pp=2,dp=2,ep=2", "kwargs": {"timeout": 60}})
+    cases.append({"shards": "tp=2,cp=2,pp=2,dp=2,ep=2", "kwargs": {"timeout": 60}})  # the backend's own groups
     return cases
 
 
@@ -40,7 +42,8 @@ def test_every_group_matches_the_plan(reports_16: list[list[dict]], case_index: 
         if plan is None:
             assert report["shard"] is None and report["seen"] == {} and report["created"] == 0
             continue
-        expected = {k: list(v) for k, v in plan.groups_of(rank).items() if v is not None}
+        wanted = case["kwargs"].get("groups", DTensorBackend.group_names)
+        expected = {k: list(v) for k, v in plan.groups_of(rank).items() if v is not None and k in wanted}
         assert report["shard"] == plan.index
         assert report["planned"] == expected
         assert report["seen"] == expected, f"rank {rank}"

@@ -42,6 +42,7 @@ class DTensorBackend(Backend):
 
     name = "dtensor"
     description = "PyTorch DTensor DeviceMeshes (dense, expert, dp×cp) over each shard's window"
+    group_names = ("tp", "cp", "pp", "dp", "dp_cp", "ep", "expt_tp", "expt_dp")
 
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("torch") is None:

@@ -80,6 +80,7 @@ class HyperParallelBackend(Backend):
 
     name = "hyperparallel"
     description = "Hyper-Parallel MeshContext per shard and pipeline stage (Ascend NPU/HCCL, else CUDA/NCCL, else CPU/gloo)"
+    group_names = ("tp", "cp", "dp", "dp_cp")
 
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("torch") is None:
