@@ -1,7 +1,6 @@
 """Long fuzz run of parse_shards, plan_layout and `shardcore plan` (issue 6): N random inputs.
 
-Each input runs once under tracemalloc; its CPU time (tracemalloc's overhead included, so an
-over-estimate) and allocation peak are recorded. Fails on any exception other than a
+Each input runs twice: once timed (CPU time), once under tracemalloc for its allocation peak. Fails on any exception other than a
 ShardcoreError (or argparse's exit 2), on > 100 ms, or on > 100 MB for one input.
 
     python benchmarks/fuzz_long.py --n 100000 --seed 0
@@ -10,19 +9,16 @@ ShardcoreError (or argparse's exit 2), on > 100 ms, or on > 100 MB for one input
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import random
 import sys
 import time
-import tracemalloc
 import warnings
 from typing import Any
 
 from shardcore.cli import main
-from shardcore.errors import ShardcoreError
 from shardcore.layout import plan_layout
 from shardcore.spec import parse_shards
+from shardcore.testing import measure_input
 
 TOKENS = ["tp", "pp", "cp", "dp", "ep", "expt_tp", "role", "name", "TP", "=", ",", "+", ";", " ", "\n", "-", ":",
           "[", "]", "{", "}", "@", "0", "1", "2", "4", "8", "16", "-1", "99999999999999999999", "train", "prefill",
@@ -90,23 +86,11 @@ def run(n: int, seed: int) -> int:
     for i in range(n):
         kind, call, shown = one_input(rng)
         counts[kind] = counts.get(kind, 0) + 1
-        tracemalloc.start()
-        t0 = time.process_time()
-        try:
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                call()
-        except ShardcoreError:
-            pass
-        except SystemExit as exit_:
-            if exit_.code != 2:
-                bad += 1
-                print(f"input {i} ({kind}): SystemExit({exit_.code})", file=sys.stderr)
-        except BaseException as error:  # noqa: BLE001 - the point of fuzzing
+        cost = measure_input(call, allow_exit=kind == "cli")
+        if cost.error is not None:
             bad += 1
-            print(f"input {i} ({kind}): {type(error).__name__}: {error}", file=sys.stderr)
-        elapsed = time.process_time() - t0
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
+            print(f"input {i} ({kind}): {type(cost.error).__name__}: {cost.error}", file=sys.stderr)
+        elapsed, peak = cost.seconds, cost.peak_bytes
         if elapsed > worst_time.get(kind, (0.0, ""))[0]:
             worst_time[kind] = (elapsed, f"input {i}: {shown[:200]}")
         if peak > worst_mem.get(kind, (0, ""))[0]:

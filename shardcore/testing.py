@@ -8,12 +8,16 @@ world that outlives ``timeout``, fails the call with a message naming the ranks.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import queue
 import socket
 import time
+import tracemalloc
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -90,4 +94,44 @@ def run_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
     return [outcome[rank][1] for rank in range(world_size)]
 
 
-__all__ = ["WorldError", "run_world"]
+@dataclass(frozen=True)
+class InputCost:
+    """What one fuzz input cost, and any error other than the ones bad input may raise."""
+
+    seconds: float
+    peak_bytes: int
+    error: BaseException | None
+
+
+def measure_input(call: Callable[[], Any], allow_exit: bool = False) -> InputCost:
+    """Run ``call`` twice, quietly: timed (CPU time, immune to a loaded machine), then under tracemalloc.
+
+    A ShardcoreError is the expected answer to bad input, and with ``allow_exit`` so is
+    argparse's exit status 2; anything else is returned as ``error``.
+    """
+    def once() -> BaseException | None:
+        try:
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                call()
+        except ShardcoreError:
+            pass
+        except SystemExit as exit_:
+            if not (allow_exit and exit_.code == 2):
+                return exit_
+        except Exception as error:  # noqa: BLE001 - reported, not raised: the caller decides
+            return error
+        return None
+
+    started = time.process_time()
+    error = once()
+    seconds = time.process_time() - started
+    tracemalloc.start()
+    try:
+        error = once() or error
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return InputCost(seconds, peak, error)
+
+
+__all__ = ["InputCost", "WorldError", "measure_input", "run_world"]

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import time
-import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
@@ -14,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardcore.cli import main
-from shardcore.errors import ShardcoreError
 from shardcore.layout import plan_layout
 from shardcore.spec import parse_shards
+from shardcore.testing import measure_input
 
 MAX_SECONDS = 0.1
 MAX_BYTES = 100 * 2**20
@@ -41,28 +39,12 @@ big = st.builds(lambda tp, pp, dp: f"tp={tp},pp={pp},dp={dp}", st.sampled_from([
 
 
 def bounded(call: Callable[[], Any], allow_exit: bool = False) -> None:
-    """Run ``call`` twice: timed (CPU time, immune to a loaded machine), then under tracemalloc."""
-    def once() -> None:
-        try:
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                call()
-        except ShardcoreError:
-            pass
-        except SystemExit as exit_:
-            if not (allow_exit and exit_.code == 2):
-                raise
-
-    started = time.process_time()
-    once()
-    elapsed = time.process_time() - started
-    assert elapsed < MAX_SECONDS, f"{elapsed * 1000:.0f} ms"
-    tracemalloc.start()
-    try:
-        once()
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert peak < MAX_BYTES, f"{peak / 2**20:.0f} MiB"
+    """Only the errors bad input may raise, within the time and memory budget."""
+    cost = measure_input(call, allow_exit)
+    if cost.error is not None:
+        raise cost.error
+    assert cost.seconds < MAX_SECONDS, f"{cost.seconds * 1000:.0f} ms"
+    assert cost.peak_bytes < MAX_BYTES, f"{cost.peak_bytes / 2**20:.0f} MiB"
 
 
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
