@@ -122,22 +122,34 @@ def _timed_fake(rank: int, world: int, call: Any) -> tuple[float, int]:
         dist.destroy_process_group()
 
 
+def dtensor_meshes(world: int, layout: Any) -> Any:
+    """build_shards with the DTensor backend, then the dense and dp×cp meshes (built on first use),
+    which is what init_device_mesh + _flatten("dp_cp") provides."""
+    import shardcore
+
+    shards = shardcore.build_shards(world, layout, backend="dtensor", device_type="cpu")
+    handle = shardcore.my_shard(shards).handle
+    handle.mesh, handle.dp_cp
+    return shards
+
+
 def fake_rows(worlds: list[int], max_peer_world: int, samples: int) -> list[dict[str, Any]]:
     import shardcore
     from shardcore.layout import plan_layout
 
     warm = plan_layout(64, "tp=8,cp=2,pp=4")  # lazy imports and plugin loading, untimed
-    for backend in ("groups-only", "dtensor"):
-        _timed_fake(0, 64, lambda: shardcore.build_shards(64, warm, backend=backend))
+    _timed_fake(0, 64, lambda: shardcore.build_shards(64, warm, backend="groups-only"))
+    _timed_fake(0, 64, lambda: dtensor_meshes(64, warm))
     rows = []
     for world in worlds:
         tp, cp, pp, dp = 8, 2, 4, world // 64
         layout = plan_layout(world, f"tp={tp},cp={cp},pp={pp},dp={dp}")
         ranks = [world // 2 + 3, world - 1, 1, world // 3][:samples]
         row: dict[str, Any] = {"world": world}
-        for key, backend in (("sc_groups", "groups-only"), ("sc_dtensor", "dtensor")):
-            timed = [_timed_fake(r, world, lambda: shardcore.build_shards(world, layout, backend=backend))
-                     for r in ranks]
+        builds = {"sc_groups": lambda: shardcore.build_shards(world, layout, backend="groups-only"),
+                  "sc_dtensor": lambda: dtensor_meshes(world, layout)}
+        for key, build in builds.items():
+            timed = [_timed_fake(r, world, build) for r in ranks]
             row[key] = statistics.median(t for t, _ in timed)
             row[key + "_pgs"] = max(n for _, n in timed)
         peer_rank = world // 2 + 3  # not rank 0: HyperCommGrid formats every enumeration into a log line there
@@ -170,7 +182,7 @@ def live_worker(rank: int, world: int, rounds: int) -> dict[str, Any]:
     spec = f"tp={tp},cp={cp},pp={pp},dp={dp}"
     calls = {
         "sc_groups": lambda: shardcore.build_shards(world, spec, backend="groups-only"),
-        "sc_dtensor": lambda: shardcore.build_shards(world, spec, backend="dtensor", device_type="cpu"),
+        "sc_dtensor": lambda: dtensor_meshes(world, spec),
         "megatron": lambda: megatron_groups(tp, cp, dp, pp),
         "mesh": lambda: device_mesh_groups(tp, cp, dp, pp),
     }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 from importlib.metadata import entry_points
 
 import pluggy
@@ -67,18 +68,23 @@ def _installed_names() -> list[str]:
     return sorted({ep.name for ep in _entry_points()} | set(_registered))
 
 
+@lru_cache(maxsize=None)
+def _load(name: str) -> Backend | None:
+    """The backend registered under ``name`` by its entry point, loaded once per process."""
+    try:
+        return _collect(plugin_manager(name)).get(name)
+    except ImportError as error:
+        raise BackendUnavailableError(f"backend {name!r} failed to import: {error}") from error
+
+
 def get_backend(name: str | None = None, *, require_available: bool = True) -> Backend:
     """Select a backend: explicit ``name`` > ``$SHARDCORE_BACKEND`` > ``dtensor``.
 
-    Only the chosen backend's plugin module is imported.
+    Only the chosen backend's plugin module is imported, once per process (scanning
+    entry points costs tens of milliseconds).
     """
     chosen = name or os.environ.get(BACKEND_ENV) or DEFAULT_BACKEND
-    backend = _registered.get(chosen)
-    if backend is None:
-        try:
-            backend = _collect(plugin_manager(chosen)).get(chosen)
-        except ImportError as error:
-            raise BackendUnavailableError(f"backend {chosen!r} failed to import: {error}") from error
+    backend = _registered.get(chosen) or _load(chosen)
     if backend is None:
         installed = ", ".join(_installed_names()) or "none"
         raise BackendNotFoundError(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from shardcore.device import device_type
@@ -13,14 +13,35 @@ from shardcore.layout import ShardPlan
 from shardcore.protocols import Backend, GridLike
 
 
-@dataclass(frozen=True)
 class DTensorShard:
-    """A member rank's meshes: ``mesh`` (pp, dp, cp, tp), ``expert_mesh``, and the flat ``dp_cp`` mesh."""
+    """A member rank's meshes: ``mesh`` (pp, dp, cp, tp), ``expert_mesh``, and the flat ``dp_cp`` mesh.
 
-    mesh: Any
-    expert_mesh: Any
-    dp_cp: Any
-    device_type: str
+    Each mesh is built on first use: wrapping groups is local (no communication) but costs
+    milliseconds, and a dense model never needs the expert mesh.
+    """
+
+    def __init__(self, plan: ShardPlan, groups: Mapping[str, Any], device_type: str) -> None:
+        self.plan, self.groups, self.device_type = plan, dict(groups), device_type
+
+    def __repr__(self) -> str:
+        return f"DTensorShard(shard={self.plan.index}, spec='{self.plan.spec}', device_type={self.device_type!r})"
+
+    @cached_property
+    def mesh(self) -> Any:
+        """Dense mesh over the window: (pp, dp, cp, tp), or (dp, pp, cp, tp) under tp-cp-pp-dp."""
+        return window_mesh(self.plan.decoder_grid, self.groups, self.device_type)
+
+    @cached_property
+    def expert_mesh(self) -> Any:
+        """Expert mesh over the window: (pp, expt_dp, ep, expt_tp), or (expt_dp, pp, ep, expt_tp)."""
+        return window_mesh(self.plan.expert_grid, self.groups, self.device_type)
+
+    @cached_property
+    def dp_cp(self) -> Any:
+        """The flattened dp×cp mesh (gradient all-reduce domain)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh.from_group(self.groups["dp_cp"], self.device_type, mesh_dim_names=("dp_cp",))
 
 
 def window_mesh(grid: GridLike, groups: Mapping[str, Any], device: str) -> Any:
@@ -54,15 +75,7 @@ class DTensorBackend(Backend):
         return f"would use {device_type()}"
 
     def make_handle(self, plan: ShardPlan, rank: int, groups: Mapping[str, Any], options: Mapping[str, Any]) -> DTensorShard:
-        from torch.distributed.device_mesh import DeviceMesh
-
-        device = options.get("device_type") or device_type()
-        return DTensorShard(
-            mesh=window_mesh(plan.decoder_grid, groups, device),
-            expert_mesh=window_mesh(plan.expert_grid, groups, device),
-            dp_cp=DeviceMesh.from_group(groups["dp_cp"], device, mesh_dim_names=("dp_cp",)),
-            device_type=device,
-        )
+        return DTensorShard(plan, groups, options.get("device_type") or device_type())
 
 
 @hookimpl
