@@ -168,7 +168,8 @@ def _rendezvous(phase: str, value: str, timeout: timedelta) -> None:
         error = GroupCreationError if reference.split("|")[0] == theirs.split("|")[0] else LayoutMismatchError
         raise error(
             f"rank {rank}: ranks {_listed(differ)} disagree with the other {world - len(differ)} ranks at "
-            f"'{phase}': they have {theirs!r}, the others {reference!r} (layout fingerprint | strategy | group count)"
+            f"'{phase}': they have {theirs!r}, the others {reference!r} "
+            f"(layout:backend:groups | strategy | torch group counter)"
         )
 
 
