@@ -84,6 +84,8 @@ def build_shards(
     layout = shards if isinstance(shards, Layout) else plan_layout(
         total_world_size, shards, order=order, rank_offset=rank_offset, allow_idle=allow_idle
     )
+    if layout.world_size != total_world_size:
+        raise LayoutError(f"the layout plans {layout.world_size} ranks but total_world_size={total_world_size}")
     chosen.validate(layout, backend_options)
     wait = engine.as_timedelta(timeout)
     if strategy not in engine.STRATEGIES:

@@ -93,13 +93,15 @@ def dtensor_roundtrip(rank: int, world: int) -> dict[str, Any]:
 
 def bad_calls(rank: int, world: int) -> dict[str, str]:
     """Each bad argument's error message (nothing is created)."""
-    from shardcore import ShardcoreError
+    from shardcore import ShardcoreError, plan_layout
 
     calls = {
         "world": lambda: build_shards(4, "tp=4"),
         "strategy": lambda: build_shards(world, "tp=2", strategy="nowhere"),
         "backend": lambda: build_shards(world, "tp=2", backend="nope"),
         "timeout": lambda: build_shards(world, "tp=2", timeout=-1),
+        "groups": lambda: build_shards(world, "tp=2", groups=["tp", "bogus"]),
+        "layout": lambda: build_shards(world, plan_layout(2 * world, f"tp={2 * world}")),
     }
     messages = {}
     for key, call in calls.items():

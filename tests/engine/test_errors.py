@@ -24,3 +24,5 @@ def test_bad_calls_in_a_live_world() -> None:
         assert "strategy='nowhere'" in messages["strategy"]
         assert "no backend named 'nope'" in messages["backend"]
         assert "timeout=-1" in messages["timeout"]
+        assert "unknown group name 'bogus'" in messages["groups"]
+        assert "plans 4 ranks but total_world_size=2" in messages["layout"]
