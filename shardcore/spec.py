@@ -223,6 +223,22 @@ def _from_sequence(items: Sequence[Any]) -> list[ShardSpec]:
     return out
 
 
+MAX_SPEC_FILE_BYTES = 1 << 20
+"""A shard file is a few lines; a bigger one (or /dev/zero) is a mistake, not a layout."""
+
+
+def _read_spec_file(path: Path) -> str:
+    try:
+        with path.open("rb") as file:
+            data = file.read(MAX_SPEC_FILE_BYTES + 1)
+        text = data.decode("utf-8")
+    except (OSError, ValueError) as error:  # ValueError: undecodable, or a NUL in the path
+        raise ShardSpecError(f"cannot read shard file {str(path)!r}: {error}") from None
+    if len(data) > MAX_SPEC_FILE_BYTES:
+        raise ShardSpecError(f"shard file {str(path)!r} is over {MAX_SPEC_FILE_BYTES} bytes: give a spec file, not data")
+    return text
+
+
 def parse_shards(spec: ShardsInput) -> tuple[ShardSpec, ...]:
     """Parse shards from a spec string, ``@file`` (JSON/YAML/grammar), ShardSpecs or dicts.
 
@@ -234,11 +250,7 @@ def parse_shards(spec: ShardsInput) -> tuple[ShardSpec, ...]:
     elif isinstance(spec, str):
         if spec.strip().startswith("@"):
             path = Path(spec.strip()[1:])
-            try:
-                text = path.read_text(encoding="utf-8")
-            except (OSError, ValueError) as error:  # ValueError: undecodable, or a NUL in the path
-                raise ShardSpecError(f"cannot read shard file {str(path)!r}: {error}") from None
-            shards = _parse_text(text, f"shard file {str(path)!r}")
+            shards = _parse_text(_read_spec_file(path), f"shard file {str(path)!r}")
         else:
             shards = _parse_text(spec, "the shard spec")
     elif isinstance(spec, Sequence) and not isinstance(spec, (bytes, bytearray)):

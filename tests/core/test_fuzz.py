@@ -73,7 +73,7 @@ def test_plan_cli(world: str, spec: str, flags: list[str]) -> None:
 
 
 HOSTILE = ["[" * 100_000, "{" * 5000, "- " * 50_000 + "x", "- [" * 3000, "[]" * 50_000, "tp=" + "9" * 5000,
-           "- &a [*a]", "- !!python/object/apply:os.system [ls]", "@/nonexistent", "@/", "\x00", ""]
+           "- &a [*a]", "- !!python/object/apply:os.system [ls]", "@/nonexistent", "@/", "@/dev/zero", "\x00", ""]
 
 
 def test_hostile_documents() -> None:
