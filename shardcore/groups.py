@@ -233,9 +233,17 @@ def _new_group(ranks: tuple[int, ...], names: Sequence[str], plan: ShardPlan, ti
     except Exception as error:
         raise GroupCreationError(
             f"rank {dist.get_rank()}: creating group {'/'.join(names) or '?'} of shard {plan.index} with ranks "
-            f"{_listed(ranks)} failed after {time.monotonic() - started:.1f}s: {error}. "
-            f"Its members must all reach this group within the timeout"
+            f"{_listed(ranks)} failed after {time.monotonic() - started:.1f}s: {error}. {_likely_cause()}"
         ) from error
+
+
+def _likely_cause() -> str:
+    """Why a group creation failed: a lost store (its host died) explains a member's abrupt error."""
+    try:
+        _store().check(["shardcore/alive"])
+    except Exception:  # any failure to reach the store means the same thing here
+        return "The store is unreachable: its host (rank 0 under torchrun) has probably died"
+    return "Its members must all reach this group within the timeout"
 
 
 def create_groups(
