@@ -37,7 +37,7 @@ def test_rank_with_a_different_spec_is_named_on_every_rank() -> None:
     for rank, (outcome, kind, message, elapsed) in enumerate(results):
         assert (outcome, kind) == ("error", "LayoutMismatchError"), (rank, message)
         assert "ranks [3] (1 ranks) disagree with the other 3 ranks" in message
-        assert "layout fingerprint" in message
+        assert "layout:backend:groups" in message
         assert elapsed < MARGIN  # no waiting: everyone arrived, the values differ
 
 
