@@ -48,30 +48,15 @@ def test_build_meshs_runs_the_same_checks() -> None:
 
 
 def _fake_hyper_parallel(monkeypatch: pytest.MonkeyPatch) -> tuple[type, type]:
-    @dataclasses.dataclass
-    class HPMeshContext:
-        device_mesh: Any = None
-        fsdp_non_moe_mesh: Any = None
-        fsdp_moe_mesh: Any = None
-        dp_size: int = 1
-        dp_replicate_size: int = 1
-        dp_shard_size: int = 1
-        edp_shard_size: int = 1
-        tp_size: int = 1
-        cp_size: int = 1
-        pp_size: int = 1
-        ep_size: int = 1
-        dp_rank: int = 0
-        tp_rank: int = 0
-        cp_rank: int = 0
-        pp_rank: int = 0
-        ep_rank: int = 0
-        sequence_parallel: bool = False
-        loss_parallel: bool = False
+    def flatten_only(self: Any) -> Any:
+        raise AttributeError("torch DeviceMesh has no flatten")
 
-        @property
-        def dp_cp_mesh(self) -> Any:
-            raise AttributeError("torch DeviceMesh has no flatten")
+    # Upstream's class: the same fields (MESH_FIELDS checks ours against them), its own dp_cp_mesh.
+    HPMeshContext = dataclasses.make_dataclass(  # noqa: N806 - a class
+        "HPMeshContext",
+        [(f.name, f.type, dataclasses.field(default=f.default)) for f in dataclasses.fields(MeshContext)],
+        namespace={"dp_cp_mesh": property(flatten_only)},
+    )
 
     @dataclasses.dataclass
     class HPSetup:
