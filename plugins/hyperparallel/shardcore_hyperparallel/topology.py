@@ -131,7 +131,7 @@ def mesh_groups(shape: Sequence[int], start: int) -> list[list[tuple[int, ...]]]
     """
     strides = [prod(shape[i + 1:]) for i in range(len(shape))]
     result = []
-    for dim, (size, stride) in enumerate(zip(shape, strides)):
+    for size, stride in zip(shape, strides):
         bases = [start + local for local in range(prod(shape)) if (local // stride) % size == 0]
         result.append([tuple(base + k * stride for k in range(size)) for base in bases])
     return result

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from hp_expected import group_along, hp_meshes, stage_window
-from shardcore import LayoutError, plan_layout
+from shardcore import plan_layout
 from shardcore.groups import requested_groups
 from shardcore_hyperparallel import HyperParallelBackend, resolve_sizes, shard_sizes
 from shardcore_hyperparallel.backend import MESH_GROUPS
