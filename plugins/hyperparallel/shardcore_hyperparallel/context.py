@@ -121,10 +121,11 @@ class MeshContext:
         def build(shape_names: tuple[tuple[int, ...], tuple[str, ...]]) -> Any:
             shape, names = shape_names
             mine = []
+            stages = [mesh_groups(shape, stage * sizes.stage_size) for stage in range(sizes.pp)]
             for dim in range(len(shape)):
                 found = None
-                for stage in range(sizes.pp):
-                    for ranks in mesh_groups(shape, stage * sizes.stage_size)[dim]:
+                for groups_by_dim in stages:
+                    for ranks in groups_by_dim[dim]:
                         group = dist.new_group(list(ranks))
                         found = group if rank in ranks else found
                 mine.append(found)
