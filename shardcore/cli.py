@@ -98,6 +98,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"shardcore: error: {usage}", file=sys.stderr)
         return 2
     layout = plan_layout(args.world, args.shards, order=args.order, rank_offset=args.rank_offset, allow_idle=args.allow_idle)
+    if args.rank is not None:
+        layout.shard_of(args.rank)  # a rank outside the world fails here, before anything is printed
     report = None if args.ranks_per_node is None else check_topology(layout, args.ranks_per_node)
     if args.svg:
         per_node = DEFAULT_RANKS_PER_NODE if args.ranks_per_node is None else args.ranks_per_node

@@ -106,3 +106,9 @@ def test_python_dash_m(tmp_path: Path) -> None:
 def test_plan_rank_outside_the_world(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = _run(capsys, "plan", "--world", "4", "--shards", "tp=4", "--rank", "9")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "rank 9" in err
+
+
+def test_rank_outside_the_world_prints_only_the_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--world", "8", "--shards", "tp=8", "--rank", "9"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "rank 9 is outside the world [0, 8)" in err
