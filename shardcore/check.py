@@ -81,7 +81,7 @@ def _init_from_env() -> None:
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     elif device == "npu":
-        torch.npu.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.npu.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # type: ignore[attr-defined]  # registered by torch_npu
     dist.init_process_group(backend=os.environ.get("SHARDCORE_COMM_BACKEND") or comm_backend(device))
 
 

@@ -16,7 +16,7 @@ def npu_status() -> tuple[bool, str]:
     import torch
 
     try:
-        present = bool(torch.npu.is_available()) and torch.npu.device_count() > 0
+        present = bool(torch.npu.is_available()) and torch.npu.device_count() > 0  # type: ignore[attr-defined]
     except (AttributeError, RuntimeError) as error:
         return False, f"torch_npu imported but cannot query NPUs: {error}"
     return (True, "Ascend NPU present") if present else (False, "torch_npu imported but no NPU is present")

@@ -138,7 +138,7 @@ def _rendezvous(phase: str, value: str, timeout: timedelta) -> None:
     store.set(f"{prefix}/value/{rank}", value)
     reference = store.compare_set(f"{prefix}/reference", "", value).decode()
     if reference != value:
-        store.append(f"{prefix}/differ", f"{rank},")
+        store.append(f"{prefix}/differ", f"{rank},")  # type: ignore[attr-defined]  # missing from torch's stubs
     if store.add(f"{prefix}/arrived", 1) == world:
         store.set(f"{prefix}/done", "1")
     try:
@@ -165,8 +165,8 @@ def _rendezvous(phase: str, value: str, timeout: timedelta) -> None:
         if 2 * len(differ) > world:  # the first to arrive is the odd one out: name the minority
             differ_set = set(differ)
             differ, theirs, reference = [r for r in range(world) if r not in differ_set], reference, theirs
-        error = GroupCreationError if reference.split("|")[0] == theirs.split("|")[0] else LayoutMismatchError
-        raise error(
+        error_type = GroupCreationError if reference.split("|")[0] == theirs.split("|")[0] else LayoutMismatchError
+        raise error_type(
             f"rank {rank}: ranks {_listed(differ)} disagree with the other {world - len(differ)} ranks at "
             f"'{phase}': they have {theirs!r}, the others {reference!r} "
             f"(layout:backend:groups | strategy | torch group counter)"

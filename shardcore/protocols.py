@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from .grid import Dims
@@ -13,10 +13,19 @@ from .spec import ShardSpec
 class GridLike(Protocol):
     """What a grid offers: named dims over a rank window, first dim fastest."""
 
-    shape: tuple[int, ...]
-    dim_names: tuple[str, ...]
-    rank_offset: int
-    size: int
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dim_names(self) -> tuple[str, ...]: ...
+
+    @property
+    def rank_offset(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    def iter_groups(self, dims: Dims) -> Iterator[tuple[int, ...]]: ...
 
     def rank_enum(self, dims: Dims) -> list[list[int]]: ...
 
@@ -29,10 +38,17 @@ class GridLike(Protocol):
 class ShardPlanLike(Protocol):
     """What a planned shard offers: its spec, its window, its grids and a rank's groups."""
 
-    index: int
-    spec: ShardSpec
-    rank_offset: int
-    world_size: int
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def spec(self) -> ShardSpec: ...
+
+    @property
+    def rank_offset(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
 
     @property
     def ranks(self) -> range: ...
@@ -74,6 +90,7 @@ class Backend(Protocol):
 
     def validate(self, layout: Any, options: Mapping[str, Any]) -> None:
         """Raise a ShardcoreError for layouts or options this backend cannot serve (runs on every rank)."""
+        return None
 
     def extra_groups(self, plan: ShardPlanLike, options: Mapping[str, Any]) -> NamedGrids:
         """Named groups beyond the standard 15, each as (grid over the shard's ranks, dims)."""

@@ -40,7 +40,7 @@ class ShardSpec:
     cp: int = 1
     dp: int = 1
     ep: int = 1
-    expt_tp: int | None = None
+    expt_tp: int = None  # type: ignore[assignment]  # None means tp: resolved in __post_init__
     role: str | None = None
     name: str | None = None
 

@@ -71,7 +71,8 @@ class GroupFinding:
         """The example group, elided in the middle when long, without enumerating a huge group."""
         example = self.example if self.group_size <= EXAMPLE_LIMIT else None
         if example is None:
-            last = self.example_first + _span(self._grid, self._dims) if self._grid is not None else "?"
+            first, grid = self.example_first, self._grid
+            last = first + _span(grid, self._dims) if grid is not None and first is not None else "?"
             return f"the {self.group_size}-rank group spanning ranks {self.example_first}-{last}"
         if len(example) <= 8:
             return f"[{', '.join(map(str, example))}]"

@@ -9,8 +9,7 @@ from typing import Any
 
 from shardcore.device import device_type
 from shardcore.hookspecs import hookimpl
-from shardcore.layout import ShardPlan
-from shardcore.protocols import Backend, GridLike
+from shardcore.protocols import Backend, GridLike, ShardPlanLike
 
 
 class DTensorShard:
@@ -20,7 +19,7 @@ class DTensorShard:
     milliseconds, and a dense model never needs the expert mesh.
     """
 
-    def __init__(self, plan: ShardPlan, groups: Mapping[str, Any], device_type: str) -> None:
+    def __init__(self, plan: ShardPlanLike, groups: Mapping[str, Any], device_type: str) -> None:
         self.plan, self.groups, self.device_type = plan, dict(groups), device_type
 
     def __repr__(self) -> str:
@@ -74,7 +73,7 @@ class DTensorBackend(Backend):
         """The mesh device type: cuda, else a working Ascend NPU, else cpu."""
         return f"would use {device_type()}"
 
-    def make_handle(self, plan: ShardPlan, rank: int, groups: Mapping[str, Any], options: Mapping[str, Any]) -> DTensorShard:
+    def make_handle(self, plan: ShardPlanLike, rank: int, groups: Mapping[str, Any], options: Mapping[str, Any]) -> DTensorShard:
         return DTensorShard(plan, groups, options.get("device_type") or device_type())
 
 

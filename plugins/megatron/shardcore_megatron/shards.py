@@ -119,7 +119,7 @@ def build_inference_pg_collection(
             f"world_size={world_size} is not divisible by tp*cp*pp = {sizes['tp']}*{sizes['cp']}*{sizes['pp']} = {dense}: "
             f"choose sizes whose product divides the window"
         )
-    spec = ShardSpec(dp=world_size // dense, **sizes)
+    spec = ShardSpec(dp=world_size // dense, **sizes)  # type: ignore[arg-type]  # sizes holds only int keys
     require_available()
     _, total = _torch_world()
     layout = plan_layout(total, [spec], order=_order(use_tp_pp_dp_mapping), rank_offset=rank_offset, allow_idle=True)
