@@ -201,7 +201,7 @@ def requested_groups(
     plan: ShardPlan, rank: int, extra: NamedGrids, names: Collection[str] = GROUP_NAMES
 ) -> dict[str, tuple[int, ...] | None]:
     """A member rank's standard groups among ``names``, plus the backend's extra ones."""
-    groups = {name: ranks for name, ranks in plan.groups_of(rank).items() if name in names}
+    groups = plan.groups_of(rank, names)
     groups.update({name: grid.group_ranks(rank, dims) for name, (grid, dims) in sorted(extra.items())})
     return groups
 

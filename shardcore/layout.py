@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from bisect import bisect_right
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -85,15 +86,20 @@ class ShardPlan:
         """The rank's coordinates on both grids (pp is shared)."""
         return {**self.expert_grid.coords(rank), **self.decoder_grid.coords(rank)}
 
-    def groups_of(self, rank: int) -> Groups:
-        """The 15 named groups of a member rank; embd / pos_embd are None where it is not in them."""
-        groups: Groups = {name: self.decoder_grid.group_ranks(rank, dims) for name, dims in DECODER_GROUPS.items()}
-        groups.update({name: self.expert_grid.group_ranks(rank, dims) for name, dims in EXPERT_GROUPS.items()})
-        pp = self.decoder_grid.group_ranks(rank, "pp")
-        embd = (pp[0], pp[-1]) if len(pp) > 1 else (pp[0],)
-        groups["embd"] = embd if rank in embd else None
-        groups["pos_embd"] = (pp[0],) if rank == pp[0] else None
-        return groups
+    def groups_of(self, rank: int, names: Collection[str] = GROUP_NAMES) -> Groups:
+        """A member rank's named groups (all 15, or those in ``names``, in GROUP_NAMES order).
+
+        embd / pos_embd are None where the rank is not in them. Groups not asked for are not
+        computed: at a million ranks one of them can hold a quarter of the world.
+        """
+        groups: Groups = {}
+        for grid, table in ((self.decoder_grid, DECODER_GROUPS), (self.expert_grid, EXPERT_GROUPS)):
+            groups.update({name: grid.group_ranks(rank, dims) for name, dims in table.items() if name in names})
+        if "embd" in names or "pos_embd" in names:
+            pp = self.decoder_grid.group_ranks(rank, "pp")
+            embd = (pp[0], pp[-1]) if len(pp) > 1 else (pp[0],)
+            groups.update(embd=embd if rank in embd else None, pos_embd=(pp[0],) if rank == pp[0] else None)
+        return {name: ranks for name, ranks in groups.items() if name in names}
 
     def to_dict(self) -> dict[str, Any]:
         grids = {

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 from .grid import Dims
@@ -59,7 +59,7 @@ class ShardPlanLike(Protocol):
     @property
     def expert_grid(self) -> GridLike: ...
 
-    def groups_of(self, rank: int) -> dict[str, tuple[int, ...] | None]: ...
+    def groups_of(self, rank: int, names: Collection[str] = ...) -> dict[str, tuple[int, ...] | None]: ...
 
     def coords(self, rank: int) -> dict[str, int]: ...
 
