@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -96,12 +95,6 @@ def local_worker(options: dict[str, Any]) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _failure_text(message: Any) -> str:
     """The error line of a worker's failure record (a dict with 'message', or plain text)."""
     return str(message.get("message", message)) if isinstance(message, dict) else str(message)
@@ -112,9 +105,11 @@ def run_local(nproc: int, options: dict[str, Any]) -> list[RankReport]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from .testing import free_port
+
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"shardcore-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0, monitor_interval=0.1,
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0, monitor_interval=0.1,
         start_method="spawn",
     )
     try:

@@ -256,13 +256,12 @@ def create_groups(
 ) -> tuple[Groups, dict[str, ProcessGroup | None], list[ProcessGroup]]:
     """Create this rank's groups among ``names`` plus the backend's extras.
 
-    Returns (planned ranks by name, group by name, groups created).
+    Returns (planned ranks by name, group by name, groups created). ``strategy`` is one of
+    STRATEGIES; build_shards checks it before any rank communicates.
 
     Both dicts are empty on an idle rank. On failure every group created so far is
     destroyed before the error propagates.
     """
-    if strategy not in STRATEGIES:
-        raise GroupCreationError(f"strategy={strategy!r}: expected one of {', '.join(STRATEGIES)}")
     mine = layout.shard_of(rank)
     planned = requested_groups(mine, rank, extras.get(mine.index, {}), names) if mine is not None else {}
     groups: dict[str, ProcessGroup | None] = dict.fromkeys(planned)

@@ -28,7 +28,8 @@ class WorldError(ShardcoreError, RuntimeError):
     """A rank of a test world failed or did not finish in time."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (for a world's store or rendezvous)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -59,7 +60,7 @@ def run_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
 
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [context.Process(target=_bootstrap, args=(r, world_size, port, fn, args, results, pg_timeout), daemon=True)
              for r in range(world_size)]
     for proc in procs:
@@ -134,4 +135,4 @@ def measure_input(call: Callable[[], Any], allow_exit: bool = False) -> InputCos
     return InputCost(seconds, peak, error)
 
 
-__all__ = ["InputCost", "WorldError", "measure_input", "run_world"]
+__all__ = ["InputCost", "WorldError", "free_port", "measure_input", "run_world"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -13,7 +12,7 @@ pytest.importorskip("torch")
 
 import dtensor_workers as workers  # noqa: E402
 
-from shardcore.testing import run_world  # noqa: E402
+from shardcore.testing import free_port, run_world  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +44,6 @@ def test_ensure_distributed_initialized_starts_a_single_process_world() -> None:
         "first = e(rank=0, world_size=1); second = e(); print(first, second, dist.get_backend());"
         "dist.destroy_process_group()"
     )
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert result.stdout.split() == ["True", "False", "gloo"], result.stderr
