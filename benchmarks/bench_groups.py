@@ -38,6 +38,7 @@ LIVE_WORLDS = (8, 16, 32)
 
 # ---------------------------------------------------------------- shared helpers
 
+
 def _quiet() -> None:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
@@ -46,7 +47,7 @@ def _quiet() -> None:
 
 def _register_groups_backend() -> None:
     import shardcore
-    from shardcore.protocols import Backend
+    from shardcore.engine.backend import Backend
 
     class GroupsOnly(Backend):
         name = "groups-only"
@@ -98,6 +99,7 @@ def device_mesh_groups(tp: int, cp: int, dp: int, pp: int) -> Any:
 
 # ---------------------------------------------------------------- fake-backend worlds
 
+
 def _fake_world(rank: int, world: int) -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -135,7 +137,7 @@ def dtensor_meshes(world: int, layout: Any) -> Any:
 
 def fake_rows(worlds: list[int], max_peer_world: int, samples: int) -> list[dict[str, Any]]:
     import shardcore
-    from shardcore.layout import plan_layout
+    from shardcore.plan.layout import plan_layout
 
     warm = plan_layout(64, "tp=8,cp=2,pp=4")  # lazy imports and plugin loading, untimed
     _timed_fake(0, 64, lambda: shardcore.build_shards(64, warm, backend="groups-only"))
@@ -146,15 +148,19 @@ def fake_rows(worlds: list[int], max_peer_world: int, samples: int) -> list[dict
         layout = plan_layout(world, f"tp={tp},cp={cp},pp={pp},dp={dp}")
         ranks = [world // 2 + 3, world - 1, 1, world // 3][:samples]
         row: dict[str, Any] = {"world": world}
-        builds = {"sc_groups": lambda: shardcore.build_shards(world, layout, backend="groups-only"),
-                  "sc_dtensor": lambda: dtensor_meshes(world, layout)}
+        builds = {
+            "sc_groups": lambda: shardcore.build_shards(world, layout, backend="groups-only"),
+            "sc_dtensor": lambda: dtensor_meshes(world, layout),
+        }
         for key, build in builds.items():
             timed = [_timed_fake(r, world, build) for r in ranks]
             row[key] = statistics.median(t for t, _ in timed)
             row[key + "_pgs"] = max(n for _, n in timed)
         peer_rank = world // 2 + 3  # not rank 0: HyperCommGrid formats every enumeration into a log line there
         if world <= max_peer_world:
-            row["megatron"], row["megatron_pgs"] = _timed_fake(peer_rank, world, lambda: megatron_groups(tp, cp, dp, pp))
+            row["megatron"], row["megatron_pgs"] = _timed_fake(
+                peer_rank, world, lambda: megatron_groups(tp, cp, dp, pp)
+            )
             row["mesh"], row["mesh_pgs"] = _timed_fake(peer_rank, world, lambda: device_mesh_groups(tp, cp, dp, pp))
         rows.append(row)
         print(f"  fake world {world}: {_fmt_row(row)}", file=sys.stderr, flush=True)
@@ -166,6 +172,7 @@ def _fmt_row(row: dict[str, Any]) -> str:
 
 
 # ---------------------------------------------------------------- live gloo worlds
+
 
 def live_worker(rank: int, world: int, rounds: int) -> dict[str, Any]:
     """On every rank: time shardcore local, HyperCommGrid and init_device_mesh, each between barriers."""
@@ -225,6 +232,7 @@ def live_rows(worlds: list[int], rounds: int) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------- report
 
+
 def _s(value: float | None) -> str:
     if value is None:
         return "-"
@@ -237,9 +245,11 @@ def _x(peer: float | None, ours: float) -> str:
 
 def table(rows: list[dict[str, Any]], title: str) -> str:
     lines = [
-        f"**{title}**", "",
+        f"**{title}**",
+        "",
         "| world | shardcore local (groups) | shardcore local + DTensor | Megatron HyperCommGrid | init_device_mesh "
-        "| Megatron / shardcore | init_device_mesh / shardcore+DTensor | process groups per rank: shardcore / Megatron / init_device_mesh |",
+        "| Megatron / shardcore | init_device_mesh / shardcore+DTensor "
+        "| process groups per rank: shardcore / Megatron / init_device_mesh |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
@@ -255,8 +265,12 @@ def table(rows: list[dict[str, Any]], title: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fake worlds 1,024-16,384, live world 8, one round")
-    parser.add_argument("--max-peer-world", type=int, default=262144,
-                        help="time Megatron and init_device_mesh only up to this world size (they are O(world))")
+    parser.add_argument(
+        "--max-peer-world",
+        type=int,
+        default=262144,
+        help="time Megatron and init_device_mesh only up to this world size (they are O(world))",
+    )
     parser.add_argument("--no-live", action="store_true", help="skip the live gloo worlds")
     args = parser.parse_args(argv)
     os.environ["SHARDCORE_BENCH_FAKE"] = "1"
@@ -270,16 +284,20 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     fake = fake_rows(fake_worlds, args.max_peer_world, samples=3)
     live = live_rows(live_worlds, rounds=1 if args.quick else 2) if live_worlds else []
-    print(f"Python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPUs; "
-          f"total {time.perf_counter() - started:.0f} s\n")
+    print(
+        f"Python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPUs; "
+        f"total {time.perf_counter() - started:.0f} s\n"
+    )
     print(table(fake, "Fake backend, tp=8, cp=2, pp=4 (one simulated rank; shardcore: median of 3 ranks)"))
     if live:
         print()
         print(table(live, "Live gloo, tp=2, cp=2, pp=2 (max over ranks, best of rounds after a warm-up round)"))
     first, last = fake[0], fake[-1]
     print()
-    print(f"shardcore local (groups) at {last['world']:,} / at {first['world']:,}: "
-          f"{last['sc_groups'] / first['sc_groups']:.2f}x; with DTensor: {last['sc_dtensor'] / first['sc_dtensor']:.2f}x")
+    print(
+        f"shardcore local (groups) at {last['world']:,} / at {first['world']:,}: "
+        f"{last['sc_groups'] / first['sc_groups']:.2f}x; with DTensor: {last['sc_dtensor'] / first['sc_dtensor']:.2f}x"
+    )
     return 0
 
 

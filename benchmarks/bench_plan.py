@@ -24,8 +24,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from shardcore import Layout, format_shards, plan_layout  # noqa: E402
-from shardcore.spec import ShardSpec  # noqa: E402
+from shardcore import Layout, format_shards, plan_layout
+from shardcore.plan.spec import ShardSpec
 
 TARGET_S = 0.1
 
@@ -86,15 +86,24 @@ def measure(world: int, shards: int, repeat: int, samples: int) -> dict[str, Any
     distinct_s = [best_of(repeat, partial(layout.distinct_groups, rank)) for rank in ranks]
     groups_peak = max(peak_bytes(partial(layout.groups_of, rank)) for rank in ranks[:8])
     return {
-        "world": world, "shards": shards, "per_shard": world // shards, "plan_s": plan_s, "plan_peak": plan_peak,
-        "groups_max": max(groups_s), "groups_median": statistics.median(groups_s),
-        "distinct_max": max(distinct_s), "groups_peak": groups_peak, "ranks": len(ranks),
+        "world": world,
+        "shards": shards,
+        "per_shard": world // shards,
+        "plan_s": plan_s,
+        "plan_peak": plan_peak,
+        "groups_max": max(groups_s),
+        "groups_median": statistics.median(groups_s),
+        "distinct_max": max(distinct_s),
+        "groups_peak": groups_peak,
+        "ranks": len(ranks),
     }
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    header = ("| world | shards | ranks/shard | plan_layout | plan_layout peak | groups_of worst | groups_of median "
-              "| distinct_groups worst | groups_of peak |")
+    header = (
+        "| world | shards | ranks/shard | plan_layout | plan_layout peak | groups_of worst | groups_of median "
+        "| distinct_groups worst | groups_of peak |"
+    )
     lines = [header, "|" + "---:|" * 9]
     for r in rows:
         lines.append(
@@ -115,8 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     repeat = args.repeat or (3 if args.quick else 7)
     samples = args.samples or (30 if args.quick else 200)
     rows = [measure(world, shards, repeat, samples) for world in worlds]
-    print(f"python {platform.python_version()} on {platform.machine()}, best of {repeat}; groups_of over "
-          f"{rows[0]['ranks']} ranks per world (first, last and random)\n")
+    print(
+        f"python {platform.python_version()} on {platform.machine()}, best of {repeat}; groups_of over "
+        f"{rows[0]['ranks']} ranks per world (first, last and random)\n"
+    )
     print(table(rows))
     slow = [(r["world"], key) for r in rows for key in ("plan_s", "groups_max", "distinct_max") if r[key] >= TARGET_S]
     print(f"\ntarget < {TARGET_S} s each: " + ("met" if not slow else f"MISSED for {slow}"))

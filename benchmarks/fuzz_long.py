@@ -1,7 +1,7 @@
 """Long fuzz run of parse_shards, plan_layout and `shardcore plan` (issue 6): N random inputs.
 
-Each input runs twice: once timed (CPU time), once under tracemalloc for its allocation peak. Fails on any exception other than a
-ShardcoreError (or argparse's exit 2), on > 100 ms, or on > 100 MB for one input.
+Each input runs twice: once timed (CPU time), once under tracemalloc for its allocation peak. Fails on any
+exception other than a ShardcoreError (or argparse's exit 2), on > 100 ms, or on > 100 MB for one input.
 
     python benchmarks/fuzz_long.py --n 100000 --seed 0
 """
@@ -15,18 +15,75 @@ import time
 import warnings
 from typing import Any
 
+from benchmarks.measure import measure_input
 from shardcore.cli import main
-from shardcore.layout import plan_layout
-from shardcore.spec import parse_shards
-from shardcore.testing import measure_input
+from shardcore.plan.layout import plan_layout
+from shardcore.plan.spec import parse_shards
 
-TOKENS = ["tp", "pp", "cp", "dp", "ep", "expt_tp", "role", "name", "TP", "=", ",", "+", ";", " ", "\n", "-", ":",
-          "[", "]", "{", "}", "@", "0", "1", "2", "4", "8", "16", "-1", "99999999999999999999", "train", "prefill",
-          "decode", "x", "é", "\x00", "1e3", "0x10", "_", "=2", "=4", ",tp=", "+tp=", "- {tp: 2}\n", "- tp: "]
+TOKENS = [
+    "tp",
+    "pp",
+    "cp",
+    "dp",
+    "ep",
+    "expt_tp",
+    "role",
+    "name",
+    "TP",
+    "=",
+    ",",
+    "+",
+    ";",
+    " ",
+    "\n",
+    "-",
+    ":",
+    "[",
+    "]",
+    "{",
+    "}",
+    "@",
+    "0",
+    "1",
+    "2",
+    "4",
+    "8",
+    "16",
+    "-1",
+    "99999999999999999999",
+    "train",
+    "prefill",
+    "decode",
+    "x",
+    "é",
+    "\x00",
+    "1e3",
+    "0x10",
+    "_",
+    "=2",
+    "=4",
+    ",tp=",
+    "+tp=",
+    "- {tp: 2}\n",
+    "- tp: ",
+]
 KEYS = ["tp", "pp", "cp", "dp", "ep", "expt_tp", "role", "name", "bogus", ""]
-FLAGS = ["--json", "--allow-idle", "--order=tp-pp-dp", "--order=bad", "--strict", "--rank=0", "--rank=5",
-         "--rank=16777215", "--rank=-1", "--rank=x", "--rank-offset=3", "--ranks-per-node=8", "--ranks-per-node=0",
-         "--bogus"]
+FLAGS = [
+    "--json",
+    "--allow-idle",
+    "--order=tp-pp-dp",
+    "--order=bad",
+    "--strict",
+    "--rank=0",
+    "--rank=5",
+    "--rank=16777215",
+    "--rank=-1",
+    "--rank=x",
+    "--rank-offset=3",
+    "--ranks-per-node=8",
+    "--ranks-per-node=0",
+    "--bogus",
+]
 
 
 def text(rng: random.Random) -> str:
@@ -36,9 +93,15 @@ def text(rng: random.Random) -> str:
 
 
 def value(rng: random.Random) -> Any:
-    return rng.choice([lambda: rng.randint(-3, 2**40), lambda: rng.choice([True, None, 2.5, float("nan"), "2", [1]]),
-                       lambda: text(rng), lambda: rng.choice(["train", "prefill", "decode"]),
-                       lambda: rng.choice([1, 2, 4, 8])])()
+    return rng.choice(
+        [
+            lambda: rng.randint(-3, 2**40),
+            lambda: rng.choice([True, None, 2.5, float("nan"), "2", [1]]),
+            lambda: text(rng),
+            lambda: rng.choice(["train", "prefill", "decode"]),
+            lambda: rng.choice([1, 2, 4, 8]),
+        ]
+    )()
 
 
 def spec(rng: random.Random) -> Any:
@@ -48,8 +111,17 @@ def spec(rng: random.Random) -> Any:
     if kind < 0.75:
         return f"tp={rng.choice([1, 2, 4096, 2**24])},pp={rng.choice([1, 2, 4096])},dp={rng.choice([1, 2, 4096])}"
     if kind < 0.95:
-        return [rng.choice([lambda: {rng.choice(KEYS): value(rng) for _ in range(rng.randint(0, 5))},
-                            lambda: text(rng), lambda: None, lambda: 3])() for _ in range(rng.randint(0, 4))]
+        return [
+            rng.choice(
+                [
+                    lambda: {rng.choice(KEYS): value(rng) for _ in range(rng.randint(0, 5))},
+                    lambda: text(rng),
+                    lambda: None,
+                    lambda: 3,
+                ]
+            )()
+            for _ in range(rng.randint(0, 4))
+        ]
     return rng.choice([None, 3, b"tp=2", {"tp": 2}])
 
 
@@ -66,7 +138,11 @@ def one_input(rng: random.Random) -> tuple[str, Any, str]:
         w, s, off = world(rng), spec(rng), rng.choice([0, 0, 1, 7, -1, 2**24])
         order = rng.choice(["tp-cp-dp-pp", "tp-cp-pp-dp", "tp-dp-pp", "tp-pp-dp", "bad", None])
         idle = rng.random() < 0.5
-        return "plan_layout", lambda: plan_layout(w, s, order=order, rank_offset=off, allow_idle=idle), repr((w, s, order, off, idle))
+        return (
+            "plan_layout",
+            lambda: plan_layout(w, s, order=order, rank_offset=off, allow_idle=idle),
+            repr((w, s, order, off, idle)),
+        )
     w = str(world(rng)) if rng.random() < 0.9 else text(rng)
     s = spec(rng)
     s = s if isinstance(s, str) else text(rng)
@@ -100,7 +176,8 @@ def run(n: int, seed: int) -> int:
     print("| target | inputs | max CPU time / input | max allocated / input |")
     print("|---|---:|---:|---:|")
     for kind in sorted(counts):
-        print(f"| {kind} | {counts[kind]:,} | {worst_time[kind][0] * 1000:.1f} ms | {worst_mem[kind][0] / 2**20:.2f} MiB |")
+        seconds, peak = worst_time[kind][0], worst_mem[kind][0]
+        print(f"| {kind} | {counts[kind]:,} | {seconds * 1000:.1f} ms | {peak / 2**20:.2f} MiB |")
     for kind in sorted(counts):
         print(f"slowest {kind}: {worst_time[kind][1]}\nlargest {kind}: {worst_mem[kind][1]}")
     over = any(t > 0.1 for t, _ in worst_time.values()) or any(m > 100 * 2**20 for m, _ in worst_mem.values())

@@ -8,19 +8,15 @@ world that outlives ``timeout``, fails the call with a message naming the ranks.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import queue
-import socket
 import time
-import tracemalloc
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from .engine.ports import free_port
 from .errors import ShardcoreError
 
 
@@ -28,17 +24,12 @@ class WorldError(ShardcoreError, RuntimeError):
     """A rank of a test world failed or did not finish in time."""
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (for a world's store or rendezvous)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _bootstrap(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, results: Any,
-               pg_timeout: float) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
+def _bootstrap(
+    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, results: Any, pg_timeout: float
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     import torch.distributed as dist
 
     try:
@@ -52,8 +43,14 @@ def _bootstrap(rank: int, world_size: int, port: int, fn: Callable[..., Any], ar
             dist.destroy_process_group()
 
 
-def run_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 180.0,
-              pg_timeout: float = 60.0, allow_failures: bool = False) -> list[Any]:
+def run_world(
+    world_size: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = 180.0,
+    pg_timeout: float = 60.0,
+    allow_failures: bool = False,
+) -> list[Any]:
     """Run ``fn`` on a fresh local gloo world; with ``allow_failures`` a failed rank yields its traceback
     and a dead one ``"died (exit code N)"``."""
     import torch.multiprocessing as mp
@@ -61,8 +58,10 @@ def run_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
-    procs = [context.Process(target=_bootstrap, args=(r, world_size, port, fn, args, results, pg_timeout), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        context.Process(target=_bootstrap, args=(r, world_size, port, fn, args, results, pg_timeout), daemon=True)
+        for r in range(world_size)
+    ]
     for proc in procs:
         proc.start()
     outcome: dict[int, tuple[bool, Any]] = {}
@@ -95,44 +94,4 @@ def run_world(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
     return [outcome[rank][1] for rank in range(world_size)]
 
 
-@dataclass(frozen=True)
-class InputCost:
-    """What one fuzz input cost, and any error other than the ones bad input may raise."""
-
-    seconds: float
-    peak_bytes: int
-    error: BaseException | None
-
-
-def measure_input(call: Callable[[], Any], allow_exit: bool = False) -> InputCost:
-    """Run ``call`` twice, quietly: timed (CPU time, immune to a loaded machine), then under tracemalloc.
-
-    A ShardcoreError is the expected answer to bad input, and with ``allow_exit`` so is
-    argparse's exit status 2; anything else is returned as ``error``.
-    """
-    def once() -> BaseException | None:
-        try:
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                call()
-        except ShardcoreError:
-            pass
-        except SystemExit as exit_:
-            if not (allow_exit and exit_.code == 2):
-                return exit_
-        except Exception as error:  # noqa: BLE001 - reported, not raised: the caller decides
-            return error
-        return None
-
-    started = time.process_time()
-    error = once()
-    seconds = time.process_time() - started
-    tracemalloc.start()
-    try:
-        error = once() or error
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    return InputCost(seconds, peak, error)
-
-
-__all__ = ["InputCost", "WorldError", "free_port", "measure_input", "run_world"]
+__all__ = ["WorldError", "run_world"]

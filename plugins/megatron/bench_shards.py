@@ -23,10 +23,18 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from shardcore.groups import live_group_count
+from shardcore.engine.torch_state import live_group_count
 
-DECODER = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "mp": ["tp", "pp"], "tp_cp": ["tp", "cp"],
-           "dp_cp": ["cp", "dp"], "tp_dp_cp": ["tp", "cp", "dp"]}
+DECODER = {
+    "tp": "tp",
+    "cp": "cp",
+    "pp": "pp",
+    "dp": "dp",
+    "mp": ["tp", "pp"],
+    "tp_cp": ["tp", "cp"],
+    "dp_cp": ["cp", "dp"],
+    "tp_dp_cp": ["tp", "cp", "dp"],
+}
 EXPERT = {"ep": "ep", "expt_tp": "tp", "expt_dp": "dp", "tp_ep": ["tp", "ep"], "tp_ep_pp": ["tp", "ep", "pp"]}
 
 
@@ -52,6 +60,7 @@ def shardcore_builder(strategy: str) -> Callable[[int, int, int], None]:
         from shardcore_megatron.shards import build_inference_pg_collections_for_shards
 
         build_inference_pg_collections_for_shards(world, "+".join([f"tp={tp}"] * shards), strategy=strategy)
+
     return build
 
 
@@ -90,12 +99,15 @@ def main() -> None:
     warnings.simplefilter("ignore")
     ranks = [int(r) for r in args.ranks.split(",")]
     from megatron.core.hyper_comm_grid import HyperCommGrid  # noqa: F401  (import time is not build time)
+
     from shardcore_megatron.backend import collection_class
 
     collection_class()
-    rows = [("shardcore `local` (default)", shardcore_builder("local")),
-            ("shardcore `world` (Megatron's call pattern)", shardcore_builder("world")),
-            ("Megatron recipe (HyperCommGrid.create_pg per field)", megatron_recipe)]
+    rows = [
+        ("shardcore `local` (default)", shardcore_builder("local")),
+        ("shardcore `world` (Megatron's call pattern)", shardcore_builder("world")),
+        ("Megatron recipe (HyperCommGrid.create_pg per field)", megatron_recipe),
+    ]
     print(f"world {args.world}, {args.shards} shards of tp={args.tp}, ranks {ranks} simulated one at a time\n")
     print("| builder | per-rank time (mean, s) | new_group calls per rank | communicators held per rank |")
     print("| --- | ---: | ---: | ---: |")

@@ -93,12 +93,22 @@ def test_plan_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str
 def test_python_dash_m(tmp_path: Path) -> None:
     spec = tmp_path / "shards.yaml"
     spec.write_text("- {tp: 2, role: prefill}\n- {tp: 1, dp: 2, role: decode}\n", encoding="utf-8")
-    done = subprocess.run([sys.executable, "-m", "shardcore", "plan", "--world", "4", "--shards", f"@{spec}", "--json"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "shardcore", "plan", "--world", "4", "--shards", f"@{spec}", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert [shard["spec"]["role"] for shard in json.loads(done.stdout)["shards"]] == ["prefill", "decode"]
-    bad = subprocess.run([sys.executable, "-m", "shardcore", "plan", "--world", "4", "--shards", "role=x"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "shardcore", "plan", "--world", "4", "--shards", "role=x"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and bad.stdout == ""
     assert len(bad.stderr.strip().splitlines()) == 1 and "'x'" in bad.stderr
 

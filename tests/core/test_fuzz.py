@@ -11,31 +11,82 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchmarks.measure import measure_input
 from shardcore.cli import main
-from shardcore.layout import plan_layout
-from shardcore.spec import parse_shards
-from shardcore.testing import measure_input
+from shardcore.plan.layout import plan_layout
+from shardcore.plan.spec import parse_shards
 
 MAX_SECONDS = 0.1
 MAX_BYTES = 100 * 2**20
-TOKENS = ["tp", "pp", "cp", "dp", "ep", "expt_tp", "role", "name", "TP", "=", ",", "+", ";", " ", "\n", "-", ":",
-          "[", "]", "{", "}", "@", "0", "1", "2", "4", "8", "16", "-1", "99999999999999999999", "train", "prefill",
-          "decode", "x", "é", "\x00", "1e3", "0x10", "_"]
+TOKENS = [
+    "tp",
+    "pp",
+    "cp",
+    "dp",
+    "ep",
+    "expt_tp",
+    "role",
+    "name",
+    "TP",
+    "=",
+    ",",
+    "+",
+    ";",
+    " ",
+    "\n",
+    "-",
+    ":",
+    "[",
+    "]",
+    "{",
+    "}",
+    "@",
+    "0",
+    "1",
+    "2",
+    "4",
+    "8",
+    "16",
+    "-1",
+    "99999999999999999999",
+    "train",
+    "prefill",
+    "decode",
+    "x",
+    "é",
+    "\x00",
+    "1e3",
+    "0x10",
+    "_",
+]
 grammar = st.lists(st.sampled_from(TOKENS), max_size=40).map("".join)
 junk = st.text(max_size=60)
 spec_strings = st.one_of(grammar, junk, st.from_regex(r"((tp|pp|cp|dp|ep|expt_tp)=[0-9]{1,3},?){1,4}([+;].*)?"))
-values = st.one_of(st.integers(-3, 2**40), st.booleans(), st.none(), st.floats(allow_nan=True), junk,
-                   st.sampled_from(["train", "prefill", "decode", "2"]), st.lists(st.integers(), max_size=3))
-dicts = st.dictionaries(st.sampled_from(["tp", "pp", "cp", "dp", "ep", "expt_tp", "role", "name", "bogus", ""]) | junk,
-                        values, max_size=6)
+values = st.one_of(
+    st.integers(-3, 2**40),
+    st.booleans(),
+    st.none(),
+    st.floats(allow_nan=True),
+    junk,
+    st.sampled_from(["train", "prefill", "decode", "2"]),
+    st.lists(st.integers(), max_size=3),
+)
+dicts = st.dictionaries(
+    st.sampled_from(["tp", "pp", "cp", "dp", "ep", "expt_tp", "role", "name", "bogus", ""]) | junk, values, max_size=6
+)
 items = st.one_of(dicts, spec_strings, st.integers(), st.none(), st.lists(dicts, max_size=2))
-spec_inputs: st.SearchStrategy[Any] = st.one_of(spec_strings, st.lists(items, max_size=5), dicts, st.integers(),
-                                                st.none(), st.binary(max_size=10))
+spec_inputs: st.SearchStrategy[Any] = st.one_of(
+    spec_strings, st.lists(items, max_size=5), dicts, st.integers(), st.none(), st.binary(max_size=10)
+)
 worlds = st.one_of(st.integers(-2, 4096), st.sampled_from([2**24, 2**24 + 1, 2**40]), st.floats(), st.none(), junk)
 orders = st.one_of(st.sampled_from(["tp-cp-dp-pp", "tp-cp-pp-dp", "tp-dp-pp", "tp-pp-dp"]), junk, st.none())
 # Specs that fit big worlds, to reach the large-group paths.
-big = st.builds(lambda tp, pp, dp: f"tp={tp},pp={pp},dp={dp}", st.sampled_from([1, 2, 2**12, 2**24]),
-                st.sampled_from([1, 2, 2**12]), st.sampled_from([1, 2, 2**12]))
+big = st.builds(
+    lambda tp, pp, dp: f"tp={tp},pp={pp},dp={dp}",
+    st.sampled_from([1, 2, 2**12, 2**24]),
+    st.sampled_from([1, 2, 2**12]),
+    st.sampled_from([1, 2, 2**12]),
+)
 
 
 def bounded(call: Callable[[], Any], allow_exit: bool = False) -> None:
@@ -63,17 +114,50 @@ def test_plan_layout(world: Any, spec: Any, order: Any, offset: int, idle: bool)
 
 
 @FUZZ
-@given(st.one_of(st.integers(-2, 4096), st.sampled_from([2**24, 2**24 + 7])).map(str) | junk, spec_strings | big,
-       st.lists(st.sampled_from(["--json", "--allow-idle", "--order=tp-pp-dp", "--order=bad", "--strict",
-                                 "--rank=0", "--rank=5", "--rank=16777215", "--rank=-1", "--rank=x",
-                                 "--rank-offset=3", "--ranks-per-node=8", "--ranks-per-node=0", "--bogus"]),
-                max_size=4))
+@given(
+    st.one_of(st.integers(-2, 4096), st.sampled_from([2**24, 2**24 + 7])).map(str) | junk,
+    spec_strings | big,
+    st.lists(
+        st.sampled_from(
+            [
+                "--json",
+                "--allow-idle",
+                "--order=tp-pp-dp",
+                "--order=bad",
+                "--strict",
+                "--rank=0",
+                "--rank=5",
+                "--rank=16777215",
+                "--rank=-1",
+                "--rank=x",
+                "--rank-offset=3",
+                "--ranks-per-node=8",
+                "--ranks-per-node=0",
+                "--bogus",
+            ]
+        ),
+        max_size=4,
+    ),
+)
 def test_plan_cli(world: str, spec: str, flags: list[str]) -> None:
     bounded(lambda: main(["plan", f"--world={world}", f"--shards={spec}", *flags]), allow_exit=True)
 
 
-HOSTILE = ["[" * 100_000, "{" * 5000, "- " * 50_000 + "x", "- [" * 3000, "[]" * 50_000, "tp=" + "9" * 5000,
-           "- &a [*a]", "- !!python/object/apply:os.system [ls]", "@/nonexistent", "@/", "@/dev/zero", "\x00", ""]
+HOSTILE = [
+    "[" * 100_000,
+    "{" * 5000,
+    "- " * 50_000 + "x",
+    "- [" * 3000,
+    "[]" * 50_000,
+    "tp=" + "9" * 5000,
+    "- &a [*a]",
+    "- !!python/object/apply:os.system [ls]",
+    "@/nonexistent",
+    "@/",
+    "@/dev/zero",
+    "\x00",
+    "",
+]
 
 
 def test_hostile_documents() -> None:

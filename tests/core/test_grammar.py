@@ -1,4 +1,5 @@
-"""Parity with Megatron-Core's ``--inference-shards`` grammar (reference/megatron.md §1.2-1.4).
+"""Parity with Megatron-Core's ``--inference-shards`` grammar
+(https://github.com/NVIDIA/Megatron-LM/blob/core_v0.19.0/megatron/core/inference/shards_spec.py).
 
 ``reference_parse`` restates Megatron's parser from that description; with ``extended=True`` it
 also allows shardcore's documented extensions (cp > 1, role=train, name=). Any exception in
@@ -162,10 +163,13 @@ def test_any_text_is_parsed_or_a_shard_spec_error(text: str) -> None:
         assert shards and all(isinstance(spec, ShardSpec) for spec in shards)
 
 
-# reference/megatron.md §1.3, "Parser behaviour": (input, world, shards or the error type)
+# Megatron-Core 0.19 parse_inference_shards_spec on these inputs: (input, world, shards or the error type)
 TABLE = [
-    ("tp=2,role=prefill+tp=1,dp=2,role=decode", 4,
-     [ShardSpec(tp=2, role="prefill"), ShardSpec(tp=1, dp=2, role="decode")]),
+    (
+        "tp=2,role=prefill+tp=1,dp=2,role=decode",
+        4,
+        [ShardSpec(tp=2, role="prefill"), ShardSpec(tp=1, dp=2, role="decode")],
+    ),
     ("tp=2,role=prefill;tp=1,role=decode", 3, [ShardSpec(tp=2, role="prefill"), ShardSpec(tp=1, role="decode")]),
     ("tp=2,role=PREFILL+tp=2,role=Decode", 4, [ShardSpec(tp=2, role="prefill"), ShardSpec(tp=2, role="decode")]),
     (" tp = 2 , pp=2 ;; ", 4, [ShardSpec(tp=2, pp=2)]),

@@ -57,7 +57,7 @@ def test_coords_follow_the_rank_formula(case: tuple[Grid, str | list[str]]) -> N
 
 @pytest.mark.parametrize(
     ("shape", "names", "offset", "dims", "expected"),
-    [  # reference/megatron.md §2.6 (Megatron's own enumeration tests), rows sorted
+    [  # the cases of Megatron's tests/unit_tests/test_hyper_comm_grid.py, rows sorted
         ([2, 4], ["tp", "dp"], 0, "tp", [[0, 1], [2, 3], [4, 5], [6, 7]]),
         ([2, 4], ["tp", "dp"], 0, "dp", [[0, 2, 4, 6], [1, 3, 5, 7]]),
         ([2, 2, 2], ["a", "b", "c"], 0, "c", [[0, 4], [1, 5], [2, 6], [3, 7]]),
@@ -67,8 +67,9 @@ def test_coords_follow_the_rank_formula(case: tuple[Grid, str | list[str]]) -> N
         ([1, 8], ["tp", "dp"], 0, "tp", [[r] for r in range(8)]),
     ],
 )
-def test_known_enumerations(shape: list[int], names: list[str], offset: int, dims: str | list[str],
-                            expected: list[list[int]]) -> None:
+def test_known_enumerations(
+    shape: list[int], names: list[str], offset: int, dims: str | list[str], expected: list[list[int]]
+) -> None:
     assert Grid(shape, names, offset).rank_enum(dims) == expected
 
 

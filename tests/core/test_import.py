@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PROGRAM = """
 import json, sys
-import shardcore, shardcore.cli, shardcore.grid, shardcore.layout, shardcore.protocols, shardcore.spec
+import shardcore, shardcore.cli, shardcore.plan, shardcore.views.picture, shardcore.views.tables
 shardcore.plan_layout(16, "tp=4,pp=2+tp=2,dp=4").groups_of(9)
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in {"torch", "numpy"})
 print(json.dumps({"heavy": heavy, "file": shardcore.__file__}))

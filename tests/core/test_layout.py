@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardcore import GROUP_NAMES, Layout, LayoutError, ShardPlan, ShardSpec, plan_layout
-from shardcore.layout import distinct_groups
+from shardcore.plan.layout import distinct_groups
 
 # Each grid group name: (grid, its dims), written out here independently of layout.py.
 GRID_GROUPS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -32,8 +32,15 @@ ORDERS = ("tp-cp-dp-pp", "tp-cp-pp-dp")
 
 
 def expected_size(spec: ShardSpec, name: str) -> int:
-    sizes = {"tp": spec.tp, "cp": spec.cp, "pp": spec.pp, "dp": spec.dp, "ep": spec.ep,
-             "expt_tp": spec.expt_tp, "expt_dp": spec.expt_dp}
+    sizes = {
+        "tp": spec.tp,
+        "cp": spec.cp,
+        "pp": spec.pp,
+        "dp": spec.dp,
+        "ep": spec.ep,
+        "expt_tp": spec.expt_tp,
+        "expt_dp": spec.expt_dp,
+    }
     size = 1
     for dim in GRID_GROUPS[name][1]:
         size *= sizes[dim]  # type: ignore[operator]
@@ -51,8 +58,15 @@ def shard_specs(draw: st.DrawFn, order: str) -> ShardSpec:
         ep = tp * cp // expt_tp
     else:
         ep = draw(st.sampled_from([d for d in range(1, rest + 1) if rest % d == 0]))
-    return ShardSpec(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, expt_tp=expt_tp,
-                     role=draw(st.sampled_from([None, "train", "prefill", "decode"])))
+    return ShardSpec(
+        tp=tp,
+        cp=cp,
+        pp=pp,
+        dp=dp,
+        ep=ep,
+        expt_tp=expt_tp,
+        role=draw(st.sampled_from([None, "train", "prefill", "decode"])),
+    )
 
 
 def _pp_groups_agree(spec: ShardSpec, order: str) -> bool:
@@ -74,11 +88,11 @@ def layouts(draw: st.DrawFn) -> Layout:
 def test_windows_tile_exactly(layout: Layout) -> None:
     start = layout.rank_offset
     for index, plan in enumerate(layout.shards):
-        assert (plan.index, plan.rank_offset, plan.world_size) == (index, start, plan.spec.world_size)
-        assert plan.ranks == range(start, start + plan.world_size)
+        assert (plan.index, plan.rank_offset, plan.size) == (index, start, plan.spec.world_size)
+        assert plan.ranks == range(start, start + plan.size)
         assert plan.decoder_grid.rank_offset == plan.expert_grid.rank_offset == start
-        assert plan.decoder_grid.size == plan.expert_grid.size == plan.world_size
-        start += plan.world_size
+        assert plan.decoder_grid.size == plan.expert_grid.size == plan.size
+        start += plan.size
     expected_idle = [w for w in (range(0, layout.rank_offset), range(start, layout.world_size)) if w]
     assert list(layout.idle) == expected_idle
     assert layout.idle_ranks == [r for w in expected_idle for r in w]
@@ -159,11 +173,19 @@ def test_distinct_groups(layout: Layout) -> None:
 def test_to_dict_json_round_trip(layout: Layout) -> None:
     data = json.loads(layout.to_json())
     assert data == layout.to_dict()
-    assert (data["world_size"], data["order"], data["rank_offset"]) == (layout.world_size, layout.order,
-                                                                       layout.rank_offset)
+    assert (data["world_size"], data["order"], data["rank_offset"]) == (
+        layout.world_size,
+        layout.order,
+        layout.rank_offset,
+    )
     assert [tuple(w) for w in data["idle"]] == [(w.start, w.stop) for w in layout.idle]
-    rebuilt = plan_layout(data["world_size"], [shard["spec"] for shard in data["shards"]], order=data["order"],
-                          rank_offset=data["rank_offset"], allow_idle=True)
+    rebuilt = plan_layout(
+        data["world_size"],
+        [shard["spec"] for shard in data["shards"]],
+        order=data["order"],
+        rank_offset=data["rank_offset"],
+        allow_idle=True,
+    )
     assert rebuilt == layout and rebuilt.fingerprint() == layout.fingerprint()
     for shard, plan in zip(data["shards"], layout.shards, strict=True):
         assert shard["ranks"] == [plan.ranks.start, plan.ranks.stop]
@@ -171,7 +193,7 @@ def test_to_dict_json_round_trip(layout: Layout) -> None:
 
 
 def test_worked_example_world_8() -> None:
-    """reference/megatron.md §4.4: world 8, tp=2, pp=2, dp=2."""
+    """World 8, tp=2, pp=2, dp=2 in both of Megatron's orders (RankGenerator in megatron/core/parallel_state.py)."""
     layout = plan_layout(8, "tp=2,pp=2,dp=2")
     assert layout.groups_of(0)["tp"] == (0, 1)
     assert layout.groups_of(0)["dp"] == (0, 2)

@@ -9,8 +9,8 @@ import pytest
 
 from shardcore.cli import main
 from shardcore.errors import LayoutError
-from shardcore.layout import plan_layout
-from shardcore.picture import MAX_RANK_CELLS, render_svg
+from shardcore.plan.layout import plan_layout
+from shardcore.views.picture import MAX_RANK_CELLS, render_svg
 
 NS = "{http://www.w3.org/2000/svg}"
 SPEC = "tp=4,pp=2,role=train+tp=2,dp=4,role=prefill,name=a&b<c>+tp=8,role=decode"
@@ -43,18 +43,24 @@ def test_one_cell_per_rank_carrying_its_shard_and_idle_marked() -> None:
 def test_legend_names_index_role_name_and_parallelism() -> None:
     root = _parse(render_svg(plan_layout(32, SPEC, allow_idle=True), 8))
     legend = [t.text for t in _by_class(root, "g", "legend")[0].iter(f"{NS}text")]
-    assert legend == ["shard 0 · train · tp=4,pp=2 · ranks 0-7",
-                      "shard 1 · prefill · a&b<c> · tp=2,dp=4 · ranks 8-15",
-                      "shard 2 · decode · tp=8 · ranks 16-23",
-                      "idle · ranks 24-31"]
+    assert legend == [
+        "shard 0 · train · tp=4,pp=2 · ranks 0-7",
+        "shard 1 · prefill · a&b<c> · tp=2,dp=4 · ranks 8-15",
+        "shard 2 · decode · tp=8 · ranks 16-23",
+        "idle · ranks 24-31",
+    ]
 
 
 def test_highlight_outlines_each_group_and_dashes_the_ones_spanning_nodes() -> None:
     layout = plan_layout(32, "tp=4,dp=3+tp=8", allow_idle=True)  # second shard: [12, 20), crossing node 1|2
     root = _parse(render_svg(layout, 8, highlight="tp"))
     groups = _by_class(root, "g", "group")
-    assert [g.get("data-members") for g in groups] == ["0 1 2 3", "4 5 6 7", "8 9 10 11",
-                                                      " ".join(map(str, range(12, 20)))]
+    assert [g.get("data-members") for g in groups] == [
+        "0 1 2 3",
+        "4 5 6 7",
+        "8 9 10 11",
+        " ".join(map(str, range(12, 20))),
+    ]
     assert [g.get("stroke-dasharray") for g in groups] == [None, None, None, "6 4"]
     assert [len(g.findall(f"{NS}rect")) for g in groups] == [1, 1, 1, 2]  # split at the node boundary
 

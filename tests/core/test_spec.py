@@ -99,8 +99,11 @@ def test_json_yaml_and_file_inputs(shards: list[ShardSpec]) -> None:
     assert parse_shards(shards) == expected
     assert parse_shards([str(spec) for spec in shards]) == expected
     with tempfile.TemporaryDirectory() as tmp:
-        for suffix, text in ((".json", json.dumps(dicts)), (".yaml", yaml.safe_dump(dicts)),
-                             (".txt", format_shards(shards) + "\n")):
+        for suffix, text in (
+            (".json", json.dumps(dicts)),
+            (".yaml", yaml.safe_dump(dicts)),
+            (".txt", format_shards(shards) + "\n"),
+        ):
             path = Path(tmp) / f"shards{suffix}"
             path.write_text(text, encoding="utf-8")
             assert parse_shards(f"@{path}") == expected

@@ -10,12 +10,12 @@ from hypothesis import strategies as st
 
 from shardcore.cli import main
 from shardcore.errors import LayoutError
-from shardcore.layout import DECODER_GROUPS, EXPERT_GROUPS, plan_layout
-from shardcore.topology import TOPOLOGY_GROUPS, check_topology, node_crossings
+from shardcore.plan.layout import DECODER_GROUPS, EXPERT_GROUPS, plan_layout
+from shardcore.views.topology import TOPOLOGY_GROUPS, check_topology, node_crossings
 
 
 def test_tp16_on_8_rank_nodes_is_a_warning() -> None:
-    report = plan_layout(32, "tp=16,dp=2").check_topology(8)
+    report = check_topology(plan_layout(32, "tp=16,dp=2"), 8)
     tp = report.finding(0, "tp")
     assert (tp.severity, tp.crossing, tp.total, tp.group_size) == ("warning", 2, 2, 16)
     assert tp.example == tuple(range(16))
@@ -74,7 +74,7 @@ def test_ranks_per_node_must_be_a_positive_int(bad: object) -> None:
 
 
 def test_a_million_ranks_is_cheap_and_lists_no_huge_group() -> None:
-    report = plan_layout(1 << 20, "tp=8,cp=2,pp=8,dp=8192,ep=8").check_topology(8)
+    report = check_topology(plan_layout(1 << 20, "tp=8,cp=2,pp=8,dp=8192,ep=8"), 8)
     assert {f.name for f in report.warnings} == {"cp", "ep", "tp_ep"}
     dp = report.finding(0, "dp")
     assert dp.crossing == dp.total == 128

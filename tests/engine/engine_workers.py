@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 from shardcore import GroupCreationError, build_shards
-from shardcore.groups import live_group_count
-from shardcore.layout import distinct_groups
-from shardcore.shards import destroy_shards, my_shard
+from shardcore.engine.shards import destroy_shards, my_shard
+from shardcore.engine.torch_state import live_group_count
+from shardcore.plan.layout import distinct_groups
 
 
 def gather_ranks(group: Any, size: int) -> list[int]:
@@ -38,16 +38,18 @@ def build_verify_destroy(rank: int, world: int, cases: list[dict[str, Any]]) -> 
         handle_type = type(mine.handle).__name__ if mine else None
         non_member_groups = [s.groups for s in shards if not s.is_member]
         destroy_shards(shards)
-        reports.append({
-            "shard": None if mine is None else mine.index,
-            "seen": seen,
-            "planned": {} if mine is None else {k: list(v) for k, v in mine.group_ranks.items() if v is not None},
-            "created": created,
-            "distinct": 0 if mine is None else len(distinct_groups(mine.group_ranks)),
-            "leftover": live_group_count() - before,
-            "handle": handle_type,
-            "non_member_all_none": all(all(v is None for v in g.values()) for g in non_member_groups),
-        })
+        reports.append(
+            {
+                "shard": None if mine is None else mine.index,
+                "seen": seen,
+                "planned": {} if mine is None else {k: list(v) for k, v in mine.group_ranks.items() if v is not None},
+                "created": created,
+                "distinct": 0 if mine is None else len(distinct_groups(mine.group_ranks)),
+                "leftover": live_group_count() - before,
+                "handle": handle_type,
+                "non_member_all_none": all(all(v is None for v in g.values()) for g in non_member_groups),
+            }
+        )
     return reports
 
 

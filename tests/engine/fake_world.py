@@ -15,13 +15,20 @@ import time
 from typing import Any
 
 
-def simulate(world: int, shards: str, ranks: list[int], strategy: str = "local", allow_idle: bool = False,
-             order: str = "tp-cp-dp-pp", backend: str | None = None) -> list[dict[str, Any]]:
+def simulate(
+    world: int,
+    shards: str,
+    ranks: list[int],
+    strategy: str = "local",
+    allow_idle: bool = False,
+    order: str = "tp-cp-dp-pp",
+    backend: str | None = None,
+) -> list[dict[str, Any]]:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import shardcore
-    from shardcore.groups import live_group_count
+    from shardcore.engine.torch_state import live_group_count
 
     layout = shardcore.plan_layout(world, shards, order=order, allow_idle=allow_idle)
     reports = []
@@ -30,7 +37,9 @@ def simulate(world: int, shards: str, ranks: list[int], strategy: str = "local",
         try:
             before = live_group_count()
             started = time.perf_counter()
-            built = shardcore.build_shards(world, layout, strategy=strategy, backend=backend, groups=shardcore.GROUP_NAMES)
+            built = shardcore.build_shards(
+                world, layout, strategy=strategy, backend=backend, groups=shardcore.GROUP_NAMES
+            )
             seconds = time.perf_counter() - started
             created = live_group_count() - before
             mine = shardcore.my_shard(built)
@@ -45,18 +54,20 @@ def simulate(world: int, shards: str, ranks: list[int], strategy: str = "local",
             others_none = all(g is None for s in built if not s.is_member for g in s.groups.values())
             has_handle = mine is not None and mine.handle is not None
             shardcore.destroy_shards(built)
-            reports.append({
-                "rank": rank,
-                "shard": None if mine is None else mine.index,
-                "names": 0 if mine is None else len(mine.groups),
-                "wrong": wrong,
-                "created": created,
-                "distinct": len(layout.distinct_groups(rank)),
-                "leftover": live_group_count() - before,
-                "others_none": others_none,
-                "has_handle": has_handle,
-                "seconds": seconds,
-            })
+            reports.append(
+                {
+                    "rank": rank,
+                    "shard": None if mine is None else mine.index,
+                    "names": 0 if mine is None else len(mine.groups),
+                    "wrong": wrong,
+                    "created": created,
+                    "distinct": len(layout.distinct_groups(rank)),
+                    "leftover": live_group_count() - before,
+                    "others_none": others_none,
+                    "has_handle": has_handle,
+                    "seconds": seconds,
+                }
+            )
         finally:
             dist.destroy_process_group()
     return reports

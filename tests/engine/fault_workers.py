@@ -7,8 +7,8 @@ import time
 from typing import Any
 
 from shardcore import build_shards
+from shardcore.engine.shards import destroy_shards
 from shardcore.errors import ShardcoreError
-from shardcore.shards import destroy_shards
 
 SPEC = "tp=2+tp=2"
 OTHER_SPEC = "tp=4"
@@ -38,11 +38,12 @@ def never_calls(rank: int, world: int, absent: int, timeout: float, strategy: st
     return _attempt(world, SPEC, timeout, strategy=strategy)
 
 
-def killed_in_creation(rank: int, world: int, victim: int, call: int, timeout: float,
-                       strategy: str) -> tuple[str, str, str, float]:
+def killed_in_creation(
+    rank: int, world: int, victim: int, call: int, timeout: float, strategy: str
+) -> tuple[str, str, str, float]:
     """``victim`` dies (os._exit) on its ``call``-th group creation, after the agreement."""
     if rank == victim:
-        from shardcore import groups
+        from shardcore.engine import groups
 
         real, calls = groups._new_group, [0]
 
@@ -56,11 +57,12 @@ def killed_in_creation(rank: int, world: int, victim: int, call: int, timeout: f
     return _attempt(world, SPEC, timeout, strategy=strategy)
 
 
-def slow_in_creation(rank: int, world: int, slow: int, delay: float, timeout: float,
-                     strategy: str) -> tuple[str, str, str, float]:
+def slow_in_creation(
+    rank: int, world: int, slow: int, delay: float, timeout: float, strategy: str
+) -> tuple[str, str, str, float]:
     """``slow`` sleeps ``delay`` seconds before its first group creation, longer than the timeout."""
     if rank == slow:
-        from shardcore import groups
+        from shardcore.engine import groups
 
         real, calls = groups._new_group, [0]
 
@@ -78,7 +80,7 @@ def build_destroy_cycles(rank: int, world: int, cycles: int, spec: str, strategy
     """Build and destroy ``spec`` ``cycles`` times; live groups, open fds and store keys before and after."""
     from torch.distributed import distributed_c10d
 
-    from shardcore.groups import live_group_count
+    from shardcore.engine.torch_state import live_group_count
 
     def fds() -> int:
         return len(os.listdir("/proc/self/fd"))
@@ -93,10 +95,10 @@ def build_destroy_cycles(rank: int, world: int, cycles: int, spec: str, strategy
             keys_after_first = store.num_keys()
     after = {"groups": live_group_count(), "fds": fds(), "keys": store.num_keys()}
     # shardcore's own rendezvous keys still in the store, over every phase of every cycle
-    from shardcore import groups
+    from shardcore.engine import rendezvous
 
     ours = 0
-    for sequence in range(1, groups._sequence + 1):
+    for sequence in range(1, rendezvous._sequence + 1):
         for name in ("agree", "built"):
             prefix = f"shardcore/{sequence}/{name}"
             keys = [f"{prefix}/{key}" for key in ("reference", "differ", "arrived", "done")]

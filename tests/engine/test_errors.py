@@ -6,10 +6,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-import engine_workers as workers  # noqa: E402
-
-from shardcore import GroupCreationError, build_shards  # noqa: E402
-from shardcore.testing import run_world  # noqa: E402
+from shardcore import GroupCreationError, build_shards
+from shardcore.testing import run_world
+from tests.engine import engine_workers as workers
 
 
 def test_without_an_initialised_world() -> None:

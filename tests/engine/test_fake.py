@@ -19,7 +19,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from shardcore import GROUP_NAMES, Layout, plan_layout  # noqa: E402
+from shardcore import GROUP_NAMES, Layout, plan_layout
 
 SCRIPT = Path(__file__).with_name("fake_world.py")
 DENSE_WORLDS = (1024, 16384, 262144)
@@ -40,8 +40,9 @@ def dense(world: int) -> str:
 
 
 def simulate(*requests: dict[str, Any]) -> list[list[dict[str, Any]]]:
-    done = subprocess.run([sys.executable, str(SCRIPT), json.dumps(requests)], capture_output=True, text=True,
-                          timeout=150)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), json.dumps(requests)], capture_output=True, text=True, timeout=150
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -52,8 +53,8 @@ def sample(world: int, count: int = 6) -> list[int]:
 
 
 def hetero_ranks(layout: Layout) -> list[int]:
-    edges = {plan.rank_offset + plan.world_size // 3 for plan in layout.shards}
-    edges |= {plan.rank_offset + plan.world_size - 1 for plan in layout.shards}
+    edges = {plan.rank_offset + plan.size // 3 for plan in layout.shards}
+    edges |= {plan.rank_offset + plan.size - 1 for plan in layout.shards}
     return sorted({0, layout.world_size - 1, *edges})
 
 
@@ -80,8 +81,14 @@ def dense_reports() -> dict[int, list[dict[str, Any]]]:
 @pytest.fixture(scope="module")
 def hetero_reports() -> dict[str, list[dict[str, Any]]]:
     requests = [
-        {"world": HETERO_WORLD, "shards": HETERO, "order": order, "allow_idle": True, "strategy": "local",
-         "ranks": hetero_ranks(plan_layout(HETERO_WORLD, HETERO, order=order, allow_idle=True))}
+        {
+            "world": HETERO_WORLD,
+            "shards": HETERO,
+            "order": order,
+            "allow_idle": True,
+            "strategy": "local",
+            "ranks": hetero_ranks(plan_layout(HETERO_WORLD, HETERO, order=order, allow_idle=True)),
+        }
         for order in ORDERS
     ]
     return dict(zip(ORDERS, simulate(*requests)))

@@ -6,12 +6,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-import engine_workers as workers  # noqa: E402
-
-from shardcore_dtensor import DTensorBackend  # noqa: E402
-
-from shardcore import GROUP_NAMES, plan_layout  # noqa: E402
-from shardcore.testing import run_world  # noqa: E402
+from shardcore import GROUP_NAMES, plan_layout
+from shardcore.testing import run_world
+from shardcore_dtensor import DTensorBackend
+from tests.engine import engine_workers as workers
 
 HETERO = "tp=2,pp=2,role=prefill+tp=4,dp=2,ep=2,expt_tp=2,role=decode"
 WITH_TRAIN = "tp=2,role=train+" + HETERO
@@ -86,7 +84,7 @@ def test_dtensor_distribute_and_redistribute_on_two_shards() -> None:
         full = [float(v + 100 * index) for v in range(8)]
         chunk = 8 // tp
         assert result["shard"] == index
-        assert result["local"] == full[position * chunk:(position + 1) * chunk]
+        assert result["local"] == full[position * chunk : (position + 1) * chunk]
         assert result["replicated"] == full
         assert result["tp_group_is_engine_group"]
     assert results[0]["mesh_dims"] == ["pp", "dp", "cp", "tp"] and results[0]["mesh_shape"] == [1, 2, 1, 2]

@@ -10,10 +10,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-import shardcore  # noqa: E402
-from shardcore import hookspecs  # noqa: E402
-from shardcore.errors import BackendNotFoundError, BackendUnavailableError  # noqa: E402
-from shardcore.plugins import BACKEND_ENV, get_backend, list_backends, register_backend, unregister_backend  # noqa: E402
+import shardcore
+from shardcore.engine import hookspecs
+from shardcore.engine.plugins import BACKEND_ENV, get_backend, list_backends, register_backend, unregister_backend
+from shardcore.errors import BackendNotFoundError, BackendUnavailableError
 
 
 class _Broken(shardcore.Backend):
@@ -78,6 +78,8 @@ def test_hookspecs_are_documented() -> None:
 
 
 def test_cli_backends_lists_dtensor() -> None:
-    result = subprocess.run([sys.executable, "-m", "shardcore", "backends"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "shardcore", "backends"], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0
     assert "dtensor" in result.stdout and "available" in result.stdout

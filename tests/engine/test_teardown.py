@@ -6,9 +6,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-import fault_workers as workers  # noqa: E402
-
-from shardcore.testing import run_world  # noqa: E402
+from shardcore.testing import run_world
+from tests.engine import fault_workers as workers
 
 
 @pytest.mark.parametrize("strategy", ["local", "world"])

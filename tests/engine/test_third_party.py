@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("shardcore_toy")
 
-import shardcore  # noqa: E402
-from shardcore.testing import run_world  # noqa: E402
+import shardcore
+from shardcore.testing import run_world
 
 SPEC = "tp=2,role=prefill+tp=2,role=decode"
 

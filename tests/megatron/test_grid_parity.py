@@ -1,7 +1,8 @@
 """Parity with the real megatron-core (0.16.1) ``HyperCommGrid`` and its inference group recipe.
 
 Megatron's grids need only ``WORLD_SIZE`` in the environment (no process group) and einops.
-The group recipe is ``build_inference_pg_collection`` as described in reference/megatron.md §1.5.
+The group recipe is ``build_inference_pg_collection`` in Megatron-Core 0.19
+(https://github.com/NVIDIA/Megatron-LM/blob/core_v0.19.0/megatron/core/inference/shards.py).
 """
 
 from __future__ import annotations
@@ -21,17 +22,27 @@ with warnings.catch_warnings():
     pytest.importorskip("megatron.core")
     from megatron.core.hyper_comm_grid import HyperCommGrid
 
-from shardcore import Grid, LayoutError, ShardSpec, plan_layout  # noqa: E402
+from shardcore import Grid, LayoutError, ShardSpec, plan_layout
 
 NAMES = ("tp", "cp", "dp", "pp", "ep", "x")
 
 # build_inference_pg_collection (§1.5): field -> (grid, Megatron dims argument)
 DECODER_FIELDS: dict[str, str | list[str]] = {
-    "tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "mp": ["tp", "pp"], "tp_cp": ["tp", "cp"],
-    "dp_cp": ["cp", "dp"], "tp_dp_cp": ["tp", "cp", "dp"],
+    "tp": "tp",
+    "cp": "cp",
+    "pp": "pp",
+    "dp": "dp",
+    "mp": ["tp", "pp"],
+    "tp_cp": ["tp", "cp"],
+    "dp_cp": ["cp", "dp"],
+    "tp_dp_cp": ["tp", "cp", "dp"],
 }
 EXPERT_FIELDS: dict[str, str | list[str]] = {
-    "ep": "ep", "expt_tp": "tp", "expt_dp": "dp", "tp_ep": ["tp", "ep"], "tp_ep_pp": ["tp", "ep", "pp"],
+    "ep": "ep",
+    "expt_tp": "tp",
+    "expt_dp": "dp",
+    "tp_ep": ["tp", "ep"],
+    "tp_ep_pp": ["tp", "ep", "pp"],
 }
 # Megatron's expert grid reuses the names tp / dp; shardcore's calls them expt_tp / expt_dp
 EXPERT_NAME = {"tp": "expt_tp", "ep": "ep", "dp": "expt_dp", "pp": "pp"}
@@ -139,8 +150,11 @@ def test_named_groups_equal_build_inference_pg_collection(case: tuple[list[Shard
         assert plan.rank_offset == start
         for field in (*DECODER_FIELDS, *EXPERT_FIELDS):
             rows = _sorted_rows(enums[field])
-            grid, dims = (plan.decoder_grid, DECODER_FIELDS[field]) if field in DECODER_FIELDS else \
-                (plan.expert_grid, _expert_dims(EXPERT_FIELDS[field]))
+            grid, dims = (
+                (plan.decoder_grid, DECODER_FIELDS[field])
+                if field in DECODER_FIELDS
+                else (plan.expert_grid, _expert_dims(EXPERT_FIELDS[field]))
+            )
             assert grid.rank_enum(dims) == rows, field
             for row in rows:
                 for rank in row:

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from .backend import DTensorBackend, DTensorShard
+from .backend import DTensorBackend, DTensorShard, shardcore_register_backends
 from .helpers import (
     build_device_mesh,
     ensure_distributed_initialized,
     resolve_data_parallel_partition,
     resolve_tensor_parallel_group_size,
 )
-from .backend import shardcore_register_backends
 
 __all__ = [
     "DTensorBackend",

@@ -7,9 +7,10 @@ from collections.abc import Callable, Mapping
 from functools import cached_property
 from typing import Any
 
-from shardcore.device import device_type
-from shardcore.hookspecs import hookimpl
-from shardcore.protocols import Backend, GridLike, ShardPlanLike
+from shardcore.engine.backend import Backend
+from shardcore.engine.device import device_type
+from shardcore.engine.hookspecs import hookimpl
+from shardcore.plan.protocols import GridLike, ShardPlanLike
 
 
 class DTensorShard:
@@ -63,6 +64,7 @@ class DTensorBackend(Backend):
     name = "dtensor"
     description = "PyTorch DTensor DeviceMeshes (dense, expert, dp×cp) over each shard's window"
     group_names = ("tp", "cp", "pp", "dp", "dp_cp", "ep", "expt_tp", "expt_dp")
+    options = ("device_type",)
 
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("torch") is None:
@@ -73,7 +75,9 @@ class DTensorBackend(Backend):
         """The mesh device type: cuda, else a working Ascend NPU, else cpu."""
         return f"would use {device_type()}"
 
-    def make_handle(self, plan: ShardPlanLike, rank: int, groups: Mapping[str, Any], options: Mapping[str, Any]) -> DTensorShard:
+    def make_handle(
+        self, plan: ShardPlanLike, rank: int, groups: Mapping[str, Any], options: Mapping[str, Any]
+    ) -> DTensorShard:
         return DTensorShard(plan, groups, options.get("device_type") or device_type())
 
 

@@ -9,7 +9,7 @@ import inspect
 from math import prod
 from typing import Any
 
-from shardcore.device import comm_backend, device_type
+from shardcore.engine.device import comm_backend, device_type
 from shardcore.errors import GroupCreationError, LayoutError
 
 
@@ -33,10 +33,15 @@ def ensure_distributed_initialized(
         return False
     backend = backend or comm_backend(device_type())
     kwargs: dict[str, Any] = {
-        key: value for key, value in (("init_method", init_method), ("rank", rank), ("world_size", world_size))
+        key: value
+        for key, value in (("init_method", init_method), ("rank", rank), ("world_size", world_size))
         if value is not None
     }
-    if backend == "nccl" and torch.cuda.is_available() and "device_id" in inspect.signature(dist.init_process_group).parameters:
+    if (
+        backend == "nccl"
+        and torch.cuda.is_available()
+        and "device_id" in inspect.signature(dist.init_process_group).parameters
+    ):
         kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group(backend=backend, **kwargs)
     return True
@@ -56,7 +61,9 @@ def build_device_mesh(
     world = dist.get_world_size()
     shape = tuple(mesh_shape) if mesh_shape is not None else (world,)
     if prod(shape) != world:
-        raise LayoutError(f"mesh_shape={shape} holds {prod(shape)} ranks but the world has {world}: make their product {world}")
+        raise LayoutError(
+            f"mesh_shape={shape} holds {prod(shape)} ranks but the world has {world}: make their product {world}"
+        )
     return init_device_mesh(device_type, shape, mesh_dim_names=mesh_dim_names)
 
 

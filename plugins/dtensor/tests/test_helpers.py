@@ -10,9 +10,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-import dtensor_workers as workers  # noqa: E402
-
-from shardcore.testing import free_port, run_world  # noqa: E402
+from plugins.dtensor.tests import dtensor_workers as workers
+from shardcore.engine.ports import free_port
+from shardcore.testing import run_world
 
 
 @pytest.fixture(scope="module")

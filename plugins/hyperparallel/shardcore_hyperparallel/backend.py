@@ -10,10 +10,12 @@ import importlib.util
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from shardcore.engine.backend import Backend, NamedGrids
+from shardcore.engine.hookspecs import hookimpl
 from shardcore.errors import LayoutError
-from shardcore.grid import Grid
-from shardcore.hookspecs import hookimpl
-from shardcore.protocols import Backend, NamedGrids, ShardPlanLike
+from shardcore.plan.grid import Grid
+from shardcore.plan.layout import Layout, Order
+from shardcore.plan.protocols import ShardPlanLike
 
 from .context import mesh_classes, wrap_mesh, wrap_ranks
 from .device import device_note, select_device
@@ -50,9 +52,16 @@ def shard_sizes(plan: ShardPlanLike, options: Mapping[str, Any]) -> StageSizes:
     """The shard's Hyper-Parallel sizes with Hyper-Parallel's checks (a LayoutError says what to change)."""
     spec = plan.spec
     return resolve_sizes(
-        world_size=plan.world_size, dp=spec.dp, cp=spec.cp, tp=spec.tp, pp=spec.pp, ep=spec.ep,
-        dp_replicate=_option(options, "dp_replicate", plan), dp_shard=_option(options, "dp_shard", plan),
-        edp_shard=_option(options, "edp_shard", plan), where=f"shard {plan.index} ('{spec}'): ",
+        world_size=plan.size,
+        dp=spec.dp,
+        cp=spec.cp,
+        tp=spec.tp,
+        pp=spec.pp,
+        ep=spec.ep,
+        dp_replicate=_option(options, "dp_replicate", plan),
+        dp_shard=_option(options, "dp_shard", plan),
+        edp_shard=_option(options, "edp_shard", plan),
+        where=f"shard {plan.index} ('{spec}'): ",
     )
 
 
@@ -63,12 +72,19 @@ def stage_grids(plan: ShardPlanLike, sizes: StageSizes) -> NamedGrids:
     Megatron's ``ep`` groups, hence the ``hp_ep`` name.
     """
     offset = plan.rank_offset
-    dense = Grid((sizes.tp, sizes.dp_shard, sizes.dp_replicate, sizes.pp),
-                 ("tp", "fsdp_shard", "fsdp_replicate", "pp"), offset)
-    grids: dict[str, tuple[Grid, str]] = {"fsdp_shard": (dense, "fsdp_shard"), "fsdp_replicate": (dense, "fsdp_replicate")}
+    dense = Grid(
+        (sizes.tp, sizes.dp_shard, sizes.dp_replicate, sizes.pp), ("tp", "fsdp_shard", "fsdp_replicate", "pp"), offset
+    )
+    grids: dict[str, tuple[Grid, str]] = {
+        "fsdp_shard": (dense, "fsdp_shard"),
+        "fsdp_replicate": (dense, "fsdp_replicate"),
+    }
     if sizes.ep > 1:
-        expert = Grid((sizes.ep, sizes.edp_shard, sizes.edp_replicate, sizes.pp),
-                      ("ep", "edp_shard", "edp_replicate", "pp"), offset)
+        expert = Grid(
+            (sizes.ep, sizes.edp_shard, sizes.edp_replicate, sizes.pp),
+            ("ep", "edp_shard", "edp_replicate", "pp"),
+            offset,
+        )
         grids.update(hp_ep=(expert, "ep"), edp_shard=(expert, "edp_shard"))
         if sizes.edp_replicate > 1:
             grids["edp_replicate"] = (expert, "edp_replicate")
@@ -79,8 +95,11 @@ class HyperParallelBackend(Backend):
     """Hyper-Parallel MeshContexts per pipeline stage, wrapping the groups shardcore created."""
 
     name = "hyperparallel"
-    description = "Hyper-Parallel MeshContext per shard and pipeline stage (Ascend NPU/HCCL, else CUDA/NCCL, else CPU/gloo)"
+    description = (
+        "Hyper-Parallel MeshContext per shard and pipeline stage (Ascend NPU/HCCL, else CUDA/NCCL, else CPU/gloo)"
+    )
     group_names = ("tp", "cp", "dp", "dp_cp")
+    options = OPTIONS
 
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("torch") is None:
@@ -91,12 +110,9 @@ class HyperParallelBackend(Backend):
         """Which device and collective library this backend would use here, and why."""
         return device_note()
 
-    def validate(self, layout: Any, options: Mapping[str, Any]) -> None:
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            raise LayoutError(f"unknown hyperparallel option(s) {', '.join(unknown)}: expected {', '.join(OPTIONS)}")
+    def validate(self, layout: Layout, options: Mapping[str, Any]) -> None:
         staged = [plan for plan in layout.shards if plan.spec.pp > 1]
-        if layout.order != "tp-cp-dp-pp" and staged:
+        if layout.order != Order.TP_CP_DP_PP and staged:
             raise LayoutError(
                 f"order={layout.order!r} interleaves pipeline stages, but Hyper-Parallel's stages are contiguous "
                 f"windows of dp*cp*tp ranks (shard {staged[0].index} has pp={staged[0].spec.pp}): "
@@ -126,10 +142,21 @@ class HyperParallelBackend(Backend):
         expert_mesh = mesh("fsdp_moe_mesh", sizes.fsdp_moe_mesh())
         context_cls, _, _ = mesh_classes()
         context = context_cls(
-            device_mesh=device_mesh, fsdp_non_moe_mesh=fsdp_mesh, fsdp_moe_mesh=expert_mesh,
-            dp_size=sizes.dp, dp_replicate_size=sizes.dp_replicate, dp_shard_size=sizes.dp_shard,
-            edp_shard_size=sizes.edp_shard, tp_size=sizes.tp, cp_size=sizes.cp, pp_size=sizes.pp, ep_size=sizes.ep,
-            dp_rank=coords["dp"], tp_rank=coords["tp"], cp_rank=coords["cp"], pp_rank=coords["pp"],
+            device_mesh=device_mesh,
+            fsdp_non_moe_mesh=fsdp_mesh,
+            fsdp_moe_mesh=expert_mesh,
+            dp_size=sizes.dp,
+            dp_replicate_size=sizes.dp_replicate,
+            dp_shard_size=sizes.dp_shard,
+            edp_shard_size=sizes.edp_shard,
+            tp_size=sizes.tp,
+            cp_size=sizes.cp,
+            pp_size=sizes.pp,
+            ep_size=sizes.ep,
+            dp_rank=coords["dp"],
+            tp_rank=coords["tp"],
+            cp_rank=coords["cp"],
+            pp_rank=coords["pp"],
             ep_rank=(rank - start) % sizes.ep,
             sequence_parallel=bool(_option(options, "sequence_parallel", plan)),
             loss_parallel=bool(_option(options, "loss_parallel", plan)),

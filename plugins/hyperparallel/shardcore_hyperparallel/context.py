@@ -107,8 +107,14 @@ class MeshContext:
         collective); under ``build_shards`` the engine creates them instead.
         """
         sizes = resolve_sizes(
-            world_size=world_size, dp=self.dp_size, cp=self.cp_size, tp=self.tp_size, pp=self.pp_size,
-            ep=self.ep_size, dp_replicate=self.dp_replicate_size, dp_shard=self.dp_shard_size,
+            world_size=world_size,
+            dp=self.dp_size,
+            cp=self.cp_size,
+            tp=self.tp_size,
+            pp=self.pp_size,
+            ep=self.ep_size,
+            dp_replicate=self.dp_replicate_size,
+            dp_shard=self.dp_shard_size,
             edp_shard=self.edp_shard_size,
         )
         import torch.distributed as dist

@@ -1,8 +1,8 @@
 """Which device and collective library this backend uses: Ascend NPU first, then CUDA, then CPU.
 
 Hyper-Parallel targets Ascend, so a working NPU wins over CUDA here (the engine's
-``shardcore.device.device_type`` prefers CUDA). ``torch_npu``'s import is guarded by
-``shardcore.device.npu_status``: without Ascend's CANN toolkit it raises ImportError,
+``shardcore.engine.device.device_type`` prefers CUDA). ``torch_npu``'s import is guarded by
+``shardcore.engine.device.npu_status``: without Ascend's CANN toolkit it raises ImportError,
 OSError or RuntimeError, which become a reason rather than a crash.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardcore.device import npu_status
+from shardcore.engine.device import npu_status
 
 
 @dataclass(frozen=True)

@@ -129,7 +129,7 @@ def mesh_groups(shape: Sequence[int], start: int) -> list[list[tuple[int, ...]]]
 
     Groups are ordered by first rank, ranks within a group ascending.
     """
-    strides = [prod(shape[i + 1:]) for i in range(len(shape))]
+    strides = [prod(shape[i + 1 :]) for i in range(len(shape))]
     result = []
     for size, stride in zip(shape, strides):
         bases = [start + local for local in range(prod(shape)) if (local // stride) % size == 0]

@@ -40,7 +40,8 @@ def hp_meshes(tp: int, cp: int, dp: int, pp: int, ep: int, dp_shard: int, edp_sh
     if ep > 1:
         edp_rep = dense // ep // edp_shard
         meshes["fsdp_moe_mesh"] = (
-            ((edp_rep, edp_shard, ep), ("edp_replicate", "edp_shard", "ep")) if edp_rep > 1
+            ((edp_rep, edp_shard, ep), ("edp_replicate", "edp_shard", "ep"))
+            if edp_rep > 1
             else ((edp_shard, ep), ("edp_shard", "ep"))
         )
     return meshes

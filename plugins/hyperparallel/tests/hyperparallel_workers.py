@@ -44,9 +44,23 @@ def build_and_probe(
     report["dp_cp"] = _probe(ctx.dp_cp_mesh)["dp_cp"]
     report["cp"] = _probe(ctx.cp_mesh)["cp"]
     report["fields"] = {
-        k: getattr(ctx, k) for k in (
-            "dp_size", "dp_replicate_size", "dp_shard_size", "edp_shard_size", "tp_size", "cp_size", "pp_size",
-            "ep_size", "dp_rank", "tp_rank", "cp_rank", "pp_rank", "ep_rank", "sequence_parallel", "loss_parallel",
+        k: getattr(ctx, k)
+        for k in (
+            "dp_size",
+            "dp_replicate_size",
+            "dp_shard_size",
+            "edp_shard_size",
+            "tp_size",
+            "cp_size",
+            "pp_size",
+            "ep_size",
+            "dp_rank",
+            "tp_rank",
+            "cp_rank",
+            "pp_rank",
+            "ep_rank",
+            "sequence_parallel",
+            "loss_parallel",
         )
     }
     report["pp_enabled"] = ctx.pp_enabled
@@ -61,8 +75,11 @@ def standalone_build_meshs(rank: int, world: int, sizes: dict[str, int]) -> dict
 
     ctx = MeshContext(**sizes)
     ctx.build_meshs("cpu", world)
-    report = {name: _probe(getattr(ctx, name)) for name in ("device_mesh", "fsdp_non_moe_mesh", "fsdp_moe_mesh")
-              if getattr(ctx, name) is not None}
+    report = {
+        name: _probe(getattr(ctx, name))
+        for name in ("device_mesh", "fsdp_non_moe_mesh", "fsdp_moe_mesh")
+        if getattr(ctx, name) is not None
+    }
     report["dp_cp"] = _probe(ctx.dp_cp_mesh)["dp_cp"]
     report["ranks"] = [ctx.dp_rank, ctx.cp_rank, ctx.tp_rank, ctx.ep_rank]
     return report

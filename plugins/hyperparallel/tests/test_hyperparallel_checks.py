@@ -7,11 +7,14 @@ from types import SimpleNamespace
 import pytest
 
 from shardcore import LayoutError, plan_layout
+from shardcore.engine.shards import check_options
 from shardcore_hyperparallel import HyperParallelBackend, check_dense_tp_layout, resolve_sizes
 
 
 def _validate(spec: str, world: int, order: str = "tp-cp-dp-pp", **options: object) -> None:
-    HyperParallelBackend().validate(plan_layout(world, spec, order=order), options)
+    backend = HyperParallelBackend()
+    check_options(backend, options)
+    backend.validate(plan_layout(world, spec, order=order), options)
 
 
 def test_world_size_must_be_dp_cp_tp_pp() -> None:
@@ -50,7 +53,7 @@ class _FakeMesh:
         self.rank_list = tp_ranks
         self._local = local
 
-    def __getitem__(self, name: str) -> "_FakeMesh":
+    def __getitem__(self, name: str) -> _FakeMesh:
         return self
 
     def get_local_rank(self) -> int:
@@ -72,13 +75,15 @@ def test_dense_tp_layout_check_skips_meshes_without_rank_lists() -> None:
 
 
 def test_interleaved_pp_order_is_rejected() -> None:
-    with pytest.raises(LayoutError, match="stages are contiguous windows.*use order='tp-cp-dp-pp'"):
+    with pytest.raises(LayoutError, match=r"stages are contiguous windows.*use order='tp-cp-dp-pp'"):
         _validate("tp=2,pp=2,dp=2", 8, order="tp-cp-pp-dp")
     _validate("tp=2,dp=2", 4, order="tp-cp-pp-dp")  # without pp both orders are the same
 
 
 def test_unknown_option_and_short_per_shard_option() -> None:
-    with pytest.raises(LayoutError, match="unknown hyperparallel option.*dp_shards.*expected dp_replicate"):
+    with pytest.raises(
+        LayoutError, match=r"unknown option\(s\) dp_shards for backend 'hyperparallel': it accepts dp_replicate"
+    ):
         _validate("tp=2", 2, dp_shards=1)
     with pytest.raises(LayoutError, match="gives no value for shard 1"):
         _validate("tp=2+tp=2", 4, dp_shard=[1])

@@ -13,13 +13,35 @@ import pytest
 from shardcore_hyperparallel import DistributedSetup, MeshContext, distributed_setup, mesh_classes
 
 MESH_FIELDS = [
-    "device_mesh", "fsdp_non_moe_mesh", "fsdp_moe_mesh", "dp_size", "dp_replicate_size", "dp_shard_size",
-    "edp_shard_size", "tp_size", "cp_size", "pp_size", "ep_size", "dp_rank", "tp_rank", "cp_rank", "pp_rank",
-    "ep_rank", "sequence_parallel", "loss_parallel",
+    "device_mesh",
+    "fsdp_non_moe_mesh",
+    "fsdp_moe_mesh",
+    "dp_size",
+    "dp_replicate_size",
+    "dp_shard_size",
+    "edp_shard_size",
+    "tp_size",
+    "cp_size",
+    "pp_size",
+    "ep_size",
+    "dp_rank",
+    "tp_rank",
+    "cp_rank",
+    "pp_rank",
+    "ep_rank",
+    "sequence_parallel",
+    "loss_parallel",
 ]
 SETUP_FIELDS = [
-    "mesh_context", "strategy_config", "pipeline_config", "moe_parallel_config", "activation_checkpointing",
-    "plan_overrides", "module_replacements", "low_precision_config", "fp32_main_params",
+    "mesh_context",
+    "strategy_config",
+    "pipeline_config",
+    "moe_parallel_config",
+    "activation_checkpointing",
+    "plan_overrides",
+    "module_replacements",
+    "low_precision_config",
+    "fp32_main_params",
 ]
 
 
@@ -52,7 +74,7 @@ def _fake_hyper_parallel(monkeypatch: pytest.MonkeyPatch) -> tuple[type, type]:
         raise AttributeError("torch DeviceMesh has no flatten")
 
     # Upstream's class: the same fields (MESH_FIELDS checks ours against them), its own dp_cp_mesh.
-    HPMeshContext = dataclasses.make_dataclass(  # noqa: N806 - a class
+    HPMeshContext = dataclasses.make_dataclass(
         "HPMeshContext",
         [(f.name, f.type, dataclasses.field(default=f.default)) for f in dataclasses.fields(MeshContext)],
         namespace={"dp_cp_mesh": property(flatten_only)},

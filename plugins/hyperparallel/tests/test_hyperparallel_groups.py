@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from hp_expected import group_along, hp_meshes, stage_window
+from plugins.hyperparallel.tests.hp_expected import group_along, hp_meshes, stage_window
 from shardcore import plan_layout
-from shardcore.groups import requested_groups
+from shardcore.engine.groups import requested_groups
 from shardcore_hyperparallel import HyperParallelBackend, resolve_sizes, shard_sizes
 from shardcore_hyperparallel.backend import MESH_GROUPS
 
@@ -49,7 +49,11 @@ def test_mesh_groups_equal_hyper_parallel_reshapes(seed: int) -> None:
         window = stage_window(plan.rank_offset, s["tp"], s["cp"], s["dp"], rank)
         for kind, (shape, names) in expected.items():
             for dim, name in enumerate(names):
-                assert list(groups[MESH_GROUPS[kind][name]]) == group_along(window, shape, rank, dim), (kind, name, rank)
+                assert list(groups[MESH_GROUPS[kind][name]]) == group_along(window, shape, rank, dim), (
+                    kind,
+                    name,
+                    rank,
+                )
 
 
 def _world(spec: str) -> int:

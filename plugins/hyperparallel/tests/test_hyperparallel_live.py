@@ -6,10 +6,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-import hyperparallel_workers as workers  # noqa: E402
-from hp_expected import group_along, hp_meshes, stage_window  # noqa: E402
-
-from shardcore.testing import run_world  # noqa: E402
+from plugins.hyperparallel.tests import hyperparallel_workers as workers
+from plugins.hyperparallel.tests.hp_expected import group_along, hp_meshes, stage_window
+from shardcore.testing import run_world
 
 SHARDS = "tp=2,pp=2,ep=2,expt_tp=1+cp=2,dp=2,ep=2,expt_tp=1"
 STANDALONE = {"dp_size": 2, "tp_size": 2, "pp_size": 2, "ep_size": 2, "dp_shard_size": 1, "dp_replicate_size": 2}
@@ -48,10 +47,20 @@ def test_each_mesh_all_reduces_over_hyper_parallels_groups(reports: list[dict], 
     assert report["dp_cp"]["sum"] == dp * cp
     assert report["cp"]["ranks"] == group_along(window, (dp, cp, tp), rank, 1)
     fields = report["fields"]
-    assert (fields["tp_size"], fields["cp_size"], fields["dp_size"], fields["pp_size"], fields["ep_size"]) == (tp, cp, dp, pp, ep)
+    assert (fields["tp_size"], fields["cp_size"], fields["dp_size"], fields["pp_size"], fields["ep_size"]) == (
+        tp,
+        cp,
+        dp,
+        pp,
+        ep,
+    )
     assert fields["dp_shard_size"] == dp_shard and fields["dp_replicate_size"] == dp * cp // dp_shard
     assert fields["pp_rank"] == (rank - offset) // len(window)
-    assert (fields["dp_rank"], fields["cp_rank"], fields["tp_rank"]) == (local // (cp * tp), local // tp % cp, local % tp)
+    assert (fields["dp_rank"], fields["cp_rank"], fields["tp_rank"]) == (
+        local // (cp * tp),
+        local // tp % cp,
+        local % tp,
+    )
     assert fields["ep_rank"] == local % ep
     assert fields["sequence_parallel"] is True and fields["loss_parallel"] is False
     assert report["pp_enabled"] == (pp > 1)

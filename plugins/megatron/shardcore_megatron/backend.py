@@ -9,10 +9,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import Any
 
+from shardcore.engine.backend import Backend
+from shardcore.engine.hookspecs import hookimpl
 from shardcore.errors import BackendUnavailableError
-from shardcore.hookspecs import hookimpl
-from shardcore.layout import GROUP_NAMES
-from shardcore.protocols import Backend, ShardPlanLike
+from shardcore.plan.layout import GROUP_NAMES
+from shardcore.plan.protocols import ShardPlanLike
 
 INSTALL_HINT = "pip install megatron-core==0.16.1 einops"
 

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from shardcore.engine.shards import Shard, build_shards, destroy_shards
 from shardcore.errors import GroupCreationError, LayoutError, ShardSpecError
-from shardcore.layout import Layout, plan_layout
-from shardcore.shards import Shard, build_shards, destroy_shards
-from shardcore.spec import INT_KEYS, ShardSpec, parse_shards
+from shardcore.plan.layout import Layout, Order, plan_layout
+from shardcore.plan.spec import INT_KEYS, ShardSpec, parse_shards
 
 from .backend import make_collection, require_available
 
@@ -48,7 +48,9 @@ def _torch_world() -> tuple[int, int]:
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
-        raise GroupCreationError("torch.distributed is not initialized: call torch.distributed.init_process_group() first")
+        raise GroupCreationError(
+            "torch.distributed is not initialized: call torch.distributed.init_process_group() first"
+        )
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -68,8 +70,8 @@ def _training_sizes() -> dict[str, int]:
     }
 
 
-def _order(use_tp_pp_dp_mapping: bool) -> str:
-    return "tp-cp-pp-dp" if use_tp_pp_dp_mapping else "tp-cp-dp-pp"
+def _order(use_tp_pp_dp_mapping: bool) -> Order:
+    return Order.TP_CP_PP_DP if use_tp_pp_dp_mapping else Order.TP_CP_DP_PP
 
 
 def _build(layout: Layout, strategy: str, timeout: float | timedelta | None) -> list[Shard]:
@@ -116,7 +118,8 @@ def build_inference_pg_collection(
     dense = sizes["tp"] * sizes["cp"] * sizes["pp"]
     if world_size % dense:
         raise ShardSpecError(
-            f"world_size={world_size} is not divisible by tp*cp*pp = {sizes['tp']}*{sizes['cp']}*{sizes['pp']} = {dense}: "
+            f"world_size={world_size} is not divisible by "
+            f"tp*cp*pp = {sizes['tp']}*{sizes['cp']}*{sizes['pp']} = {dense}: "
             f"choose sizes whose product divides the window"
         )
     spec = ShardSpec(dp=world_size // dense, **sizes)  # type: ignore[arg-type]  # sizes holds only int keys
@@ -183,9 +186,7 @@ def build_inference_pg_collections_for_shards(
     if torch_world > total_world_size:  # ranks past the planned world take part as idle ranks
         layout = plan_layout(torch_world, specs, order=order, rank_offset=rank_offset, allow_idle=True)
     built = _build(layout, strategy, timeout)
-    return [
-        InferenceShard(s.spec, s.rank_offset, s.world_size, s.handle if s.is_member else None, s) for s in built
-    ]
+    return [InferenceShard(s.spec, s.rank_offset, s.size, s.handle if s.is_member else None, s) for s in built]
 
 
 def destroy_inference_process_groups() -> None:

@@ -9,13 +9,37 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardcore.groups import live_group_count
+from shardcore.engine.torch_state import live_group_count
 
-FIELDS = ("tp", "cp", "pp", "dp", "mp", "tp_cp", "dp_cp", "tp_dp_cp", "ep", "expt_tp", "expt_dp", "tp_ep", "tp_ep_pp",
-          "embd", "pos_embd")
-# Megatron's inference recipe (reference/megatron.md §1.5): field -> dims on its decoder / expert grid
-DECODER = {"tp": "tp", "cp": "cp", "pp": "pp", "dp": "dp", "mp": ["tp", "pp"], "tp_cp": ["tp", "cp"],
-           "dp_cp": ["cp", "dp"], "tp_dp_cp": ["tp", "cp", "dp"]}
+FIELDS = (
+    "tp",
+    "cp",
+    "pp",
+    "dp",
+    "mp",
+    "tp_cp",
+    "dp_cp",
+    "tp_dp_cp",
+    "ep",
+    "expt_tp",
+    "expt_dp",
+    "tp_ep",
+    "tp_ep_pp",
+    "embd",
+    "pos_embd",
+)
+# Megatron's inference recipe (build_inference_pg_collection in megatron/core/inference/shards.py):
+# field -> dims on its decoder / expert grid
+DECODER = {
+    "tp": "tp",
+    "cp": "cp",
+    "pp": "pp",
+    "dp": "dp",
+    "mp": ["tp", "pp"],
+    "tp_cp": ["tp", "cp"],
+    "dp_cp": ["cp", "dp"],
+    "tp_dp_cp": ["tp", "cp", "dp"],
+}
 EXPERT = {"ep": "ep", "expt_tp": "tp", "expt_dp": "dp", "tp_ep": ["tp", "ep"], "tp_ep_pp": ["tp", "ep", "pp"]}
 
 Ranks = "dict[str, tuple[int, ...] | None]"
@@ -73,13 +97,23 @@ def shardcore_dropin(c: dict[str, Any], via_shards: bool) -> dict[str, tuple[int
         if via_shards:
             spec = {k: c[k] for k in ("tp", "cp", "pp", "dp", "ep", "expt_tp")}
             built = build_inference_pg_collections_for_shards(
-                c["world"], [spec], c["mapping"], rank_offset=c["offset"], allow_idle=True, strategy=c["strategy"])
+                c["world"], [spec], c["mapping"], rank_offset=c["offset"], allow_idle=True, strategy=c["strategy"]
+            )
             pgc = built[0].pg_collection
             if pgc is None:
                 return dict.fromkeys(FIELDS)
         else:
-            pgc = build_inference_pg_collection(size, c["tp"], c["pp"], c["cp"], c["ep"], c["expt_tp"], c["mapping"],
-                                                c["offset"], strategy=c["strategy"])
+            pgc = build_inference_pg_collection(
+                size,
+                c["tp"],
+                c["pp"],
+                c["cp"],
+                c["ep"],
+                c["expt_tp"],
+                c["mapping"],
+                c["offset"],
+                strategy=c["strategy"],
+            )
     except LayoutError:
         return "pp mismatch"
     return {name: _members(getattr(pgc, name)) for name in FIELDS}
@@ -105,17 +139,26 @@ def parity(configs: list[dict[str, Any]]) -> list[str]:
 def defaults_from_parallel_state(world: int) -> list[dict[str, Any]]:
     """Sizes left None: 1 without parallel_state, training's sizes once it is initialised."""
     from megatron.core import parallel_state as mpu
+
     from shardcore_megatron.shards import build_inference_pg_collection
 
     out = []
     for rank in (0, world - 1):
         _fake_world(rank, world)
         plain = build_inference_pg_collection(world)
-        mpu.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                                     create_gloo_process_groups=False)
+        mpu.initialize_model_parallel(
+            tensor_model_parallel_size=2, pipeline_model_parallel_size=2, create_gloo_process_groups=False
+        )
         trained = build_inference_pg_collection(world)
-        out.append({"plain_tp": plain.tp.size(), "plain_dp": plain.dp.size(),
-                    "tp": trained.tp.size(), "pp": trained.pp.size(), "dp": trained.dp.size()})
+        out.append(
+            {
+                "plain_tp": plain.tp.size(),
+                "plain_dp": plain.dp.size(),
+                "tp": trained.tp.size(),
+                "pp": trained.pp.size(),
+                "dp": trained.dp.size(),
+            }
+        )
         mpu.destroy_model_parallel()
     dist.destroy_process_group()
     return out
@@ -139,8 +182,12 @@ def live_collections(rank: int, world: int, cases: list[dict[str, Any]]) -> list
         else:
             built = build_inference_pg_collections_for_shards(**case["kwargs"])
             members = [i for i, s in enumerate(built) if s.pg_collection is not None]
-            mine = {"index": members[0] if members else None, "pgc": built[members[0]] .pg_collection if members else None,
-                    "n_members": len(members), "type": type(built[0]).__name__}
+            mine = {
+                "index": members[0] if members else None,
+                "pgc": built[members[0]].pg_collection if members else None,
+                "n_members": len(members),
+                "type": type(built[0]).__name__,
+            }
         fields: dict[str, Any] = {}
         distinct: set[int] = set()
         if mine["pgc"] is not None:
@@ -158,7 +205,15 @@ def live_collections(rank: int, world: int, cases: list[dict[str, Any]]) -> list
         created = live_group_count() - before
         destroy_inference_process_groups()
         dist.barrier()
-        reports.append({"shard": mine["index"], "fields": fields, "created": created, "distinct": len(distinct),
-                        "leftover": live_group_count() - before, "type": type(mine["pgc"]).__name__,
-                        "n_members": mine.get("n_members")})
+        reports.append(
+            {
+                "shard": mine["index"],
+                "fields": fields,
+                "created": created,
+                "distinct": len(distinct),
+                "leftover": live_group_count() - before,
+                "type": type(mine["pgc"]).__name__,
+                "n_members": mine.get("n_members"),
+            }
+        )
     return reports

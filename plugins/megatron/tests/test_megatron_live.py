@@ -7,27 +7,52 @@ from typing import Any
 import pytest
 
 pytest.importorskip("torch")
-from shardcore_megatron.backend import missing_requirement  # noqa: E402
+from shardcore_megatron.backend import missing_requirement
 
 if missing_requirement():
     pytest.skip("megatron-core is not installed", allow_module_level=True)
 
-import megatron_workers as workers  # noqa: E402
-
-from shardcore import plan_layout  # noqa: E402
-from shardcore.testing import run_world  # noqa: E402
+from plugins.megatron.tests import megatron_workers as workers
+from shardcore import plan_layout
+from shardcore.testing import run_world
 
 WORLD = 8
 HETERO = "tp=2,role=train+tp=2,pp=2,ep=2,expt_tp=1,role=prefill+tp=1,cp=2,role=decode"
 CASES: list[dict[str, Any]] = [
     {"call": "shards", "kwargs": {"total_world_size": WORLD, "shards": HETERO, "timeout": 60}},
-    {"call": "shards", "kwargs": {"total_world_size": WORLD, "shards": HETERO, "use_tp_pp_dp_mapping": True,
-                                  "strategy": "world", "timeout": 60}},
-    {"call": "shards", "kwargs": {"total_world_size": WORLD, "timeout": 60, "rank_offset": 2, "allow_idle": True,
-                                  "shards": [{"tp": 2, "ep": 2, "expt_tp": 1, "role": "prefill"},
-                                             {"tp": 1, "dp": 2, "role": "decode"}]}},
-    {"call": "single", "kwargs": {"world_size": 4, "tp_size": 2, "pp_size": 1, "cp_size": 2, "ep_size": 2,
-                                  "expt_tp_size": 1, "rank_offset": 3, "timeout": 60}},
+    {
+        "call": "shards",
+        "kwargs": {
+            "total_world_size": WORLD,
+            "shards": HETERO,
+            "use_tp_pp_dp_mapping": True,
+            "strategy": "world",
+            "timeout": 60,
+        },
+    },
+    {
+        "call": "shards",
+        "kwargs": {
+            "total_world_size": WORLD,
+            "timeout": 60,
+            "rank_offset": 2,
+            "allow_idle": True,
+            "shards": [{"tp": 2, "ep": 2, "expt_tp": 1, "role": "prefill"}, {"tp": 1, "dp": 2, "role": "decode"}],
+        },
+    },
+    {
+        "call": "single",
+        "kwargs": {
+            "world_size": 4,
+            "tp_size": 2,
+            "pp_size": 1,
+            "cp_size": 2,
+            "ep_size": 2,
+            "expt_tp_size": 1,
+            "rank_offset": 3,
+            "timeout": 60,
+        },
+    },
 ]
 
 
@@ -35,8 +60,13 @@ def _layout(case: dict[str, Any]) -> Any:
     kw = case["kwargs"]
     order = "tp-cp-pp-dp" if kw.get("use_tp_pp_dp_mapping") else "tp-cp-dp-pp"
     if case["call"] == "single":
-        spec = {"tp": kw["tp_size"], "pp": kw["pp_size"], "cp": kw["cp_size"], "ep": kw["ep_size"],
-                "expt_tp": kw["expt_tp_size"]}
+        spec = {
+            "tp": kw["tp_size"],
+            "pp": kw["pp_size"],
+            "cp": kw["cp_size"],
+            "ep": kw["ep_size"],
+            "expt_tp": kw["expt_tp_size"],
+        }
         spec["dp"] = kw["world_size"] // (spec["tp"] * spec["pp"] * spec["cp"])
         return plan_layout(WORLD, [spec], order=order, rank_offset=kw["rank_offset"], allow_idle=True)
     return plan_layout(WORLD, kw["shards"], order=order, rank_offset=kw.get("rank_offset", 0), allow_idle=True)

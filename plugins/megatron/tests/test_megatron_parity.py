@@ -1,8 +1,8 @@
 """Parity with the real megatron-core 0.16.1 on a fake world: every field, every rank, random configs.
 
 Megatron's side is HyperCommGrids used the way its ``build_inference_pg_collection`` uses
-them (reference/megatron.md §1.5). Everything runs in one spawned process so the fake
-world and megatron's import stay out of the test process.
+them (https://github.com/NVIDIA/Megatron-LM/blob/core_v0.19.0/megatron/core/inference/shards.py).
+Everything runs in one spawned process so the fake world and megatron's import stay out of the test process.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("einops")
-from shardcore_megatron.backend import missing_requirement  # noqa: E402
+from shardcore_megatron.backend import missing_requirement
 
 if missing_requirement():
     pytest.skip("megatron-core is not installed", allow_module_level=True)
 
-import megatron_workers as workers  # noqa: E402
+from plugins.megatron.tests import megatron_workers as workers
 
 
 def _divisors(n: int) -> list[int]:
@@ -40,9 +40,20 @@ def random_configs(count: int, seed: int = 1234) -> list[dict[str, Any]]:
         if size > 32:
             continue
         offset = rng.choice([0, 0, 1, 3, 4])
-        configs.append(dict(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, expt_tp=etp, mapping=rng.random() < 0.5,
-                            offset=offset, world=offset + size + rng.choice([0, 0, 2]),
-                            strategy=rng.choice(["local", "world"])))
+        configs.append(
+            dict(
+                tp=tp,
+                cp=cp,
+                pp=pp,
+                dp=dp,
+                ep=ep,
+                expt_tp=etp,
+                mapping=rng.random() < 0.5,
+                offset=offset,
+                world=offset + size + rng.choice([0, 0, 2]),
+                strategy=rng.choice(["local", "world"]),
+            )
+        )
     return configs
 
 

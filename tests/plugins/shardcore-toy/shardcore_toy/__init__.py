@@ -16,7 +16,9 @@ class ToyBackend(Backend):
     name = "toy"
     description = "test backend: a dict of group sizes"
 
-    def make_handle(self, plan: Any, rank: int, groups: Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, int]:
+    def make_handle(
+        self, plan: Any, rank: int, groups: Mapping[str, Any], options: Mapping[str, Any]
+    ) -> dict[str, int]:
         return {name: group.size() for name, group in groups.items() if group is not None}
 
 

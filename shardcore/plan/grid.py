@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from math import prod
 
-from .errors import LayoutError
+from ..errors import LayoutError
 
 Dims = str | Sequence[str]
 
@@ -17,7 +17,7 @@ class Grid:
     unless asked for, so a grid over a million ranks costs a few integers.
     """
 
-    __slots__ = ("shape", "dim_names", "rank_offset", "size", "_strides")
+    __slots__ = ("_strides", "dim_names", "rank_offset", "shape", "size")
 
     def __init__(self, shape: Sequence[int], dim_names: Sequence[str], rank_offset: int = 0) -> None:
         shape, dim_names = tuple(shape), tuple(dim_names)
@@ -79,8 +79,7 @@ class Grid:
     def _check_rank(self, rank: int) -> None:
         if rank not in self:
             raise LayoutError(
-                f"rank {rank!r} is outside this grid's ranks "
-                f"[{self.rank_offset}, {self.rank_offset + self.size})"
+                f"rank {rank!r} is outside this grid's ranks [{self.rank_offset}, {self.rank_offset + self.size})"
             )
 
     def coords(self, rank: int) -> dict[str, int]:

@@ -12,11 +12,11 @@ A backend distribution registers a module under the entry-point group
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pluggy
 
-from .protocols import Backend
+from .backend import Backend
 
 PROJECT = "shardcore"
 hookspec = pluggy.HookspecMarker(PROJECT)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
-from .errors import ShardSpecError
+from ..errors import ShardSpecError
 
 INT_KEYS = ("tp", "pp", "cp", "dp", "ep", "expt_tp")
 KEYS = (*INT_KEYS, "role", "name")
@@ -72,7 +72,7 @@ class ShardSpec:
     @property
     def expt_dp(self) -> int:
         """Expert data-parallel size: the shard's ranks left after expt_tp*ep*pp."""
-        return self.world_size // (self.expt_tp * self.ep * self.pp)  # type: ignore[operator]
+        return self.world_size // (self.expt_tp * self.ep * self.pp)
 
     def to_dict(self) -> dict[str, Any]:
         """All sizes, plus role and name where set; ``from_dict`` inverts it."""
@@ -203,7 +203,8 @@ def _parse_text(text: str, source: str) -> list[ShardSpec]:
         document = _load_document(stripped, source)
         if not isinstance(document, list):
             raise ShardSpecError(
-                f"{source} must hold a list of shards (e.g. '- {{tp: 2, role: prefill}}'); got {type(document).__name__}"
+                f"{source} must hold a list of shards (e.g. '- {{tp: 2, role: prefill}}'); "
+                f"got {type(document).__name__}"
             )
         return _from_sequence(document)
     return _parse_grammar(text)
@@ -219,7 +220,9 @@ def _from_sequence(items: Sequence[Any]) -> list[ShardSpec]:
         elif isinstance(item, str):
             out.extend(_parse_grammar(item))
         else:
-            raise ShardSpecError(f"a shard must be a ShardSpec, a mapping or a spec string; got {type(item).__name__}: {item!r}")
+            raise ShardSpecError(
+                f"a shard must be a ShardSpec, a mapping or a spec string; got {type(item).__name__}: {item!r}"
+            )
     return out
 
 
@@ -235,7 +238,9 @@ def _read_spec_file(path: Path) -> str:
     except (OSError, ValueError) as error:  # ValueError: undecodable, or a NUL in the path
         raise ShardSpecError(f"cannot read shard file {str(path)!r}: {error}") from None
     if len(data) > MAX_SPEC_FILE_BYTES:
-        raise ShardSpecError(f"shard file {str(path)!r} is over {MAX_SPEC_FILE_BYTES} bytes: give a spec file, not data")
+        raise ShardSpecError(
+            f"shard file {str(path)!r} is over {MAX_SPEC_FILE_BYTES} bytes: give a spec file, not data"
+        )
     return text
 
 

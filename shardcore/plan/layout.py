@@ -1,29 +1,66 @@
-"""plan_layout: contiguous shard windows and every rank's named groups, by index math alone."""
+"""plan_layout: contiguous shard windows and every rank's named groups, by index math alone.
+
+This module owns the group recipe: which grid and dims define each of Megatron's 15 group
+names, and the embedding rule. Everyone else (engine, CLI, topology, picture) asks a
+``ShardPlan``.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
 from bisect import bisect_right
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from enum import StrEnum
+from math import prod
+from typing import Any, NamedTuple
 
-from .errors import LayoutError
+from ..errors import LayoutError
 from .grid import Grid
-from .spec import ShardSpec, ShardsInput, parse_shards
-
-if TYPE_CHECKING:
-    from .topology import TopologyReport
+from .spec import ShardsInput, ShardSpec, parse_shards
 
 MAX_WORLD_SIZE = 1 << 24
 """Largest world planned: far above any cluster, small enough that a group always fits in memory."""
 
-ORDERS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "tp-cp-dp-pp": (("tp", "cp", "dp", "pp"), ("expt_tp", "ep", "expt_dp", "pp")),
-    "tp-cp-pp-dp": (("tp", "cp", "pp", "dp"), ("expt_tp", "ep", "pp", "expt_dp")),
+
+class Order(StrEnum):
+    """Megatron's rank orders (first dim fastest): pipeline stages contiguous, or model replicas contiguous."""
+
+    TP_CP_DP_PP = "tp-cp-dp-pp"
+    TP_CP_PP_DP = "tp-cp-pp-dp"
+
+
+DEFAULT_ORDER = Order.TP_CP_DP_PP
+ORDER_ALIASES: dict[str, Order] = {"tp-dp-pp": Order.TP_CP_DP_PP, "tp-pp-dp": Order.TP_CP_PP_DP}
+"""Megatron's spellings without cp."""
+
+GRID_DIMS: dict[Order, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    Order.TP_CP_DP_PP: (("tp", "cp", "dp", "pp"), ("expt_tp", "ep", "expt_dp", "pp")),
+    Order.TP_CP_PP_DP: (("tp", "cp", "pp", "dp"), ("expt_tp", "ep", "pp", "expt_dp")),
 }
-ORDER_ALIASES = {"tp-dp-pp": "tp-cp-dp-pp", "tp-pp-dp": "tp-cp-pp-dp"}
+"""Decoder and expert grid dims per order."""
+
+
+class GroupName(StrEnum):
+    """Megatron ProcessGroupCollection field names, in creation order (embedding groups last)."""
+
+    TP = "tp"
+    CP = "cp"
+    PP = "pp"
+    DP = "dp"
+    MP = "mp"
+    TP_CP = "tp_cp"
+    DP_CP = "dp_cp"
+    TP_DP_CP = "tp_dp_cp"
+    EP = "ep"
+    EXPT_TP = "expt_tp"
+    EXPT_DP = "expt_dp"
+    TP_EP = "tp_ep"
+    TP_EP_PP = "tp_ep_pp"
+    EMBD = "embd"
+    POS_EMBD = "pos_embd"
+
 
 DECODER_GROUPS: dict[str, tuple[str, ...]] = {
     "tp": ("tp",),
@@ -35,6 +72,7 @@ DECODER_GROUPS: dict[str, tuple[str, ...]] = {
     "dp_cp": ("cp", "dp"),
     "tp_dp_cp": ("tp", "cp", "dp"),
 }
+"""Groups along dims of the decoder grid."""
 EXPERT_GROUPS: dict[str, tuple[str, ...]] = {
     "ep": ("ep",),
     "expt_tp": ("expt_tp",),
@@ -42,10 +80,23 @@ EXPERT_GROUPS: dict[str, tuple[str, ...]] = {
     "tp_ep": ("expt_tp", "ep"),
     "tp_ep_pp": ("expt_tp", "ep", "pp"),
 }
-GROUP_NAMES: tuple[str, ...] = (*DECODER_GROUPS, *EXPERT_GROUPS, "embd", "pos_embd")
-"""Megatron ProcessGroupCollection field names, in creation order (embedding groups last)."""
+"""Groups along dims of the expert grid."""
+GRID_GROUP_NAMES: tuple[str, ...] = (*DECODER_GROUPS, *EXPERT_GROUPS)
+"""The 13 names defined by a grid and dims (embd and pos_embd are subsets of pp groups)."""
+GROUP_NAMES: tuple[GroupName, ...] = tuple(GroupName)
+"""All 15 names, in creation order."""
 
-Groups = dict[str, "tuple[int, ...] | None"]
+RankGroups = dict[str, "tuple[int, ...] | None"]
+"""Group name -> the sorted global ranks of one rank's group (None where the rank is in none)."""
+
+
+def embedding_groups(first: int, last: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(embd, pos_embd) of the pp group whose first and last ranks are given.
+
+    Megatron's default: embd holds the first and last stage (the first alone when pp = 1),
+    pos_embd the first stage.
+    """
+    return ((first, last) if last != first else (first,)), (first,)
 
 
 class DistinctGroup(NamedTuple):
@@ -55,12 +106,16 @@ class DistinctGroup(NamedTuple):
     names: tuple[str, ...]
 
 
-def resolve_order(order: str) -> str:
-    """Canonical order name; Megatron's spellings without cp are accepted."""
-    canonical = ORDER_ALIASES.get(order, order)
-    if canonical not in ORDERS:
-        raise LayoutError(f"order={order!r}: expected one of {', '.join(ORDERS)} (Megatron's tp-dp-pp / tp-pp-dp also work)")
-    return canonical
+def resolve_order(order: str) -> Order:
+    """Canonical order; Megatron's spellings without cp are accepted."""
+    if order in ORDER_ALIASES:
+        return ORDER_ALIASES[order]
+    try:
+        return Order(order)
+    except ValueError:
+        raise LayoutError(
+            f"order={order!r}: expected one of {', '.join(Order)} (Megatron's tp-dp-pp / tp-pp-dp also work)"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -70,14 +125,15 @@ class ShardPlan:
     index: int
     spec: ShardSpec
     rank_offset: int
-    world_size: int
+    size: int
+    """Ranks in the shard's window (tp*cp*pp*dp)."""
     decoder_grid: Grid
     expert_grid: Grid
 
     @property
     def ranks(self) -> range:
         """The shard's global ranks."""
-        return range(self.rank_offset, self.rank_offset + self.world_size)
+        return range(self.rank_offset, self.rank_offset + self.size)
 
     def __contains__(self, rank: object) -> bool:
         return rank in self.decoder_grid
@@ -86,20 +142,54 @@ class ShardPlan:
         """The rank's coordinates on both grids (pp is shared)."""
         return {**self.expert_grid.coords(rank), **self.decoder_grid.coords(rank)}
 
-    def groups_of(self, rank: int, names: Collection[str] = GROUP_NAMES) -> Groups:
+    def grid_of(self, name: str) -> tuple[Grid, tuple[str, ...]]:
+        """The grid (decoder or expert) and dims that define the group ``name`` (one of GRID_GROUP_NAMES)."""
+        if name in DECODER_GROUPS:
+            return self.decoder_grid, DECODER_GROUPS[name]
+        if name in EXPERT_GROUPS:
+            return self.expert_grid, EXPERT_GROUPS[name]
+        raise LayoutError(f"group {name!r} is not defined by a grid: choose from {', '.join(GRID_GROUP_NAMES)}")
+
+    def group_span(self, rank: int, name: str) -> tuple[int, int, int]:
+        """(size, first rank, last rank) of ``rank``'s group ``name`` (a grid group), in O(dims).
+
+        Listing ``--rank`` on a world of millions must not build lists of millions of ranks.
+        """
+        grid, dims = self.grid_of(name)
+        coords = grid.coords(rank)
+        first = rank - sum(coords[d] * grid.stride_of(d) for d in dims)
+        last = first + sum((grid.size_of(d) - 1) * grid.stride_of(d) for d in dims)
+        return prod(grid.size_of(d) for d in dims), first, last
+
+    def groups_of(self, rank: int, names: Collection[str] = GROUP_NAMES) -> RankGroups:
         """A member rank's named groups (all 15, or those in ``names``, in GROUP_NAMES order).
 
         embd / pos_embd are None where the rank is not in them. Groups not asked for are not
         computed: at a million ranks one of them can hold a quarter of the world.
         """
-        groups: Groups = {}
-        for grid, table in ((self.decoder_grid, DECODER_GROUPS), (self.expert_grid, EXPERT_GROUPS)):
-            groups.update({name: grid.group_ranks(rank, dims) for name, dims in table.items() if name in names})
-        if "embd" in names or "pos_embd" in names:
-            pp = self.decoder_grid.group_ranks(rank, "pp")
-            embd = (pp[0], pp[-1]) if len(pp) > 1 else (pp[0],)
-            groups.update(embd=embd if rank in embd else None, pos_embd=(pp[0],) if rank == pp[0] else None)
-        return {name: ranks for name, ranks in groups.items() if name in names}
+        groups: RankGroups = {}
+        for name in GROUP_NAMES:
+            if name not in names:
+                continue
+            if name in GRID_GROUP_NAMES:
+                grid, dims = self.grid_of(name)
+                groups[name] = grid.group_ranks(rank, dims)
+            else:
+                _, first, last = self.group_span(rank, "pp")
+                embd, pos_embd = embedding_groups(first, last)
+                member = embd if name == GroupName.EMBD else pos_embd
+                groups[name] = member if rank in member else None
+        return groups
+
+    def iter_groups(self, name: str) -> Iterator[tuple[int, ...]]:
+        """Every group ``name`` of the shard (any of the 15), in Megatron's enumeration order."""
+        if name in GRID_GROUP_NAMES:
+            grid, dims = self.grid_of(name)
+            yield from grid.iter_groups(dims)
+            return
+        for pp_group in self.decoder_grid.iter_groups("pp"):
+            embd, pos_embd = embedding_groups(pp_group[0], pp_group[-1])
+            yield embd if name == GroupName.EMBD else pos_embd
 
     def to_dict(self) -> dict[str, Any]:
         grids = {
@@ -110,13 +200,13 @@ class ShardPlan:
             "index": self.index,
             "spec": self.spec.to_dict(),
             "rank_offset": self.rank_offset,
-            "world_size": self.world_size,
-            "ranks": [self.rank_offset, self.rank_offset + self.world_size],
+            "size": self.size,
+            "ranks": [self.rank_offset, self.rank_offset + self.size],
             **grids,
         }
 
 
-def distinct_groups(groups: Groups) -> tuple[DistinctGroup, ...]:
+def distinct_groups(groups: RankGroups) -> tuple[DistinctGroup, ...]:
     """Each distinct rank set once, in creation order, with the names that share it.
 
     Creation order is GROUP_NAMES, then any backend-specific names sorted: the same on
@@ -135,7 +225,8 @@ class Layout:
     """Shards laid out in contiguous windows over a world; idle ranks are listed, never lost."""
 
     world_size: int
-    order: str
+    """Ranks in the whole world, idle ones included."""
+    order: Order
     rank_offset: int
     shards: tuple[ShardPlan, ...]
     idle: tuple[range, ...]
@@ -156,7 +247,7 @@ class Layout:
             return self.shards[position]
         return None
 
-    def groups_of(self, rank: int) -> Groups:
+    def groups_of(self, rank: int) -> RankGroups:
         """The rank's 15 named groups as sorted tuples of global ranks; {} for an idle rank."""
         plan = self.shard_of(rank)
         return plan.groups_of(rank) if plan is not None else {}
@@ -169,12 +260,6 @@ class Layout:
     def idle_ranks(self) -> list[int]:
         """Every rank that belongs to no shard."""
         return [rank for window in self.idle for rank in window]
-
-    def check_topology(self, ranks_per_node: int) -> TopologyReport:
-        """Which groups cross a node of ``ranks_per_node`` ranks; see shardcore.topology."""
-        from .topology import check_topology  # topology imports this module
-
-        return check_topology(self, ranks_per_node)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -202,20 +287,20 @@ def _check_world(total_world_size: object, rank_offset: object) -> None:
         raise LayoutError(f"rank_offset={rank_offset!r}: expected an integer in [0, {total_world_size})")
 
 
-def _plan_shard(index: int, spec: ShardSpec, offset: int, order: str) -> ShardPlan:
-    decoder_dims, expert_dims = ORDERS[order]
+def _plan_shard(index: int, spec: ShardSpec, offset: int, order: Order) -> ShardPlan:
+    decoder_dims, expert_dims = GRID_DIMS[order]
     sizes = {**spec.to_dict(), "expt_dp": spec.expt_dp}
-    if order == "tp-cp-pp-dp" and spec.pp > 1 and spec.tp * spec.cp != spec.expt_tp * spec.ep:  # type: ignore[operator]
+    if order == Order.TP_CP_PP_DP and spec.pp > 1 and spec.tp * spec.cp != spec.expt_tp * spec.ep:
         raise LayoutError(
             f"shard {index} ('{spec}'): under order tp-cp-pp-dp its decoder and expert pp groups differ "
             f"(tp*cp = {spec.tp * spec.cp}, expt_tp*ep = {spec.expt_tp * spec.ep}); make expt_tp*ep equal tp*cp "
-            f"or use order tp-cp-dp-pp"  # type: ignore[operator]
+            f"or use order tp-cp-dp-pp"
         )
     return ShardPlan(
         index=index,
         spec=spec,
         rank_offset=offset,
-        world_size=spec.world_size,
+        size=spec.world_size,
         decoder_grid=Grid([sizes[d] for d in decoder_dims], decoder_dims, offset),
         expert_grid=Grid([sizes[d] for d in expert_dims], expert_dims, offset),
     )
@@ -225,7 +310,7 @@ def plan_layout(
     total_world_size: int,
     shards: ShardsInput,
     *,
-    order: str = "tp-cp-dp-pp",
+    order: str = DEFAULT_ORDER,
     rank_offset: int = 0,
     allow_idle: bool = False,
 ) -> Layout:
@@ -260,14 +345,21 @@ def plan_layout(
 
 __all__ = [
     "DECODER_GROUPS",
+    "DEFAULT_ORDER",
     "EXPERT_GROUPS",
+    "GRID_DIMS",
+    "GRID_GROUP_NAMES",
     "GROUP_NAMES",
     "MAX_WORLD_SIZE",
-    "ORDERS",
+    "ORDER_ALIASES",
     "DistinctGroup",
+    "GroupName",
     "Layout",
+    "Order",
+    "RankGroups",
     "ShardPlan",
     "distinct_groups",
+    "embedding_groups",
     "plan_layout",
     "resolve_order",
 ]

@@ -12,11 +12,11 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .errors import LayoutError
-from .topology import TOPOLOGY_GROUPS, check_ranks_per_node, grid_of
+from ..errors import LayoutError
+from .topology import TOPOLOGY_GROUPS, check_ranks_per_node
 
 if TYPE_CHECKING:
-    from .layout import Layout, ShardPlan
+    from ..plan.layout import Layout, ShardPlan
 
 DEFAULT_RANKS_PER_NODE = 8
 MAX_RANK_CELLS = 1024
@@ -57,8 +57,12 @@ def _legend_lines(layout: Layout) -> list[tuple[str, str]]:
         role = spec.role or "no role"
         name = f" · {spec.name}" if spec.name else ""
         parallel = ",".join(part for part in str(spec).split(",") if not part.startswith(("role=", "name=")))
-        lines.append((_fill(plan.index), f"shard {plan.index} · {role}{name} · {parallel} · "
-                                         f"ranks {plan.rank_offset}-{plan.ranks.stop - 1}"))
+        lines.append(
+            (
+                _fill(plan.index),
+                f"shard {plan.index} · {role}{name} · {parallel} · ranks {plan.rank_offset}-{plan.ranks.stop - 1}",
+            )
+        )
     if layout.idle:
         windows = ", ".join(f"{w.start}-{w.stop - 1}" for w in layout.idle)
         lines.append((IDLE_FILL, f"idle · ranks {windows}"))
@@ -77,8 +81,18 @@ def _header(svg: ET.Element, layout: Layout, k: int, notes: list[str]) -> float:
     y += 6
     legend = _el(svg, "g", class_="legend")
     for colour, text in _legend_lines(layout):
-        _el(legend, "rect", x=MARGIN, y=y - 12, width=16, height=16, rx=3, fill=colour, stroke="#8a8a8a",
-            stroke_width=0.5)
+        _el(
+            legend,
+            "rect",
+            x=MARGIN,
+            y=y - 12,
+            width=16,
+            height=16,
+            rx=3,
+            fill=colour,
+            stroke="#8a8a8a",
+            stroke_width=0.5,
+        )
         _el(legend, "text", text, x=MARGIN + 24, y=y + 1, font_size=13, fill=INK)
         y += 22
     return y + 10
@@ -138,40 +152,76 @@ def _rank_cells(svg: ET.Element, layout: Layout, k: int, top: float, highlight: 
     group = _el(svg, "g", class_="ranks")
     for rank, (plan, label, tooltip) in enumerate(cells):
         x, y = corner(rank)
-        cell = _el(group, "rect", class_="rank", x=x, y=y, width=cell_w, height=CELL_H, rx=5,
-                   fill=IDLE_FILL if plan is None else _fill(plan.index), data_rank=rank,
-                   data_shard="idle" if plan is None else plan.index)
+        cell = _el(
+            group,
+            "rect",
+            class_="rank",
+            x=x,
+            y=y,
+            width=cell_w,
+            height=CELL_H,
+            rx=5,
+            fill=IDLE_FILL if plan is None else _fill(plan.index),
+            data_rank=rank,
+            data_shard="idle" if plan is None else plan.index,
+        )
         _el(cell, "title", tooltip)
         _el(group, "text", str(rank), x=x + 5, y=y + 13, font_size=10, fill=MUTED)
-        _el(group, "text", label, x=x + cell_w / 2, y=y + 32, font_size=13, fill=MUTED if plan is None else INK,
-            text_anchor="middle", font_family=MONO)
+        _el(
+            group,
+            "text",
+            label,
+            x=x + cell_w / 2,
+            y=y + 32,
+            font_size=13,
+            fill=MUTED if plan is None else INK,
+            text_anchor="middle",
+            font_family=MONO,
+        )
     if highlight is not None:
         _outlines(svg, layout, k, highlight, corner, cell_w)
     return left + min(k, layout.world_size) * pitch_x, top + nodes * pitch_y
 
 
-def _outlines(svg: ET.Element, layout: Layout, k: int, name: str,
-              corner: Callable[[int], tuple[float, float]], cell_w: float) -> None:
+def _outlines(
+    svg: ET.Element, layout: Layout, k: int, name: str, corner: Callable[[int], tuple[float, float]], cell_w: float
+) -> None:
     """Outline each group of ``name``: one rectangle per run of neighbouring ranks, dashed when it spans nodes."""
     outlines = _el(svg, "g", class_="highlight", fill="none", stroke_width=2.5)
     number = 0
     for plan in layout.shards:
-        grid, dims = grid_of(plan, name)
-        for members in grid.iter_groups(dims):
+        for members in plan.iter_groups(name):
             attrs = {"stroke_dasharray": "6 4"} if members[0] // k != members[-1] // k else {}
-            box = _el(outlines, "g", class_="group", stroke=STROKES[number % len(STROKES)], data_group=name,
-                      data_shard=plan.index, data_members=" ".join(map(str, members)), **attrs)
+            box = _el(
+                outlines,
+                "g",
+                class_="group",
+                stroke=STROKES[number % len(STROKES)],
+                data_group=name,
+                data_shard=plan.index,
+                data_members=" ".join(map(str, members)),
+                **attrs,
+            )
             number += 1
             for first, last in _outline_segments(members, k):
                 x, y = corner(first)
-                _el(box, "rect", x=x - 3, y=y - 3, width=(last - first) * (cell_w + GAP) + cell_w + 6,
-                    height=CELL_H + 6, rx=7)
+                _el(
+                    box,
+                    "rect",
+                    x=x - 3,
+                    y=y - 3,
+                    width=(last - first) * (cell_w + GAP) + cell_w + 6,
+                    height=CELL_H + 6,
+                    rx=7,
+                )
 
 
 def _node_owners(layout: Layout, k: int) -> list[list[tuple[str, int]]]:
     """Per node, (shard index or "idle", ranks it holds there) in rank order; O(nodes + shards)."""
-    windows = sorted([(p.rank_offset, p.ranks.stop, str(p.index)) for p in layout.shards] +
-                     [(w.start, w.stop, "idle") for w in layout.idle])
+    windows = sorted(
+        [(p.rank_offset, p.ranks.stop, str(p.index)) for p in layout.shards]
+        + [(w.start, w.stop, "idle") for w in layout.idle]
+    )
     owners: list[list[tuple[str, int]]] = [[] for _ in range(-(-layout.world_size // k))]
     for start, stop, key in windows:
         for node in range(start // k, (stop - 1) // k + 1):
@@ -186,8 +236,9 @@ def _node_cells(svg: ET.Element, layout: Layout, k: int, top: float) -> tuple[fl
     defs = _el(svg, "defs")
     pitch = NODE_CELL + NODE_GAP
     rows = -(-len(owners) // NODES_PER_ROW)
-    row_labels = [f"nodes {row * NODES_PER_ROW}-{min((row + 1) * NODES_PER_ROW, len(owners)) - 1}"
-                  for row in range(rows)]
+    row_labels = [
+        f"nodes {row * NODES_PER_ROW}-{min((row + 1) * NODES_PER_ROW, len(owners)) - 1}" for row in range(rows)
+    ]
     left = MARGIN + _label_width(row_labels, 12)
     labels = _el(svg, "g", font_size=12, fill=MUTED, text_anchor="end")
     for row, text in enumerate(row_labels):
@@ -205,8 +256,19 @@ def _node_cells(svg: ET.Element, layout: Layout, k: int, top: float) -> tuple[fl
                 seen += n
                 _el(gradient, "stop", offset=f"{seen / total:.4f}", stop_color=colour)
             fill = f"url(#node{node})"
-        cell = _el(cells, "rect", class_="node", x=left + col * pitch, y=top + row * pitch, width=NODE_CELL,
-                   height=NODE_CELL, rx=3, fill=fill, data_node=node, data_shards=" ".join(key for key, _ in held))
+        cell = _el(
+            cells,
+            "rect",
+            class_="node",
+            x=left + col * pitch,
+            y=top + row * pitch,
+            width=NODE_CELL,
+            height=NODE_CELL,
+            rx=3,
+            fill=fill,
+            data_node=node,
+            data_shards=" ".join(key for key, _ in held),
+        )
         parts = ", ".join(f"{'idle' if key == 'idle' else 'shard ' + key} ({n})" for key, n in held)
         _el(cell, "title", f"node {node}: ranks {node * k}-{min((node + 1) * k, layout.world_size) - 1}: {parts}")
     return left + min(len(owners), NODES_PER_ROW) * pitch, top + rows * pitch

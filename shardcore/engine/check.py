@@ -1,4 +1,4 @@
-"""``shardcore check``: build a layout on a live world and verify every group with a collective."""
+"""The live side of ``shardcore check``: build a layout on a world, verify every group with a collective."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .errors import GroupCreationError
+from ..errors import GroupCreationError
+from ..plan.layout import DEFAULT_ORDER
 
 
 @dataclass
@@ -27,7 +28,7 @@ def _verify(shard: Any, rank: int, device: str) -> tuple[int, list[str]]:
     import torch
     import torch.distributed as dist
 
-    from .layout import distinct_groups
+    from ..plan.layout import distinct_groups
 
     verified, failures = 0, []
     for ranks, names in distinct_groups(shard.group_ranks):
@@ -55,8 +56,12 @@ def check_rank(options: dict[str, Any]) -> RankReport:
     device = "cpu" if str(dist.get_backend()) == "gloo" else device_type()
     started = time.perf_counter()
     shards = build_shards(
-        world, options["shards"], backend=options.get("backend"), order=options.get("order", "tp-cp-dp-pp"),
-        allow_idle=options.get("allow_idle", False), strategy=options.get("strategy", "local"),
+        world,
+        options["shards"],
+        backend=options.get("backend"),
+        order=options.get("order", DEFAULT_ORDER),
+        allow_idle=options.get("allow_idle", False),
+        strategy=options.get("strategy", "local"),
         timeout=options.get("timeout"),
     )
     mine = my_shard(shards)
@@ -105,11 +110,17 @@ def run_local(nproc: int, options: dict[str, Any]) -> list[RankReport]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from .testing import free_port
+    from .ports import free_port
 
     config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"shardcore-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0, monitor_interval=0.1,
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"shardcore-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        max_restarts=0,
+        monitor_interval=0.1,
         start_method="spawn",
     )
     try:
@@ -134,24 +145,4 @@ def run_joined(options: dict[str, Any]) -> list[RankReport] | None:
         dist.destroy_process_group()
 
 
-def summary(reports: list[RankReport], layout: Any) -> tuple[str, bool]:
-    """One table row per shard (and idle ranks), and whether everything matched."""
-    from .cli import format_table
-
-    rows, ok = [], True
-    for plan in layout.shards:
-        mine = [r for r in reports if r.shard == plan.index]
-        failures = [f for r in mine for f in r.failures]
-        ok &= not failures and len(mine) == plan.world_size
-        status = "ok" if not failures and len(mine) == plan.world_size else f"FAILED ({len(failures)} mismatches)"
-        rows.append((plan.index, plan.spec.role or "-", f"[{plan.rank_offset}, {plan.ranks.stop})", str(plan.spec),
-                     sum(r.verified for r in mine), f"{max((r.build_seconds for r in mine), default=0):.3f}", status))
-    idle = [r for r in reports if r.shard is None]
-    if idle:
-        rows.append(("idle", "-", f"{len(idle)} ranks", "-", 0, f"{max(r.build_seconds for r in idle):.3f}", "ok"))
-    table = format_table(rows, ("shard", "role", "ranks", "spec", "groups verified", "build s (max)", "status"))
-    details = [f for r in reports for f in r.failures]
-    return table + ("\n" + "\n".join(details) if details else ""), ok
-
-
-__all__ = ["RankReport", "check_rank", "local_worker", "run_joined", "run_local", "summary"]
+__all__ = ["RankReport", "check_rank", "local_worker", "run_joined", "run_local"]

@@ -15,16 +15,16 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import TYPE_CHECKING, Any, Literal
 
-from .errors import LayoutError
-from .grid import Grid
-from .layout import DECODER_GROUPS, EXPERT_GROUPS
+from ..errors import LayoutError
+from ..plan.grid import Grid
+from ..plan.layout import GRID_GROUP_NAMES
 
 if TYPE_CHECKING:
-    from .layout import Layout, ShardPlan
+    from ..plan.layout import Layout, ShardPlan
 
 Severity = Literal["ok", "info", "warning"]
 
-TOPOLOGY_GROUPS: tuple[str, ...] = (*DECODER_GROUPS, *EXPERT_GROUPS)
+TOPOLOGY_GROUPS: tuple[str, ...] = GRID_GROUP_NAMES
 """The grid group names checked (embd / pos_embd are subsets of pp and are left out)."""
 
 BANDWIDTH_GROUPS: frozenset[str] = frozenset({"tp", "cp", "ep", "expt_tp", "tp_ep"})
@@ -63,9 +63,16 @@ class GroupFinding:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready; the example's ranks are listed only up to EXAMPLE_LIMIT members."""
         example = self.example if self.group_size <= EXAMPLE_LIMIT else None
-        return {"shard": self.shard, "name": self.name, "severity": self.severity, "crossing": self.crossing,
-                "total": self.total, "group_size": self.group_size, "example_first": self.example_first,
-                "example": None if example is None else list(example)}
+        return {
+            "shard": self.shard,
+            "name": self.name,
+            "severity": self.severity,
+            "crossing": self.crossing,
+            "total": self.total,
+            "group_size": self.group_size,
+            "example_first": self.example_first,
+            "example": None if example is None else list(example),
+        }
 
     def describe_example(self) -> str:
         """The example group, elided in the middle when long, without enumerating a huge group."""
@@ -94,9 +101,14 @@ class ShardPlacement:
         return self.starts_mid_node or self.ends_mid_node
 
     def to_dict(self) -> dict[str, Any]:
-        return {"shard": self.shard, "ranks": [self.ranks.start, self.ranks.stop],
-                "nodes": [self.nodes.start, self.nodes.stop], "starts_mid_node": self.starts_mid_node,
-                "ends_mid_node": self.ends_mid_node, "straddles": self.straddles}
+        return {
+            "shard": self.shard,
+            "ranks": [self.ranks.start, self.ranks.stop],
+            "nodes": [self.nodes.start, self.nodes.stop],
+            "starts_mid_node": self.starts_mid_node,
+            "ends_mid_node": self.ends_mid_node,
+            "straddles": self.straddles,
+        }
 
 
 @dataclass(frozen=True)
@@ -134,33 +146,47 @@ class TopologyReport:
         raise LayoutError(f"no finding for shard {shard}, group {name!r}: names are {', '.join(TOPOLOGY_GROUPS)}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ranks_per_node": self.ranks_per_node, "nodes": self.num_nodes,
-                "placements": [p.to_dict() for p in self.placements],
-                "groups": [f.to_dict() for f in self.groups], "warnings": len(self.warnings)}
+        return {
+            "ranks_per_node": self.ranks_per_node,
+            "nodes": self.num_nodes,
+            "placements": [p.to_dict() for p in self.placements],
+            "groups": [f.to_dict() for f in self.groups],
+            "warnings": len(self.warnings),
+        }
 
     def format(self) -> str:
         """Text for the CLI: placements, then every crossing name, warnings first."""
         rest = self.world_size % self.ranks_per_node
         partial = f", the last holding only {rest}" if rest else ""
         plural = "s" if self.num_nodes > 1 else ""
-        lines = [f"node topology: {self.world_size} ranks on {self.num_nodes} node{plural} of {self.ranks_per_node}"
-                 f"{partial}"]
+        lines = [
+            f"node topology: {self.world_size} ranks on {self.num_nodes} node{plural} of {self.ranks_per_node}{partial}"
+        ]
         for p in self.placements:
-            lines.append(f"  shard {p.shard}: ranks [{p.ranks.start}, {p.ranks.stop}) on {_nodes(p.nodes)}"
-                         f"{_straddle_note(p, self.ranks_per_node)}")
+            lines.append(
+                f"  shard {p.shard}: ranks [{p.ranks.start}, {p.ranks.stop}) on {_nodes(p.nodes)}"
+                f"{_straddle_note(p, self.ranks_per_node)}"
+            )
         for f in self.warnings:
-            lines.append(f"  warning  shard {f.shard} {f.name}: {f.crossing} of {f.total} groups cross nodes, "
-                         f"e.g. {f.describe_example()}")
+            lines.append(
+                f"  warning  shard {f.shard} {f.name}: {f.crossing} of {f.total} groups cross nodes, "
+                f"e.g. {f.describe_example()}"
+            )
         for p in self.placements:
-            infos = [f"{f.name} {f.crossing}/{f.total}" for f in self.crossings
-                     if f.shard == p.shard and f.severity == "info"]
+            infos = [
+                f"{f.name} {f.crossing}/{f.total}"
+                for f in self.crossings
+                if f.shard == p.shard and f.severity == "info"
+            ]
             if infos:
                 lines.append(f"  info     shard {p.shard}: groups crossing nodes: {', '.join(infos)}")
         count = len(self.warnings)
         if count:
             names = ", ".join(dict.fromkeys(f.name for f in self.warnings))
-            lines.append(f"{count} warning{'s' if count > 1 else ''}: {names} groups span nodes; place them within a "
-                         f"node (shards starting on node boundaries, group sizes dividing {self.ranks_per_node})")
+            lines.append(
+                f"{count} warning{'s' if count > 1 else ''}: {names} groups span nodes; place them within a "
+                f"node (shards starting on node boundaries, group sizes dividing {self.ranks_per_node})"
+            )
         else:
             lines.append("no warnings: tp, cp, ep, expt_tp and tp_ep groups all stay within a node")
         return "\n".join(lines)
@@ -180,8 +206,9 @@ def _straddle_note(p: ShardPlacement, ranks_per_node: int) -> str:
 def check_ranks_per_node(ranks_per_node: object) -> int:
     """Validate a node size; shared with the picture."""
     if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
-        raise LayoutError(f"ranks_per_node={ranks_per_node!r}: expected a positive integer, the accelerators "
-                          f"per node, e.g. 8")
+        raise LayoutError(
+            f"ranks_per_node={ranks_per_node!r}: expected a positive integer, the accelerators per node, e.g. 8"
+        )
     return ranks_per_node
 
 
@@ -231,13 +258,6 @@ def node_crossings(grid: Grid, dims: Sequence[str], k: int) -> tuple[int, int | 
     return count, first
 
 
-def grid_of(plan: ShardPlan, name: str) -> tuple[Grid, tuple[str, ...]]:
-    """The grid (decoder or expert) and dims that define the group ``name``."""
-    if name in DECODER_GROUPS:
-        return plan.decoder_grid, DECODER_GROUPS[name]
-    return plan.expert_grid, EXPERT_GROUPS[name]
-
-
 def _placement(plan: ShardPlan, k: int, world_size: int) -> ShardPlacement:
     ranks = plan.ranks
     return ShardPlacement(
@@ -255,12 +275,15 @@ def check_topology(layout: Layout, ranks_per_node: int) -> TopologyReport:
     findings = []
     for plan in layout.shards:
         for name in TOPOLOGY_GROUPS:
-            grid, dims = grid_of(plan, name)
+            grid, dims = plan.grid_of(name)
             crossing, first = node_crossings(grid, dims, k)
             group_size = prod(grid.size_of(d) for d in dims)
             severity: Severity = "ok" if not crossing else ("warning" if name in BANDWIDTH_GROUPS else "info")
-            findings.append(GroupFinding(plan.index, name, severity, crossing, grid.size // group_size, group_size,
-                                         first, grid, dims))
+            findings.append(
+                GroupFinding(
+                    plan.index, name, severity, crossing, grid.size // group_size, group_size, first, grid, dims
+                )
+            )
     placements = tuple(_placement(plan, k, layout.world_size) for plan in layout.shards)
     return TopologyReport(k, layout.world_size, placements, tuple(findings))
 
@@ -273,6 +296,5 @@ __all__ = [
     "TopologyReport",
     "check_ranks_per_node",
     "check_topology",
-    "grid_of",
     "node_crossings",
 ]

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 from importlib.metadata import entry_points
 
 import pluggy
 
+from ..errors import BackendNotFoundError, BackendUnavailableError
 from . import hookspecs
-from .errors import BackendNotFoundError, BackendUnavailableError
-from .protocols import Backend
+from .backend import Backend
 
 ENTRY_POINT_GROUP = "shardcore.backends"
 DEFAULT_BACKEND = "dtensor"
@@ -36,55 +36,82 @@ def _entry_points(name: str | None = None) -> list:
     return [ep for ep in found if name is None or ep.name == name]
 
 
-def plugin_manager(name: str | None = None) -> pluggy.PluginManager:
-    """A fresh manager with the entry-point plugins loaded: only ``name``'s when given."""
+class _InProcess:
+    """A plugin object registering one backend: what ``register_backend`` adds to the manager."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    @hookspecs.hookimpl
+    def shardcore_register_backends(self, register: Callable[[Backend], None]) -> None:
+        register(self.backend)
+
+
+def _new_manager() -> pluggy.PluginManager:
     manager = pluggy.PluginManager(hookspecs.PROJECT)
     manager.add_hookspecs(hookspecs)
-    manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=name)
-    manager.check_pending()
     return manager
 
 
+plugin_manager = _new_manager()
+"""The process's one manager: entry-point plugins are loaded into it on first use, one name at a time."""
+
+
 def _collect(manager: pluggy.PluginManager) -> dict[str, Backend]:
+    """Every backend the manager's plugins register, by name (the first registration of a name wins)."""
     backends: dict[str, Backend] = {}
     manager.hook.shardcore_register_backends(register=lambda backend: backends.setdefault(backend.name, backend))
     return backends
 
 
-_registered: dict[str, Backend] = {}
-
-
 def register_backend(backend: Backend) -> None:
     """Add a backend in-process, without an entry point (tests, notebooks, embedding apps)."""
-    _registered[backend.name] = backend
+    unregister_backend(backend.name)
+    plugin_manager.register(_InProcess(backend), name=f"in-process:{backend.name}")
 
 
 def unregister_backend(name: str) -> None:
     """Remove a backend added with ``register_backend``."""
-    _registered.pop(name, None)
+    plugin = plugin_manager.get_plugin(f"in-process:{name}")
+    if plugin is not None:
+        plugin_manager.unregister(plugin)
 
 
 def _installed_names() -> list[str]:
-    return sorted({ep.name for ep in _entry_points()} | set(_registered))
+    return sorted({ep.name for ep in _entry_points()} | set(_collect(plugin_manager)))
 
 
-@lru_cache(maxsize=None)
 def _load(name: str) -> Backend | None:
-    """The backend registered under ``name`` by its entry point, loaded once per process."""
+    """The backend called ``name``: registered in-process, else loaded once from its entry point.
+
+    Only that entry point's module is imported (scanning them all costs tens of milliseconds
+    and would import every backend's framework).
+    """
+    backend = _collect(plugin_manager).get(name)
+    if backend is not None:
+        return backend
     try:
-        return _collect(plugin_manager(name)).get(name)
+        plugin_manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=name)
     except ImportError as error:
         raise BackendUnavailableError(f"backend {name!r} failed to import: {error}") from error
+    return _collect(plugin_manager).get(name)
 
 
 def get_backend(name: str | None = None, *, require_available: bool = True) -> Backend:
     """Select a backend: explicit ``name`` > ``$SHARDCORE_BACKEND`` > ``dtensor``.
 
-    Only the chosen backend's plugin module is imported, once per process (scanning
-    entry points costs tens of milliseconds).
+    Only the chosen backend's plugin module is imported, once per process.
+
+    Args:
+        name: the backend's name, or None for the environment's or the default.
+        require_available: raise when the backend is installed but cannot work here.
+
+    Raises:
+        BackendNotFoundError: no installed backend has that name.
+        BackendUnavailableError: its plugin failed to import, or it cannot work here.
     """
     chosen = name or os.environ.get(BACKEND_ENV) or DEFAULT_BACKEND
-    backend = _registered.get(chosen) or _load(chosen)
+    backend = _load(chosen)
     if backend is None:
         installed = ", ".join(_installed_names()) or "none"
         raise BackendNotFoundError(
@@ -105,22 +132,34 @@ def list_backends() -> list[BackendInfo]:
         distribution = ep.dist.name if ep.dist else "?"
         version = ep.dist.version if ep.dist else "?"
         try:
-            backends = _collect(plugin_manager(ep.name))
+            plugin_manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=ep.name)
         except Exception as error:  # a broken plugin is listed, not fatal
             infos[ep.name] = BackendInfo(ep.name, distribution, version, False, f"plugin failed to load: {error}")
             continue
-        for backend in backends.values():
-            infos[backend.name] = _info(backend, distribution, version)
-    for backend in _registered.values():
-        infos[backend.name] = _info(backend, "(in-process)", "-")
+        for plugin in plugin_manager.get_plugins():
+            if plugin_manager.get_name(plugin) == ep.name:
+                for backend in _collect_one(plugin).values():
+                    infos[backend.name] = _info(backend, distribution, version)
+    for plugin in plugin_manager.get_plugins():
+        if isinstance(plugin, _InProcess):
+            infos[plugin.backend.name] = _info(plugin.backend, "(in-process)", "-")
     return [infos[name] for name in sorted(infos)]
+
+
+def _collect_one(plugin: object) -> dict[str, Backend]:
+    """The backends one loaded plugin module registers."""
+    manager = _new_manager()
+    manager.register(plugin)
+    return _collect(manager)
 
 
 def _info(backend: Backend, distribution: str, version: str) -> BackendInfo:
     reason = backend.unavailable_reason()
     note = getattr(backend, "device_note", None)
     device = note() if reason is None and callable(note) else None
-    return BackendInfo(backend.name, distribution, version, reason is None, reason, getattr(backend, "description", ""), device)
+    return BackendInfo(
+        backend.name, distribution, version, reason is None, reason, getattr(backend, "description", ""), device
+    )
 
 
 __all__ = [

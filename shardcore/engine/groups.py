@@ -1,0 +1,198 @@
+"""The one place that creates and destroys torch.distributed process groups.
+
+Each distinct rank set is created once per process, in one global order (name slot,
+then first rank), so no two ranks wait on each other in a cycle. Two strategies:
+
+* ``local`` (default): only members call ``new_group``; a rank's cost is its own groups.
+* ``world``: every rank calls ``new_group`` for every group of every shard, Megatron's
+  pattern: O(world) calls per rank.
+
+Why ``local`` does not use ``use_local_synchronization=True``: torch names such a group
+``sha1(ranks, number of live groups)``, and destroying groups lowers that number, so a
+rebuilt layout reuses the old names and gloo reads the old incarnation's addresses from
+the store (measured: the second build/destroy cycle of ``tp=2,pp=2`` on 4 ranks fails
+in connectFullMesh). Default-mode groups are named by torch's world-wide counter
+``group_count``, which never goes down. ``local`` sets that counter, before each group,
+to ``start + slot * world_size + first rank``: a number every member computes alike,
+unique among all groups of the build, and above every earlier name. Afterwards every
+rank, member or not, leaves the counter at ``start + slots * world_size``, so later
+world-collective group creation (Megatron, ``init_device_mesh``) still agrees on names.
+Ranks check before starting that they hold the same counter (``rendezvous``); torch's
+private state is touched only through ``torch_state``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from datetime import timedelta
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+from ..errors import GroupCreationError
+from ..plan.layout import GROUP_NAMES, Layout, RankGroups, ShardPlan, distinct_groups
+from .backend import NamedGrids
+from .rendezvous import listed
+from .torch_state import bound_device, default_store, group_counter, set_group_counter
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+
+class Strategy(StrEnum):
+    """Who calls ``new_group`` for a group: its members only, or every rank of the world."""
+
+    LOCAL = "local"
+    WORLD = "world"
+
+
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist
+
+
+def check_local_strategy() -> None:
+    """Members-only creation deadlocks where torch makes every rank take part; refuse it upfront.
+
+    Raises:
+        GroupCreationError: TORCH_DIST_INIT_BARRIER=1, or a device-bound default group.
+    """
+    if os.environ.get("TORCH_DIST_INIT_BARRIER") == "1":
+        raise GroupCreationError(
+            "TORCH_DIST_INIT_BARRIER=1 makes every group creation a world barrier, so members-only creation "
+            "would hang: unset it or use strategy='world'"
+        )
+    if bound_device() is not None:
+        raise GroupCreationError(
+            "the default group is bound to a device (init_process_group(device_id=...)), so torch splits "
+            "communicators with every rank taking part and members-only creation would hang: "
+            "init without device_id or use strategy='world'"
+        )
+
+
+def as_timedelta(timeout: float | timedelta | None) -> timedelta:
+    """Seconds or a timedelta; None means DEFAULT_TIMEOUT."""
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    value = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+    if value.total_seconds() <= 0:
+        raise GroupCreationError(f"timeout={timeout!r}: expected a positive number of seconds")
+    return value
+
+
+def is_fake_world() -> bool:
+    """True under torch's fake backend, where no rank can see another."""
+    return str(_dist().get_backend()) == "fake"
+
+
+def requested_groups(plan: ShardPlan, rank: int, extra: NamedGrids, names: Collection[str] = GROUP_NAMES) -> RankGroups:
+    """A member rank's standard groups among ``names``, plus the backend's extra ones."""
+    groups = plan.groups_of(rank, names)
+    groups.update({name: grid.group_ranks(rank, dims) for name, (grid, dims) in sorted(extra.items())})
+    return groups
+
+
+def _all_groups(plan: ShardPlan, extra: NamedGrids, names: Collection[str]) -> Iterator[tuple[int, ...]]:
+    """Every distinct group of a shard among ``names`` and the extras, in the global creation order."""
+    seen: set[tuple[int, ...]] = set()
+    slots = [plan.iter_groups(name) for name in GROUP_NAMES if name in names]
+    slots += [grid.iter_groups(dims) for _, (grid, dims) in sorted(extra.items())]
+    for slot in slots:
+        for ranks in slot:
+            if ranks not in seen:
+                seen.add(ranks)
+                yield ranks
+
+
+def _new_group(ranks: tuple[int, ...], names: Sequence[str], plan: ShardPlan, timeout: timedelta) -> Any:
+    dist = _dist()
+    started = time.monotonic()
+    try:
+        return dist.new_group(list(ranks), timeout=timeout)
+    except Exception as error:
+        raise GroupCreationError(
+            f"rank {dist.get_rank()}: creating group {'/'.join(names) or '?'} of shard {plan.index} with ranks "
+            f"{listed(ranks)} failed after {time.monotonic() - started:.1f}s: {error}. {_likely_cause()}"
+        ) from error
+
+
+def _likely_cause() -> str:
+    """Why a group creation failed: a lost store (its host died) explains a member's abrupt error."""
+    try:
+        default_store().check(["shardcore/alive"])
+    except Exception:  # any failure to reach the store means the same thing here
+        return "The store is unreachable: its host (rank 0 under torchrun) has probably died"
+    return "Its members must all reach this group within the timeout"
+
+
+def create_groups(
+    layout: Layout,
+    rank: int,
+    extras: Mapping[int, NamedGrids],
+    strategy: Strategy,
+    timeout: timedelta,
+    names: Collection[str] = GROUP_NAMES,
+) -> tuple[RankGroups, dict[str, ProcessGroup | None], list[ProcessGroup]]:
+    """Create this rank's groups among ``names`` plus the backend's extras.
+
+    Returns (planned ranks by name, process group by name, groups created); build_shards
+    checks ``strategy`` before any rank communicates.
+
+    Both dicts are empty on an idle rank. On failure every group created so far is
+    destroyed before the error propagates.
+    """
+    mine = layout.shard_of(rank)
+    ranks_by_name = requested_groups(mine, rank, extras.get(mine.index, {}), names) if mine is not None else {}
+    process_groups: dict[str, ProcessGroup | None] = dict.fromkeys(ranks_by_name)
+    shared = {group.ranks: group.names for group in distinct_groups(ranks_by_name)}
+    created: list[ProcessGroup] = []
+
+    def create(ranks: tuple[int, ...], plan: ShardPlan) -> None:
+        pg = _new_group(ranks, shared.get(ranks, ()), plan, timeout)
+        if ranks in shared:
+            created.append(pg)
+            process_groups.update(dict.fromkeys(shared[ranks], pg))
+
+    try:
+        if strategy == Strategy.WORLD:
+            for plan in layout.shards:
+                for ranks in _all_groups(plan, extras.get(plan.index, {}), names):
+                    create(ranks, plan)
+        else:
+            slots = [*GROUP_NAMES, *sorted({name for extra in extras.values() for name in extra})]
+            start, slot_of = group_counter(), {name: i for i, name in enumerate(slots)}
+            for ranks, group_names in shared.items():
+                set_group_counter(start + slot_of[group_names[0]] * layout.world_size + ranks[0])
+                create(ranks, mine)  # type: ignore[arg-type]  # shared is empty on an idle rank
+            set_group_counter(start + len(slots) * layout.world_size)
+    except BaseException:
+        destroy_groups(created)
+        raise
+    return ranks_by_name, process_groups, created
+
+
+def destroy_groups(groups: Sequence[ProcessGroup]) -> None:
+    """Destroy each group once (shared names hold the same object)."""
+    dist = _dist()
+    seen: set[int] = set()
+    for pg in groups:
+        if pg is not None and id(pg) not in seen:
+            seen.add(id(pg))
+            dist.destroy_process_group(pg)
+
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "Strategy",
+    "as_timedelta",
+    "check_local_strategy",
+    "create_groups",
+    "destroy_groups",
+    "is_fake_world",
+    "requested_groups",
+]
