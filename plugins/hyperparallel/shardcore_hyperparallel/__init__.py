@@ -5,7 +5,7 @@ from __future__ import annotations
 from .backend import HyperParallelBackend, distributed_setup, shard_sizes, shardcore_register_backends, stage_grids
 from .context import DistributedSetup, MeshContext, mesh_classes
 from .device import DeviceChoice, device_note, select_device
-from .topology import StageSizes, check_dense_tp_layout, mesh_groups, resolve_sizes
+from .topology import StageSizes, check_dense_tp_layout, resolve_sizes
 
 __all__ = [
     "DeviceChoice",
@@ -17,7 +17,6 @@ __all__ = [
     "device_note",
     "distributed_setup",
     "mesh_classes",
-    "mesh_groups",
     "resolve_sizes",
     "select_device",
     "shard_sizes",

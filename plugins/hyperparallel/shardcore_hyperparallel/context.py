@@ -13,7 +13,7 @@ from typing import Any
 
 from shardcore.errors import GroupCreationError
 
-from .topology import StageSizes, check_dense_tp_layout, mesh_groups, resolve_sizes, stage_start
+from .topology import resolve_sizes
 
 _HP_MODULES = (
     "hyper_parallel.distributed.mesh",
@@ -101,10 +101,15 @@ class MeshContext:
         return self.device_mesh["cp"]
 
     def build_meshs(self, device_type: str, world_size: int) -> None:
-        """Standalone use without shardcore: check sizes, then build this stage's meshes.
+        """Standalone use without a shardcore layout: check sizes, then build this stage's meshes.
 
-        Like Hyper-Parallel on torch, every rank creates every stage's groups (a world
-        collective); under ``build_shards`` the engine creates them instead.
+        Like Hyper-Parallel's own ``build_meshs``, every rank of the world calls it. The groups
+        come from shardcore's engine (one shard ``tp, cp, dp, pp, ep`` over the world with the
+        ``hyperparallel`` backend), so this package never creates process groups itself.
+
+        Raises:
+            LayoutError: sizes Hyper-Parallel rejects.
+            GroupCreationError: torch.distributed is not initialised, or creation failed.
         """
         sizes = resolve_sizes(
             world_size=world_size,
@@ -119,45 +124,37 @@ class MeshContext:
         )
         import torch.distributed as dist
 
+        from shardcore import ShardSpec, build_shards, my_shard
+
         if not dist.is_initialized():
             raise GroupCreationError("build_meshs needs torch.distributed: call init_process_group() first")
-        rank = dist.get_rank()
-        start = stage_start(0, sizes, rank // sizes.stage_size)
-
-        def build(shape_names: tuple[tuple[int, ...], tuple[str, ...]]) -> Any:
-            shape, names = shape_names
-            mine = []
-            stages = [mesh_groups(shape, stage * sizes.stage_size) for stage in range(sizes.pp)]
-            for dim in range(len(shape)):
-                found = None
-                for groups_by_dim in stages:
-                    for ranks in groups_by_dim[dim]:
-                        group = dist.new_group(list(ranks))
-                        found = group if rank in ranks else found
-                mine.append(found)
-            return wrap_mesh(mine, shape, names, start, device_type)
-
-        self.device_mesh = build(sizes.device_mesh())
-        self.fsdp_non_moe_mesh = build(sizes.fsdp_non_moe_mesh())
-        check_dense_tp_layout(self.device_mesh, self.fsdp_non_moe_mesh)
-        expert = sizes.fsdp_moe_mesh()
-        self.fsdp_moe_mesh = build(expert) if expert is not None else None
-        self._dp_cp_mesh = None
-        for stage in range(sizes.pp):  # dp x cp flattened: stride tp inside each stage window
-            for t in range(sizes.tp):
-                ranks = [stage * sizes.stage_size + i * sizes.tp + t for i in range(sizes.dp * sizes.cp)]
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    self._dp_cp_mesh = wrap_ranks(group, ranks, device_type, "dp_cp")
-        _fill_ranks(self, sizes, rank - start)
-
-
-def _fill_ranks(context: Any, sizes: StageSizes, local: int) -> None:
-    """This rank's coordinates from its index in the stage window (row-major (dp, cp, tp))."""
-    context.tp_rank = local % sizes.tp
-    context.cp_rank = (local // sizes.tp) % sizes.cp
-    context.dp_rank = local // (sizes.tp * sizes.cp)
-    context.ep_rank = local % sizes.ep if sizes.ep > 1 else 0
+        # expt_tp=1: Hyper-Parallel's ep folds over the whole stage, which shardcore accepts for ep | dp*cp*tp
+        spec = ShardSpec(tp=sizes.tp, cp=sizes.cp, dp=sizes.dp, pp=sizes.pp, ep=sizes.ep, expt_tp=1)
+        self._shards = build_shards(
+            world_size,
+            [spec],
+            backend="hyperparallel",
+            device_type=device_type,
+            dp_replicate=sizes.dp_replicate,
+            dp_shard=sizes.dp_shard,
+            edp_shard=sizes.edp_shard,
+        )
+        mine = my_shard(self._shards)
+        if mine is None:  # the shard spans the whole world, so every rank is a member
+            raise GroupCreationError(f"rank {dist.get_rank()} is outside a shard of {world_size} ranks")
+        built = mine.handle
+        for name in (
+            "device_mesh",
+            "fsdp_non_moe_mesh",
+            "fsdp_moe_mesh",
+            "_dp_cp_mesh",
+            "dp_rank",
+            "tp_rank",
+            "cp_rank",
+            "pp_rank",
+            "ep_rank",
+        ):
+            setattr(self, name, getattr(built, name))
 
 
 @dataclass

@@ -9,9 +9,7 @@ three meshes reshape that window (row-major, last dim fastest):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from math import prod
 from typing import Any
 
 from shardcore.errors import LayoutError
@@ -124,19 +122,6 @@ def resolve_sizes(
     return sizes
 
 
-def mesh_groups(shape: Sequence[int], start: int) -> list[list[tuple[int, ...]]]:
-    """For each dim of a row-major mesh over ``[start, start+prod(shape))``, every group along it.
-
-    Groups are ordered by first rank, ranks within a group ascending.
-    """
-    strides = [prod(shape[i + 1 :]) for i in range(len(shape))]
-    result = []
-    for size, stride in zip(shape, strides):
-        bases = [start + local for local in range(prod(shape)) if (local // stride) % size == 0]
-        result.append([tuple(base + k * stride for k in range(size)) for base in bases])
-    return result
-
-
 def stage_start(rank_offset: int, sizes: StageSizes, pp_rank: int) -> int:
     """First global rank of a pipeline stage of a shard starting at ``rank_offset``."""
     return rank_offset + pp_rank * sizes.stage_size
@@ -173,4 +158,4 @@ def check_dense_tp_layout(device_mesh: Any, fsdp_non_moe_mesh: Any) -> None:
         )
 
 
-__all__ = ["StageSizes", "check_dense_tp_layout", "mesh_groups", "resolve_sizes", "stage_start"]
+__all__ = ["StageSizes", "check_dense_tp_layout", "resolve_sizes", "stage_start"]
