@@ -27,6 +27,13 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 def shardcore_register_backends(register: Callable[[Backend], None]) -> None:
     """Call ``register(backend)`` once for each backend this plugin provides.
 
-    Called when backends are listed or one is selected; do no heavy imports here:
-    a backend imports its framework only when it builds or checks availability.
+    Called when backends are listed or one is selected, in every process, so do no heavy
+    imports here: a backend imports its framework only when it builds or checks availability.
+    When two plugins register the same name, the first registration wins (pluggy calls the
+    most recently registered plugin first, so an in-process ``register_backend`` overrides an
+    installed entry point).
+
+    Args:
+        register: takes one ``Backend`` (an object with ``name``, ``description`` and
+            ``make_handle``; subclass ``shardcore.Backend`` for the defaults).
     """
