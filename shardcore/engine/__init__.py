@@ -1,0 +1,1 @@
+"""The torch side of shardcore: executing what the pure-Python core plans."""
