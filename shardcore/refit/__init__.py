@@ -1,0 +1,39 @@
+"""Refit: move a model's weights from one shard's layout to others', planned from the layouts alone.
+
+The manifest and planner are pure Python (no torch); only execution imports torch.
+
+- ``Manifest`` / ``TensorSpec``: the model's tensors and how each lies on a shard
+  (``load_manifest`` for JSON/YAML or a preset, ``manifest_from_config``, ``preset``, ``PRESETS``).
+- ``holdings(tensor, plan, rank, manifest)``: the global boxes a rank holds, with their offsets in
+  its local tensor; ``local_shape(tensor, plan, rank, manifest)``: its local shape (None if none).
+- ``plan_refit(layout, src, dst, manifest, ranks_per_node=None)`` -> ``RefitPlan``:
+  ``.for_rank(r)`` -> ``RankRefit`` (sends, recvs, copies, shapes), ``.transfers()`` -> every
+  ``Transfer`` in the global order, ``.stats()`` -> ``RefitStats``.
+"""
+
+from __future__ import annotations
+
+from shardcore.refit.cost import RefitStats, ShardCost
+from shardcore.refit.manifest import Manifest, TensorSpec, load_manifest, manifest_from_dict
+from shardcore.refit.models import PRESETS, TransformerConfig, manifest_from_config, preset
+from shardcore.refit.placement import holdings, local_shape
+from shardcore.refit.planner import RankRefit, RefitPlan, Transfer, plan_refit
+
+__all__ = [
+    "PRESETS",
+    "Manifest",
+    "RankRefit",
+    "RefitPlan",
+    "RefitStats",
+    "ShardCost",
+    "TensorSpec",
+    "Transfer",
+    "TransformerConfig",
+    "holdings",
+    "load_manifest",
+    "local_shape",
+    "manifest_from_config",
+    "manifest_from_dict",
+    "plan_refit",
+    "preset",
+]
