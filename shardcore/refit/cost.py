@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from math import prod
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -92,7 +91,6 @@ class RefitStats:
     def of(cls, plan: RefitPlan) -> RefitStats:
         """Walk every tile of ``plan`` once and add up its pieces."""
         per_node = plan.ranks_per_node
-        tensors = plan.manifest.tensors
         loads: dict[int, Load] = defaultdict(lambda: [0, 0, 0, 0])
         shard_loads: list[dict[int, Load]] = [defaultdict(lambda: [0, 0, 0, 0]) for _ in plan.destinations]
         shard_bytes = [0] * len(plan.destinations)
@@ -101,8 +99,7 @@ class RefitStats:
         holder_count: dict[tuple[Any, ...], int] = {}
         count = local = 0
         for tile, pieces in plan.tiles():
-            row_bytes = prod(stop - start for start, stop in tile.box[1:]) * tensors[tile.position].itemsize
-            rows = tile.box[0][1] - tile.box[0][0]
+            row_bytes, rows = tile.row_bytes, tile.rows
             remote = sum(1 for d in tile.needers.ranks if d not in tile.sources.members)
             must_move[tile.sources.key] += remote * rows * row_bytes
             holder_count[tile.sources.key] = len(tile.sources.ranks)

@@ -20,9 +20,8 @@ destination shard): its cost is its own tiles and their replica sets, never the 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from math import prod
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from shardcore.errors import RefitError
@@ -145,6 +144,15 @@ class Tile(NamedTuple):
     sources: HolderSet
     needers: HolderSet
     seed: int
+    rows: int  # extent of the box along dim 0, the dim pieces are cut along
+    row_bytes: int  # bytes of one row of the box
+
+
+class Routes(NamedTuple):
+    """How one (holders, needers) pair is served, shared by every tile with that pair."""
+
+    local: tuple[int, ...]  # needers that hold the tile already
+    lines: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]  # (needers, sources, seed offset) per work line
 
 
 Piece = tuple[int, int, int, int]
@@ -179,6 +187,7 @@ class RefitPlan:
     ranks_per_node: int | None = None
     min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES
     _holders: dict[tuple[Any, ...], HolderSet] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _routes: dict[tuple[Any, ...], Routes] = field(default_factory=dict, init=False, repr=False, compare=False)
     _stats: list[Any] = field(default_factory=list, init=False, repr=False, compare=False)
 
     # -- tiles -------------------------------------------------------------------------------
@@ -201,16 +210,7 @@ class RefitPlan:
         zero = (0,) * len(full)
         seed = position + shard * 7919
         if tensor.tp_dim is None:
-            return Tile(
-                position,
-                shard,
-                full,
-                zero,
-                zero,
-                self._holder_set(tensor, -1, 0),
-                self._holder_set(tensor, shard, 0),
-                seed,
-            )
+            return self._make_tile(position, tensor, shard, full, zero, zero, 0, 0, seed)
         dst_plan = self.destinations[shard]
         src_slice = tp_slices(tensor.blocks, tp_size(tensor, self.source), v)[block]
         dst_slice = tp_slices(tensor.blocks, tp_size(tensor, dst_plan), u)[block]
@@ -222,15 +222,26 @@ class RefitPlan:
         src_offset = zero[:dim] + (src_slice.local + start - src_slice.start,) + zero[dim + 1 :]
         dst_offset = zero[:dim] + (dst_slice.local + start - dst_slice.start,) + zero[dim + 1 :]
         seed += (block + 1) * 31 + u * 131 + v * 1031
+        return self._make_tile(position, tensor, shard, box, src_offset, dst_offset, u, v, seed)
+
+    def _make_tile(
+        self,
+        position: int,
+        tensor: TensorSpec,
+        shard: int,
+        box: Box,
+        src_offset: tuple[int, ...],
+        dst_offset: tuple[int, ...],
+        u: int,
+        v: int,
+        seed: int,
+    ) -> Tile:
+        row_bytes = tensor.itemsize
+        for start, stop in box[1:]:
+            row_bytes *= stop - start
+        sources, needers = self._holder_set(tensor, -1, v), self._holder_set(tensor, shard, u)
         return Tile(
-            position,
-            shard,
-            box,
-            src_offset,
-            dst_offset,
-            self._holder_set(tensor, -1, v),
-            self._holder_set(tensor, shard, u),
-            seed,
+            position, shard, box, src_offset, dst_offset, sources, needers, seed, box[0][1] - box[0][0], row_bytes
         )
 
     def _tiles_of_destination_slice(self, position: int, tensor: TensorSpec, shard: int, u: int) -> Iterator[Tile]:
@@ -270,60 +281,93 @@ class RefitPlan:
 
     # -- pieces ------------------------------------------------------------------------------
 
-    def _spread(self, tile: Tile, needers: Sequence[int], sources: Sequence[int], seed: int) -> list[Piece]:
-        """The work line: ``needers``' copies of the tile cut into equal segments, one per source (see module doc)."""
-        rows = tile.box[0][1] - tile.box[0][0]
+    def _routes_of(self, sources: HolderSet, needers: HolderSet) -> Routes:
+        """Local copies and work lines of a (holders, needers) pair: with ``ranks_per_node``, needers on a
+        node that has holders form a line served by those holders; the rest one line over all holders."""
+        key = (sources.key, needers.key)
+        found = self._routes.get(key)
+        if found is not None:
+            return found
+        members = sources.members
+        local = tuple(d for d in needers.ranks if d in members)
+        remote = tuple(d for d in needers.ranks if d not in members)
+        lines: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+        per_node = self.ranks_per_node
+        if per_node is None:
+            lines.append((remote, sources.ranks, 0))
+        else:
+            near: dict[int, list[int]] = {}
+            for s in sources.ranks:
+                near.setdefault(s // per_node, []).append(s)
+            by_node: dict[int, list[int]] = {}
+            rest = []
+            for d in remote:
+                if d // per_node in near:
+                    by_node.setdefault(d // per_node, []).append(d)
+                else:
+                    rest.append(d)
+            lines += [(tuple(group), tuple(near[node]), node) for node, group in by_node.items()]
+            lines.append((tuple(rest), sources.ranks, 0))
+        found = self._routes[key] = Routes(local, tuple(line for line in lines if line[0]))
+        return found
+
+    def _spread(
+        self, tile: Tile, needers: Sequence[int], sources: Sequence[int], seed: int, src: int | None, dst: int | None
+    ) -> list[Piece]:
+        """One work line: ``needers``' copies of the tile cut into equal segments, one per source (see module doc).
+
+        With ``src`` (or ``dst``) given, only the segments that rank sends (or receives) are cut: one
+        rank's cost is its own pieces.
+        """
+        rows = tile.rows
         width = len(needers) * rows
-        row_bytes = prod(stop - start for start, stop in tile.box[1:]) * self.manifest.tensors[tile.position].itemsize
-        by_size = -(-width * row_bytes // self.min_piece_bytes) if self.min_piece_bytes else width
+        by_size = -(-width * tile.row_bytes // self.min_piece_bytes) if self.min_piece_bytes else width
         count = max(1, min(len(sources), width, by_size))
+        segments: Iterable[int] = range(count)
+        if dst is not None:  # the segments overlapping copy i: those holding its first and last row, and between
+            i = needers.index(dst)
+            segments = range(((i * rows + 1) * count - 1) // width, ((i + 1) * rows * count - 1) // width + 1)
+        elif src is not None:  # a source takes at most one segment
+            k = (sources.index(src) - seed) % len(sources)
+            segments = (k,) if k < count else ()
         pieces: list[Piece] = []
-        for k in range(count):
+        for k in segments:
             start, stop = k * width // count, (k + 1) * width // count
             source = sources[(k + seed) % len(sources)]
             copy = start // rows
             while start < stop:
                 end = min(stop, (copy + 1) * rows)
-                pieces.append((source, needers[copy], start - copy * rows, end - copy * rows))
+                if dst is None or needers[copy] == dst:
+                    pieces.append((source, needers[copy], start - copy * rows, end - copy * rows))
                 start, copy = end, copy + 1
         return pieces
 
-    def _pieces(self, tile: Tile) -> list[Piece]:
-        """Who sends which rows of the tile to whom: a pure function of the tile."""
-        rows = tile.box[0][1] - tile.box[0][0]
-        members = tile.sources.members
-        pieces: list[Piece] = [(d, d, 0, rows) for d in tile.needers.ranks if d in members]
-        remote = [d for d in tile.needers.ranks if d not in members]
-        if not remote:
-            return pieces
-        per_node = self.ranks_per_node
-        if per_node is None:
-            return pieces + self._spread(tile, remote, tile.sources.ranks, tile.seed)
-        local_sources: dict[int, list[int]] = {}
-        for s in tile.sources.ranks:
-            local_sources.setdefault(s // per_node, []).append(s)
-        by_node: dict[int, list[int]] = {}
-        rest = []
-        for d in remote:
-            if d // per_node in local_sources:
-                by_node.setdefault(d // per_node, []).append(d)
-            else:
-                rest.append(d)
-        for node, needers in by_node.items():
-            pieces += self._spread(tile, needers, local_sources[node], tile.seed + node)
-        if rest:
-            pieces += self._spread(tile, rest, tile.sources.ranks, tile.seed)
+    def _pieces(self, tile: Tile, src: int | None = None, dst: int | None = None) -> list[Piece]:
+        """Who sends which rows of the tile to whom: a pure function of the tile.
+
+        ``src`` / ``dst`` restrict the answer to the pieces that rank sends to others / receives
+        (its local copy included), computing only those.
+        """
+        if dst is not None and dst in tile.sources.members:
+            return [(dst, dst, 0, tile.rows)]
+        if src is not None and src not in tile.sources.members:
+            return []
+        routes = self._routes_of(tile.sources, tile.needers)
+        pieces: list[Piece] = [] if src is not None or dst is not None else [(d, d, 0, tile.rows) for d in routes.local]
+        for needers, sources, offset in routes.lines:
+            if (src is None or src in sources) and (dst is None or dst in needers):
+                pieces += self._spread(tile, needers, sources, tile.seed + offset, src, dst)
         return pieces
 
     def _transfers(self, tile: Tile, pieces: Sequence[Piece]) -> Iterator[Transfer]:
-        tensor = self.manifest.tensors[tile.position]
+        name = self.manifest.tensors[tile.position].name
         (first, _), rest = tile.box[0], tile.box[1:]
-        row_bytes = prod(stop - start for start, stop in rest) * tensor.itemsize
+        row_bytes = tile.row_bytes
         src0, src_rest = tile.src_offset[0], tile.src_offset[1:]
         dst0, dst_rest = tile.dst_offset[0], tile.dst_offset[1:]
         for src, dst, lo, hi in pieces:
             yield Transfer(
-                tensor.name,
+                name,
                 src,
                 dst,
                 ((first + lo, first + hi), *rest),
@@ -369,7 +413,7 @@ class RefitPlan:
                 destination_shapes[tensor.name] = local_shape_on(tensor, plan)
                 u = tp_rank_of(tensor, plan, rank)
                 for tile in self._tiles_of_destination_slice(position, tensor, shard, u):  # type: ignore[arg-type]
-                    mine = [piece for piece in self._pieces(tile) if piece[1] == rank]
+                    mine = self._pieces(tile, dst=rank)
                     keyed += ((t.src, t.dst, position, t.box, t) for t in self._transfers(tile, mine))
         source_shapes: dict[str, tuple[int, ...]] = {}
         if rank in self.source:
@@ -379,7 +423,7 @@ class RefitPlan:
                 v = tp_rank_of(tensor, self.source, rank)
                 for shard in range(len(self.destinations)):
                     for tile in self._tiles_of_source_slice(position, tensor, shard, v):  # type: ignore[arg-type]
-                        mine = [piece for piece in self._pieces(tile) if piece[0] == rank and piece[1] != rank]
+                        mine = self._pieces(tile, src=rank)
                         keyed += ((t.src, t.dst, position, t.box, t) for t in self._transfers(tile, mine))
         keyed.sort(key=lambda item: item[:4])
         ordered = [item[4] for item in keyed]
