@@ -62,7 +62,7 @@ class RefitPeerError(ShardcoreError, RuntimeError):
 
 
 @dataclass
-class RefitStats:
+class TransferStats:
     """What one rank did: bytes sent, received and copied locally, buckets, peers and wall time."""
 
     rank: int
@@ -426,7 +426,7 @@ def execute(
     *,
     timeout: float | timedelta | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-) -> RefitStats:
+) -> TransferStats:
     """Move this rank's part of ``plan``; every rank of the default group calls it, idle ranks too.
 
     Args:
@@ -439,7 +439,7 @@ def execute(
             larger than half is cut along its first dim.
 
     Returns:
-        This rank's RefitStats.
+        This rank's TransferStats.
 
     Raises:
         RefitInputError: on every rank, before any byte moves, when a rank's tensors are missing or
@@ -467,7 +467,7 @@ def execute(
     rank, world_size = dist.get_rank(), dist.get_world_size()
     _calls += 1
     world = _World(rank, world_size, f"shardcore/refit/{_calls}", started + seconds, seconds)
-    stats = RefitStats(rank)
+    stats = TransferStats(rank)
     mine, problems = None, []
     try:
         mine = plan.for_rank(rank)
@@ -509,7 +509,7 @@ def _exchange(
     destinations: Mapping[str, Any],
     cap: int,
     world: _World,
-    stats: RefitStats,
+    stats: TransferStats,
 ) -> None:
     """Pairwise-exchange steps, one batch of (at most) one send and one receive per round."""
     import torch.distributed as dist
@@ -595,6 +595,6 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "RefitInputError",
     "RefitPeerError",
-    "RefitStats",
+    "TransferStats",
     "execute",
 ]

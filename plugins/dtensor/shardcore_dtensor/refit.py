@@ -17,7 +17,7 @@ from datetime import timedelta
 from math import prod
 from typing import Any, NamedTuple
 
-from shardcore.engine.refit import DEFAULT_BUCKET_BYTES, RefitInputError, RefitStats, execute
+from shardcore.engine.refit import DEFAULT_BUCKET_BYTES, RefitInputError, TransferStats, execute
 
 Box = tuple[tuple[int, int], ...]
 
@@ -218,7 +218,7 @@ def refit(
     *,
     timeout: float | timedelta | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-) -> RefitStats:
+) -> TransferStats:
     """Copy every DTensor of ``src_state`` into the same-named DTensor of ``dst_state``, across meshes.
 
     Every rank of the default group calls it, with the DTensors it has (None or {} for a side
@@ -231,7 +231,7 @@ def refit(
         bucket_bytes: extra memory for packing, as in ``shardcore.refit.execute``.
 
     Returns:
-        This rank's RefitStats.
+        This rank's TransferStats.
 
     Raises:
         RefitInputError: on every rank, before any byte moves, when a placement is not Shard/Replicate,

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
-from shardcore.engine.refit import DEFAULT_BUCKET_BYTES, RefitInputError, RefitStats, execute
+from shardcore.engine.refit import DEFAULT_BUCKET_BYTES, RefitInputError, TransferStats, execute
 from shardcore.layout import ORDERS, Layout, ShardPlan
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
@@ -203,7 +203,7 @@ def refit(
     dst: Any = 1,
     timeout: float | timedelta | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-) -> RefitStats:
+) -> TransferStats:
     """Copy ``src_model``'s weights into ``dst_model`` across their shards; every rank of the world calls it.
 
     Args:
@@ -219,7 +219,7 @@ def refit(
         bucket_bytes: Extra memory for packing (``shardcore.refit.execute``).
 
     Returns:
-        This rank's RefitStats.
+        This rank's TransferStats.
 
     Raises:
         RefitInputError: the models disagree on a tensor, or do not fit their shards (on every rank).
