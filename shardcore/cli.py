@@ -189,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--allow-idle", action="store_true", help="allow ranks after the last shard to stay idle")
     check.add_argument("--timeout", type=float, default=120.0, help="seconds before a stuck group is an error")
     check.set_defaults(func=_cmd_check)
+    from .refit.command import add_refit_parser  # the refit subcommand lives with the planner
+
+    add_refit_parser(sub)
     backends = sub.add_parser("backends", help="list installed backends and whether they work here")
     backends.set_defaults(func=_cmd_backends)
     return parser

@@ -20,7 +20,7 @@ from shardcore.layout import Layout, ShardPlan, plan_layout
 from shardcore.refit import Manifest, RefitPlan, TensorSpec, Transfer, holdings, local_shape, plan_refit
 from shardcore.spec import ShardSpec
 
-SIM = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+SIM = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 
 
 # -- the simulation ---------------------------------------------------------------------------
