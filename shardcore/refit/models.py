@@ -177,13 +177,13 @@ def manifest_from_config(config: TransformerConfig, name: str = "model") -> Mani
     copy as ``output_layer.weight``); the final norm and untied output head on the last stage;
     norms and the router are replicated; experts carry their global index.
     """
-    h, tensors = config.hidden, []
+    h, tensors, moe_ffn = config.hidden, [], config.moe_ffn or 0
     embedding_stage = ("first", "last") if config.tied_embeddings else ("first",)
     dtype = config.dtype
     tensors.append(TensorSpec("embedding.word_embeddings.weight", (config.vocab, h), dtype, 0, stage=embedding_stage))
     for layer in range(config.layers):
         prefix = f"decoder.layers.{layer}."
-        where = {"layer": layer, "dtype": dtype}
+        where: dict[str, Any] = {"layer": layer, "dtype": dtype}
         tensors += _attention(config, prefix, **where)
         tensors.append(TensorSpec(f"{prefix}pre_mlp_layernorm.weight", (h,), **where))
         if config.experts and layer >= config.dense_layers:
@@ -191,14 +191,14 @@ def manifest_from_config(config: TransformerConfig, name: str = "model") -> Mani
             for expert in range(config.experts):
                 tensors += _mlp(
                     f"{prefix}mlp.experts.",
-                    config.moe_ffn,
+                    moe_ffn,
                     h,
-                    config.gated,  # type: ignore[arg-type]
+                    config.gated,
                     expert=expert,
                     **where,
                 )
             if config.shared_experts:
-                shared = config.shared_experts * config.moe_ffn  # type: ignore[operator]
+                shared = config.shared_experts * moe_ffn
                 tensors += _mlp(f"{prefix}mlp.shared_experts.", shared, h, config.gated, **where)
         else:
             tensors += _mlp(f"{prefix}mlp.", config.ffn, h, config.gated, **where)
