@@ -340,7 +340,7 @@ class _World:
         return found
 
     def barrier(self, phase: str) -> None:
-        """Wait for every rank at ``phase`` until the deadline, polling for failure reports each second.
+        """Wait for every rank at ``phase`` until the deadline, polling the store (and failure reports).
 
         Raises naming the ranks at fault: those reported by others, else those that never arrived.
         """
@@ -349,13 +349,14 @@ class _World:
             self.store.set(f"{key}/at/{self.rank}", "1")
             if self.store.add(f"{key}/arrived", 1) == self.world:
                 self.store.set(f"{key}/done", "1")
-            while True:
-                try:
-                    self.store.wait([f"{key}/done"], timedelta(seconds=min(1.0, self.remaining().total_seconds())))
-                    break
-                except Exception:  # a slice timed out (or the store is gone: found below)
-                    if self.failures() or time.monotonic() >= self.deadline:
-                        raise
+            pause = 0.001
+            while not self.store.check([f"{key}/done"]):  # polled: a store wait that times out logs warnings
+                if self.failures():
+                    raise RefitError("a rank reported a failure")
+                if time.monotonic() >= self.deadline:
+                    raise TimeoutError(f"refit {phase}")
+                time.sleep(pause)
+                pause = min(0.1, pause * 2)
         except Exception as error:  # a timeout, a reported failure, or the store's host is gone  # noqa: BLE001
             failed = self.failures()
             if failed:
