@@ -29,3 +29,11 @@ class GroupCreationError(ShardcoreError, RuntimeError):
 
 class LayoutMismatchError(GroupCreationError):
     """Ranks of one world planned different layouts (config drift between ranks)."""
+
+
+class RefitError(ShardcoreError, ValueError):
+    """A refit request does not fit: source/destination shards, ranks, or plan options are inconsistent."""
+
+
+class ManifestError(RefitError):
+    """A model manifest is malformed, or a tensor does not fit a shard (split dim, layers, experts)."""

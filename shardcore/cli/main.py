@@ -14,6 +14,7 @@ from ..views.picture import DEFAULT_RANKS_PER_NODE, render_svg
 from ..views.tables import format_table, layout_table, rank_table, shown_groups
 from ..views.topology import TOPOLOGY_GROUPS, check_topology
 from .check import cmd_check
+from .refit import add_refit_parser
 
 
 def _add_layout_args(parser: argparse.ArgumentParser) -> None:
@@ -138,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--allow-idle", action="store_true", help="allow ranks after the last shard to stay idle")
     check.add_argument("--timeout", type=float, default=120.0, help="seconds before a stuck group is an error")
     check.set_defaults(func=cmd_check)
+    add_refit_parser(sub)
     backends = sub.add_parser("backends", help="list installed backends and whether they work here")
     backends.set_defaults(func=_cmd_backends)
     return parser

@@ -1,1 +1,1 @@
-"""The engine: backend discovery, group creation and the live-world checks (imports torch lazily, on use)."""
+"""The engine: backend discovery, group creation, refit execution and the live checks (torch imported on use)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -105,8 +106,9 @@ def _failure_text(message: Any) -> str:
     return str(message.get("message", message)) if isinstance(message, dict) else str(message)
 
 
-def run_local(nproc: int, options: dict[str, Any]) -> list[RankReport]:
-    """Start ``nproc`` local gloo processes with torch's elastic launcher and collect their reports."""
+def run_local(nproc: int, options: dict[str, Any], worker: Callable[[dict[str, Any]], Any] = local_worker) -> list[Any]:
+    """Start ``nproc`` local gloo processes with torch's elastic launcher running ``worker`` (by default,
+    the group check), and collect their reports (``RankReport``s for the group check, else what ``worker`` returned)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -124,10 +126,12 @@ def run_local(nproc: int, options: dict[str, Any]) -> list[RankReport]:
         start_method="spawn",
     )
     try:
-        results = elastic_launch(config, local_worker)(options)
+        results = elastic_launch(config, worker)(options)
     except ChildFailedError as error:
         messages = [f"rank {r}: {_failure_text(failure.message)}" for r, failure in sorted(error.failures.items())]
         raise GroupCreationError("shardcore check failed:\n" + "\n".join(messages)) from None
+    if worker is not local_worker:
+        return [results[rank] for rank in sorted(results)]
     return [RankReport(**results[rank]) for rank in sorted(results)]
 
 

@@ -1,0 +1,241 @@
+"""Refit execution on a live local gloo world, side by side in one run.
+
+Three ways to move a ~0.5 GB bf16 model from a training shard to an inference shard:
+
+* ``shardcore``: ``plan_refit`` + ``shardcore.refit.execute`` (pairwise p2p, packed buckets);
+* ``gather+bcast``: every tensor gathered to rank 0 from its source shards, then broadcast to
+  the destination ranks, tensor by tensor (the OpenRLHF / AReaL way); each destination slices;
+* ``full_tensor``: every tensor all-gathered over the source tp group (what ``full_tensor()``
+  does), the full tensor sent to each destination rank by one source rank, then sliced.
+
+Also measured: the loopback p2p bandwidth between two ranks (others idle), and the bound it
+implies: the busiest rank's bytes (sent or received) divided by that bandwidth.
+
+Usage: python benchmarks/bench_refit.py [--world 8 16] [--layers 12] [--repeat 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+SPECS = {8: "tp=4,role=train + tp=2,dp=2", 16: "tp=8,role=train + tp=4,dp=2"}
+
+
+def _manifest(layers: int) -> Any:
+    from shardcore.refit import TransformerConfig, manifest_from_config
+
+    config = TransformerConfig(
+        layers=layers, hidden=1024, ffn=4096, heads=16, kv_heads=16, vocab=32768, dtype="bfloat16"
+    )
+    return manifest_from_config(config, name=f"bench-{layers}l")
+
+
+def _loopback_bandwidth(rank: int, nbytes: int = 256 << 20) -> float:
+    """GB/s of one isend/irecv of ``nbytes`` between ranks 0 and 1 (best of 3)."""
+    import torch
+    import torch.distributed as dist
+
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(3):
+        dist.barrier()
+        started = time.perf_counter()
+        if rank == 0:
+            dist.send(buffer, 1)
+        elif rank == 1:
+            dist.recv(buffer, 0)
+        dist.barrier()
+        best = min(best, time.perf_counter() - started)
+    return nbytes / best / 1e9
+
+
+def _sources(plan: Any, rank: int) -> dict[str, Any]:
+
+    from shardcore.engine.refit_check import cut, known_tensor
+
+    manifest, out = plan.manifest, {}
+    for name in plan.for_rank(rank).source_shapes:
+        spec = manifest.tensor(name)
+        out[name] = cut(known_tensor(spec, manifest.index(name)), spec, plan.source, rank, manifest)
+    return out
+
+
+def _empty(plan: Any, rank: int) -> dict[str, Any]:
+    import torch
+
+    return {
+        name: torch.empty(shape, dtype=torch.bfloat16) for name, shape in plan.for_rank(rank).destination_shapes.items()
+    }
+
+
+def _local(full: Any, spec: Any, shard: Any, rank: int, manifest: Any) -> Any:
+    from shardcore.engine.refit_check import cut
+
+    return cut(full, spec, shard, rank, manifest)
+
+
+def _gather_broadcast(plan: Any, rank: int, sources: dict, destinations: dict, group: Any) -> None:
+    """Per tensor: rank 0 receives each distinct source box from its first holder, then broadcasts the whole."""
+    import torch
+    import torch.distributed as dist
+
+    from shardcore.refit import holdings
+
+    manifest, source, target = plan.manifest, plan.source, plan.destinations[0]
+    for spec in manifest:
+        holders: dict[Any, int] = {}
+        for r in source.ranks:
+            boxes = holdings(spec, source, r, manifest)
+            if boxes and boxes not in holders:
+                holders[boxes] = r
+        full = torch.empty(spec.shape, dtype=torch.bfloat16) if rank == 0 or rank in target else None
+        for boxes, holder in holders.items():
+            if rank == holder and rank != 0:
+                dist.send(sources[spec.name].contiguous(), 0)
+            elif rank == 0:
+                local = (
+                    sources[spec.name] if holder == 0 else torch.empty(_local_shape(spec, source), dtype=torch.bfloat16)
+                )
+                if holder != 0:
+                    dist.recv(local, holder)
+                for box, offset in boxes:
+                    view = tuple(slice(o, o + b - a) for o, (a, b) in zip(offset, box))
+                    full[tuple(slice(a, b) for a, b in box)] = local[view]
+        if rank == 0 or rank in target:
+            dist.broadcast(full, 0, group=group)
+            if spec.name in destinations:
+                destinations[spec.name].copy_(_local(full, spec, target, rank, manifest))
+
+
+def _local_shape(spec: Any, shard: Any) -> tuple[int, ...]:
+    from shardcore.refit.placement import local_shape_on
+
+    return local_shape_on(spec, shard)
+
+
+def _full_tensor(plan: Any, rank: int, sources: dict, destinations: dict, tp_group: Any) -> None:
+    """Per tensor: all-gather over the source tp group, send the full tensor to destinations, slice."""
+    import torch
+    import torch.distributed as dist
+
+    manifest, source, target = plan.manifest, plan.source, plan.destinations[0]
+    src_ranks, dst_ranks = list(source.ranks), list(target.ranks)
+    for spec in manifest:
+        full = None
+        if rank in source:
+            local = sources[spec.name]
+            if spec.tp_dim is None:
+                full = local
+            else:
+                parts = [torch.empty_like(local) for _ in src_ranks]
+                dist.all_gather(parts, local.contiguous(), group=tp_group)
+                full = torch.empty(spec.shape, dtype=torch.bfloat16)
+                for r, part in zip(src_ranks, parts):
+                    for box, offset in plan_holdings(spec, source, r, manifest):
+                        view = tuple(slice(o, o + b - a) for o, (a, b) in zip(offset, box))
+                        full[tuple(slice(a, b) for a, b in box)] = part[view]
+            for i, d in enumerate(dst_ranks):
+                if src_ranks[i % len(src_ranks)] == rank:
+                    dist.send(full, d)
+        if rank in target:
+            full = torch.empty(spec.shape, dtype=torch.bfloat16)
+            dist.recv(full, src_ranks[dst_ranks.index(rank) % len(src_ranks)])
+            destinations[spec.name].copy_(_local(full, spec, target, rank, manifest))
+
+
+def plan_holdings(spec: Any, shard: Any, rank: int, manifest: Any) -> Any:
+    from shardcore.refit import holdings
+
+    return holdings(spec, shard, rank, manifest)
+
+
+def _rss_peak_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def bench_rank(rank: int, world: int, layers: int, repeat: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from shardcore.plan.layout import plan_layout
+    from shardcore.refit import execute, plan_refit
+
+    layout = plan_layout(world, SPECS[world])
+    started = time.perf_counter()
+    plan = plan_refit(layout, 0, [1], _manifest(layers))
+    plan_seconds = time.perf_counter() - started
+    bandwidth = _loopback_bandwidth(rank)
+    sources = _sources(plan, rank)
+    expected = None
+    out: dict[str, Any] = {"rank": rank, "plan_s": plan_seconds, "bw": bandwidth}
+    source, target = plan.source, plan.destinations[0]
+    bcast_group = dist.new_group([0, *target.ranks])
+    tp_group = dist.new_group(list(source.ranks))
+    for method in ("shardcore", "gather+bcast", "full_tensor"):
+        best = float("inf")
+        for _ in range(repeat):
+            destinations = _empty(plan, rank)
+            dist.barrier()
+            rss_before = _rss_peak_mib()
+            started = time.perf_counter()
+            if method == "shardcore":
+                stats = execute(plan, sources, destinations, timeout=600)
+                out["peak_buffer"] = stats.peak_buffer_bytes
+            elif method == "gather+bcast":
+                _gather_broadcast(plan, rank, sources, destinations, bcast_group)
+            else:
+                _full_tensor(plan, rank, sources, destinations, tp_group)
+            dist.barrier()
+            best = min(best, time.perf_counter() - started)
+            out[f"{method}_rss_growth"] = _rss_peak_mib() - rss_before
+            if method == "shardcore":
+                expected = {n: t.clone() for n, t in destinations.items()}
+            else:
+                assert all(torch.equal(destinations[n], expected[n]) for n in destinations), method
+        out[method] = best
+    mine = plan.for_rank(rank)
+    out["sent"], out["received"] = mine.bytes_sent, mine.bytes_received
+    return out
+
+
+def main() -> None:
+    from shardcore.plan.layout import plan_layout
+    from shardcore.refit import plan_refit
+    from shardcore.testing import run_world
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, nargs="+", default=[8, 16], choices=sorted(SPECS))
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--repeat", type=int, default=2)
+    args = parser.parse_args()
+    manifest = _manifest(args.layers)
+    print(f"model: {manifest.name}, {len(manifest)} tensors, {manifest.nbytes / 1e9:.3f} GB bf16")
+    print(
+        "| world | shards | moved GB | busiest rank GB | p2p GB/s | bound s | shardcore s | gather+bcast s | "
+        "full_tensor s | shardcore GB/s | vs gather+bcast | vs full_tensor | shardcore / bound | packing buffer MiB |"
+    )
+    print("|" + "---:|" * 14)
+    for world in args.world:
+        plan = plan_refit(plan_layout(world, SPECS[world]), 0, [1], manifest)
+        results = run_world(world, bench_rank, args.layers, args.repeat, timeout=3600, pg_timeout=1200)
+        moved = sum(r["received"] for r in results)
+        busiest = max(max(r["sent"], r["received"]) for r in results)
+        bandwidth = results[0]["bw"]
+        bound = busiest / (bandwidth * 1e9)
+        times = {m: max(r[m] for r in results) for m in ("shardcore", "gather+bcast", "full_tensor")}
+        print(
+            f"| {world} | `{SPECS[world]}` | {moved / 1e9:.3f} | {busiest / 1e9:.3f} | {bandwidth:.2f} | "
+            f"{bound:.2f} | {times['shardcore']:.2f} | {times['gather+bcast']:.2f} | {times['full_tensor']:.2f} | "
+            f"{moved / times['shardcore'] / 1e9:.3f} | {times['gather+bcast'] / times['shardcore']:.1f}x | "
+            f"{times['full_tensor'] / times['shardcore']:.1f}x | {times['shardcore'] / bound:.2f}x | "
+            f"{max(r['peak_buffer'] for r in results) / 2**20:.0f} |"
+        )
+        del plan
+
+
+if __name__ == "__main__":
+    main()

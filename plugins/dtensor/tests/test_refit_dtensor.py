@@ -1,0 +1,38 @@
+"""DTensor refit across meshes on live gloo worlds: full_tensor() on the destination equals the source."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from plugins.dtensor.tests import dtensor_refit_workers as workers
+from shardcore.testing import run_world
+
+
+def test_collocated_meshes_over_the_same_ranks() -> None:
+    for rank, result in enumerate(run_world(4, workers.collocated)):
+        assert all(result["source"].values()), (rank, result["source"])
+        for label in ("flat", "transposed"):
+            assert result[label]["equal"] == dict.fromkeys(workers.SHAPES, True), (rank, label, result[label])
+            assert result[label]["copied"] > 0  # each rank holds part of its destination already
+
+
+def test_training_mesh_to_two_inference_meshes_on_other_ranks() -> None:
+    results = run_world(8, workers.disaggregated)
+    assert [r["shard"] for r in results] == [0, 0, 0, 0, 1, 1, 2, 2]
+    for rank, result in enumerate(results):
+        assert all(result["source"].values()) and all(result["equal"].values()), (rank, result)
+    assert all(r["received"] > 0 and r["sent"] == 0 for r in results[4:])
+    assert sum(r["sent"] for r in results[:4]) == sum(r["received"] for r in results[4:])
+
+
+def test_disagreeing_conventions_are_one_typed_error_on_every_rank() -> None:
+    results = run_world(4, workers.errors)
+    assert all(r == results[0] for r in results)
+    out = results[0]
+    assert out["shape"].startswith("RefitInputError") and "'qkv'" in out["shape"] and "[16, 12]" in out["shape"]
+    assert "[16, 10]" in out["shape"]
+    assert "float32" in out["dtype"] and "bfloat16" in out["dtype"]
+    assert "'proj' has no source" in out["missing"]
+    assert "Partial" in out["partial"] and "Replicate" in out["partial"]

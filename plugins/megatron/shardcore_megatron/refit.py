@@ -1,0 +1,269 @@
+"""Refit a Megatron-Core model's weights into another model laid out by shardcore's shards.
+
+In the spirit of Megatron-Core 0.19's ``swap_model_weights(src_model, dst_model, ...)``, but the
+plan is shardcore's: computed per rank from the two shards' layouts, with replicas balanced and cp
+allowed. The manifest is read off the models' parameters:
+
+* ``tensor_model_parallel`` / ``partition_dim`` give the tp-split dim; the global size is the local
+  one times the tp size (expt_tp for an expert);
+* ``partition_stride`` > 1 (SwiGLU's gate+up in ``linear_fc1``) means that many packed blocks;
+* pipeline-local layer numbers become global ones (``TransformerLayer.layer_number`` is global);
+* local expert indices become global ones (``MoELayer.local_expert_indices``), under one name
+  ``decoder.layers.L.mlp.experts.local_experts.E.`` for both Megatron namings (sequential and grouped);
+* a tied output layer on a last stage that is not also first (``output_layer.weight``) is the
+  embedding, which then sits on the first and last stages.
+
+Every rank contributes what its own stage and experts hold; one ``all_gather_object`` joins
+them, and any disagreement (between ranks, or between the two models' conventions) is a typed
+error naming the tensor.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+from shardcore.engine.refit import DEFAULT_BUCKET_BYTES, RefitInputError, TransferStats, execute
+from shardcore.plan.layout import GRID_DIMS, Layout, ShardPlan
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_SEQUENTIAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
+_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
+_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def _chunks(model: Any) -> list[Any]:
+    """A model, or its virtual-pipeline chunks, unwrapped from DDP/Float16Module-style ``.module``."""
+    chunks = list(model) if isinstance(model, Sequence) else [model]
+    out = []
+    for chunk in chunks:
+        while hasattr(chunk, "module") and not hasattr(chunk, "decoder") and not hasattr(chunk, "embedding"):
+            chunk = chunk.module
+        out.append(chunk)
+    return out
+
+
+def _expert_indices(chunk: Any, local_layer: int) -> Sequence[int]:
+    mlp = chunk.decoder.layers[local_layer].mlp
+    indices = getattr(mlp, "local_expert_indices", None)
+    if indices is None:
+        raise RefitInputError(
+            f"decoder.layers.{local_layer}.mlp has experts but no local_expert_indices: not a Megatron-Core MoELayer?"
+        )
+    return indices
+
+
+def global_name(chunk: Any, name: str, tied_output: bool) -> tuple[str, int | None, int | None]:
+    """(global name, global layer, global expert) of a local parameter name."""
+    if name == "output_layer.weight" and tied_output:
+        return _EMBEDDING, None, None
+    match = _LAYER.match(name)
+    if match is None:
+        return name, None, None
+    local, rest = int(match.group(1)), match.group(2)
+    layer = chunk.decoder.layers[local].layer_number - 1
+    expert = None
+    sequential, grouped = _SEQUENTIAL_EXPERT.match(rest), _GROUPED_EXPERT.match(rest)
+    if sequential:
+        expert = _expert_indices(chunk, local)[int(sequential.group(1))]
+        rest = f"mlp.experts.local_experts.{expert}.{sequential.group(2)}"
+    elif grouped:
+        expert = _expert_indices(chunk, local)[int(grouped.group(3))]
+        rest = f"mlp.experts.local_experts.{expert}.{grouped.group(1)}.{grouped.group(2)}"
+    return f"decoder.layers.{layer}.{rest}", layer, expert
+
+
+def _stage(name: str, tied: bool) -> tuple[str, ...]:
+    """Pipeline placement of a tensor outside the decoder layers."""
+    if name.startswith("embedding."):
+        return ("first", "last") if tied and name == _EMBEDDING else ("first",)
+    if name.startswith(("output_layer.", "decoder.final_layernorm.")):
+        return ("last",)
+    return ("all",)
+
+
+def _records(model: Any, plan: ShardPlan, side: str, rank: int) -> list[dict[str, Any]]:
+    """The manifest fields of every parameter this rank holds of ``model`` (laid out by ``plan``)."""
+    records = []
+    for chunk in _chunks(model):
+        tied = bool(getattr(chunk, "share_embeddings_and_output_weights", False))
+        tied_output = tied and not getattr(chunk, "pre_process", True)
+        for local_name, parameter in chunk.named_parameters():
+            name, layer, expert = global_name(chunk, local_name, tied_output)
+            shape = list(parameter.shape)
+            fields: dict[str, Any] = {"name": name, "dtype": str(parameter.dtype).removeprefix("torch.")}
+            if getattr(parameter, "tensor_model_parallel", False):
+                dim = int(parameter.partition_dim)
+                shape[dim] *= plan.spec.expt_tp if expert is not None else plan.spec.tp
+                stride = int(getattr(parameter, "partition_stride", 1))
+                fields.update(tp_dim=dim, blocks=(shape[dim] // stride,) * stride if stride > 1 else ())
+            fields["shape"] = tuple(shape)
+            if layer is None:
+                fields["stage"] = _stage(name, tied)
+            else:
+                fields["layer"] = layer
+                if expert is not None:
+                    fields["expert"] = expert
+            records.append({"side": side, "rank": rank, "local": local_name, "fields": fields})
+    return records
+
+
+def _config_facts(model: Any) -> dict[str, Any]:
+    config = _chunks(model)[0].config
+    return {
+        "layers": int(config.num_layers),
+        "first_stage_layers": getattr(config, "num_layers_in_first_pipeline_stage", None),
+        "last_stage_layers": getattr(config, "num_layers_in_last_pipeline_stage", None),
+        "experts": int(getattr(config, "num_moe_experts", None) or 0),
+    }
+
+
+def manifest_from_records(records: Sequence[dict[str, Any]], facts: Sequence[dict[str, Any]]) -> Any:
+    """One manifest from every rank's records; a tensor described two ways is a typed error naming it.
+
+    Raises:
+        RefitInputError: two ranks (of one model or of the two models) disagree on a tensor or on the
+            model-wide facts, or a destination tensor has no source.
+    """
+    from shardcore.refit.manifest import Manifest, TensorSpec
+
+    first_facts = facts[0]
+    for other in facts[1:]:
+        if other != first_facts:
+            raise RefitInputError(
+                f"the two models disagree on the model: {first_facts} against {other}: refit needs the same "
+                f"layers, pipeline split and experts on both sides"
+            )
+    seen: dict[str, dict[str, Any]] = {}
+    for record in sorted(records, key=lambda r: (r["side"] != "src", r["rank"])):
+        first = seen.setdefault(record["fields"]["name"], record)
+        if record["fields"] != first["fields"]:
+            raise RefitInputError(
+                f"tensor {record['fields']['name']!r}: the {first['side']} model on rank {first['rank']} "
+                f"({first['local']}) describes it as {first['fields']}, the {record['side']} model on rank "
+                f"{record['rank']} ({record['local']}) as {record['fields']}: the two models' conventions disagree"
+            )
+    sources = {r["fields"]["name"] for r in records if r["side"] == "src"}
+    missing = sorted({r["fields"]["name"] for r in records if r["side"] == "dst"} - sources)
+    if missing:
+        raise RefitInputError(
+            f"destination parameter {missing[0]!r} has no source parameter ({len(missing)} such): both models "
+            f"must be built from the same architecture"
+        )
+    tensors = tuple(TensorSpec(**seen[name]["fields"]) for name in sorted(seen))
+    return Manifest(tensors, **first_facts, name="megatron")
+
+
+def read_manifest(src_model: Any, dst_model: Any, source: ShardPlan, target: ShardPlan) -> Any:
+    """The manifest both models agree on, from every rank's parameters (one ``all_gather_object``).
+
+    Every rank of the world calls it, with None for a model it does not hold.
+    """
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    mine: dict[str, Any] = {"records": [], "facts": []}
+    for side, model, plan in (("src", src_model, source), ("dst", dst_model, target)):
+        if model is not None and rank in plan:
+            mine["records"] += _records(model, plan, side, rank)
+            mine["facts"].append(_config_facts(model))
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return manifest_from_records([r for g in gathered for r in g["records"]], [f for g in gathered for f in g["facts"]])
+
+
+def _layout(shards: Any) -> Layout:
+    """The Layout behind shardcore's shards (a Layout, ``build_shards``' list, or InferenceShards)."""
+    if isinstance(shards, Layout):
+        return shards
+    plans = tuple(getattr(s, "plan", None) or s.shard.plan for s in shards)
+    import torch.distributed as dist
+
+    order = next(name for name, (dims, _) in GRID_DIMS.items() if dims == plans[0].decoder_grid.dim_names)
+    world, covered = dist.get_world_size(), {r for p in plans for r in p.ranks}
+    idle = tuple(range(r, r + 1) for r in range(world) if r not in covered)
+    return Layout(world, order, plans[0].rank_offset, plans, idle)
+
+
+def _shard_plan(layout: Layout, which: Any) -> ShardPlan:
+    if isinstance(which, ShardPlan):
+        return which
+    plan = getattr(which, "plan", None) or getattr(getattr(which, "shard", None), "plan", None)
+    return plan if plan is not None else layout.shards[which]
+
+
+def refit(
+    src_model: Any,
+    dst_model: Any,
+    shards: Any,
+    *,
+    src: Any = 0,
+    dst: Any = 1,
+    timeout: float | timedelta | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> TransferStats:
+    """Copy ``src_model``'s weights into ``dst_model`` across their shards; every rank of the world calls it.
+
+    Args:
+        src_model: This rank's source model (or its virtual-pipeline chunks), None where the rank is not
+            in the source shard.
+        dst_model: This rank's destination model, written in place; None where the rank is not in it.
+        shards: shardcore's shards: ``build_shards``' list, ``build_inference_pg_collections_for_shards``'
+            list, or a Layout.
+        src: The source shard: an index into ``shards``, or a Shard / ShardPlan (e.g. of another layout
+            over the same ranks, for a collocated refit).
+        dst: The destination shard, given the same way.
+        timeout: Seconds for the whole transfer (``shardcore.refit.execute``).
+        bucket_bytes: Extra memory for packing (``shardcore.refit.execute``).
+
+    Returns:
+        This rank's TransferStats.
+
+    Raises:
+        RefitInputError: the models disagree on a tensor, or do not fit their shards (on every rank).
+        RefitPeerError: a rank died or never arrived.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from shardcore.errors import ShardcoreError
+    from shardcore.refit.planner import plan_refit
+
+    layout = _layout(shards)
+    source, target = _shard_plan(layout, src), _shard_plan(layout, dst)
+    manifest = read_manifest(src_model, dst_model, source, target)
+    try:
+        refit_plan = plan_refit(layout, source, [target], manifest)
+    except ShardcoreError as error:
+        raise RefitInputError(f"the models do not fit their shards: {error}") from error
+
+    rank = dist.get_rank()
+
+    def tensors(model: Any, plan: ShardPlan) -> dict[str, Any]:
+        if model is None or rank not in plan:
+            return {}
+        return {name: parameter.data for name, parameter, _ in parameters(model)}
+
+    with torch.no_grad():
+        return execute(
+            refit_plan,
+            tensors(src_model, source),
+            tensors(dst_model, target),
+            timeout=timeout,
+            bucket_bytes=bucket_bytes,
+        )
+
+
+def parameters(model: Any) -> Iterator[tuple[str, Any, Any]]:
+    """(global name, parameter, chunk) of every parameter of every chunk."""
+    for chunk in _chunks(model):
+        tied_output = bool(getattr(chunk, "share_embeddings_and_output_weights", False)) and not getattr(
+            chunk, "pre_process", True
+        )
+        for name, parameter in chunk.named_parameters():
+            yield global_name(chunk, name, tied_output)[0], parameter, chunk
+
+
+__all__ = ["global_name", "manifest_from_records", "parameters", "read_manifest", "refit"]

@@ -1,0 +1,264 @@
+"""``shardcore refit``: plan moving a model's weights between shards and print what it costs (no torch)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+from ..errors import RefitError
+from ..plan.layout import DEFAULT_ORDER, ORDER_ALIASES, Layout, Order, plan_layout
+from ..refit.cost import DEFAULT_INTER_GBPS, DEFAULT_INTRA_GBPS, RefitStats
+from ..refit.models import PRESETS, model_manifest
+from ..refit.planner import RankRefit, RefitPlan, plan_refit
+from ..views.tables import format_table
+
+if TYPE_CHECKING:
+    from ..engine.refit_check import RefitReport
+
+
+def format_bytes(size: float) -> str:
+    """Bytes in decimal units, 3 significant digits: '512 B', '4.72 MB', '1.34 TB'."""
+    units, step = ("B", "kB", "MB", "GB", "TB"), 0
+    while abs(size) >= 1000 and step < len(units) - 1:
+        size, step = size / 1000, step + 1
+    return f"{size:.0f} B" if step == 0 else f"{size:.3g} {units[step]}"
+
+
+def _shard_indices(text: str) -> list[int]:
+    try:
+        indices = [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise RefitError(f"--to {text!r}: expected shard indices separated by commas, e.g. --to 1,2") from None
+    if not indices:
+        raise RefitError("--to is empty: name at least one destination shard, e.g. --to 1")
+    return indices
+
+
+def summary_table(plan: RefitPlan, stats: RefitStats, intra_gbps: float, inter_gbps: float) -> str:
+    """One row per destination shard, then the totals and the balance against the lower bound."""
+
+    rows = []
+    for destination, shard in zip(plan.destinations, stats.shards):
+        rows.append(
+            (
+                shard.index,
+                destination.spec.role or "-",
+                shard.spec,
+                f"[{destination.rank_offset}, {destination.ranks.stop})",
+                format_bytes(shard.bytes),
+                format_bytes(shard.local_bytes),
+                "-" if shard.busiest_rank is None else shard.busiest_rank,
+                format_bytes(shard.busiest_bytes),
+                f"{shard.estimate_seconds(intra_gbps, inter_gbps):.3g}",
+            )
+        )
+    header = ("to", "role", "spec", "ranks", "bytes", "local", "busiest rank", "its bytes", "estimate s")
+    source = plan.source
+    busiest = (
+        "none" if stats.busiest_sender is None else f"rank {stats.busiest_sender}, {format_bytes(stats.busiest_sent)}"
+    )
+    nodes = "" if plan.ranks_per_node else " (no --ranks-per-node: all inter-node)"
+    lines = [
+        (
+            f"refit {plan.manifest.name} ({len(plan.manifest)} tensors, {format_bytes(plan.manifest.nbytes)}) "
+            f"from shard {source.index} ('{source.spec}', ranks [{source.rank_offset}, {source.ranks.stop}))"
+        ),
+        format_table(rows, header),
+        (
+            f"moved {format_bytes(stats.total_bytes)} in {stats.transfers} transfers "
+            f"({format_bytes(stats.intra_node_bytes)} intra-node, {format_bytes(stats.inter_node_bytes)} inter-node), "
+            f"local copies {format_bytes(stats.local_bytes)}"
+        ),
+        f"busiest sender: {busiest}; lower bound {format_bytes(stats.lower_bound)} (x{stats.balance:.3f})",
+        (
+            f"estimate {stats.estimate_seconds(intra_gbps, inter_gbps):.3g} s at {intra_gbps:g} GB/s intra-node, "
+            f"{inter_gbps:g} GB/s inter-node{nodes}"
+        ),
+    ]
+    return "\n".join(lines)
+
+
+def rank_table(mine: RankRefit) -> str:
+    """One rank's transfers: sends, receives and local copies, each with its peer, box and bytes."""
+
+    rows = []
+    for kind, transfers in (("send", mine.sends), ("recv", mine.recvs), ("copy", mine.copies)):
+        for t in transfers:
+            peer = t.dst if kind == "send" else t.src
+            box = "[" + ", ".join(f"{start}:{stop}" for start, stop in t.box) + "]"
+            rows.append((kind, peer, t.tensor, box, format_bytes(t.bytes)))
+    title = (
+        f"rank {mine.rank}: sends {len(mine.sends)} ({format_bytes(mine.bytes_sent)}), "
+        f"receives {len(mine.recvs)} ({format_bytes(mine.bytes_received)}), copies {len(mine.copies)}"
+    )
+    return title + ("\n" + format_table(rows, ("op", "peer", "tensor", "box", "bytes")) if rows else "")
+
+
+def _plan(args: argparse.Namespace) -> tuple[Layout, RefitPlan]:
+    missing = [
+        flag
+        for flag, value in (
+            ("--world", args.world),
+            ("--shards", args.shards),
+            ("--from", args.src),
+            ("--to", args.dst),
+            ("--model", args.model),
+        )
+        if value is None
+    ]
+    if missing:
+        raise RefitError(f"refit needs {', '.join(missing)} (or --list-models)")
+    for flag, value in (("--intra-gbps", args.intra_gbps), ("--inter-gbps", args.inter_gbps)):
+        if not value > 0:
+            raise RefitError(f"{flag} {value}: expected a positive bandwidth in GB/s")
+    layout = plan_layout(args.world, args.shards, order=args.order, allow_idle=args.allow_idle)
+    if args.rank is not None:
+        layout.shard_of(args.rank)  # a rank outside the world fails before any work
+    return layout, plan_refit(
+        layout, args.src, _shard_indices(args.dst), model_manifest(args.model), args.ranks_per_node
+    )
+
+
+def _check(args: argparse.Namespace) -> int:
+    """``--check``: execute the plan on a live world (shardcore.engine.refit_check)."""
+    from ..engine import refit_check
+
+    joined = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    options: dict[str, Any] = {
+        "model": args.model,
+        "shards": args.shards,
+        "order": args.order,
+        "src": args.src,
+        "dst": _shard_indices(args.dst),
+        "ranks_per_node": args.ranks_per_node,
+        "timeout": args.timeout,
+        "bucket_bytes": args.bucket_bytes,
+    }
+    world = int(os.environ["WORLD_SIZE"]) if joined else args.nproc
+    plan = refit_check.plan_from_options(options, world)  # bad input fails here, before any process starts
+    reports = refit_check.run_joined(options) if joined else refit_check.run_local(world, options)
+    if reports is None:
+        return 0
+    table, ok = check_summary(reports, plan)
+    print(table)
+    return 0 if ok else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``refit`` subcommand."""
+    if args.list_models:
+        print("\n".join(PRESETS))
+        return 0
+    if args.check:
+        if args.world is not None:
+            raise RefitError("--check takes its world from --nproc (or torchrun), not --world")
+        args.world = args.nproc
+        _plan(args)
+        return _check(args)
+    _, plan = _plan(args)
+    stats = RefitStats.of(plan)
+    mine = plan.for_rank(args.rank) if args.rank is not None else None
+    if args.json:
+        data: dict[str, Any] = stats.to_dict(args.intra_gbps, args.inter_gbps)
+        data["model"] = plan.manifest.name
+        data["source"] = plan.source.index
+        data["destinations"] = [destination.index for destination in plan.destinations]
+        data["tensors"] = {
+            t.name: {"shape": list(t.shape), "dtype": t.dtype, "itemsize": t.itemsize} for t in plan.manifest
+        }
+        if args.transfers:
+            data["transfers"] = [transfer.to_dict() for transfer in plan.transfers()]
+        if mine is not None:
+            data["rank"] = {
+                "rank": mine.rank,
+                "sends": [t.to_dict() for t in mine.sends],
+                "recvs": [t.to_dict() for t in mine.recvs],
+                "copies": [t.to_dict() for t in mine.copies],
+            }
+        print(json.dumps(data, indent=None if args.transfers else 2))  # every transfer: one compact document
+        return 0
+    print(summary_table(plan, stats, args.intra_gbps, args.inter_gbps))
+    if mine is not None:
+        print()
+        print(rank_table(mine))
+    return 0
+
+
+def check_summary(reports: list[RefitReport], plan: RefitPlan) -> tuple[str, bool]:
+    """One row per destination shard: bytes, the slowest rank's seconds, GB/s, status; and whether all matched."""
+    rows: list[tuple[object, ...]] = []
+    ok = True
+    for target in plan.destinations:
+        mine = [r for r in reports if r.shard == target.index]
+        moved = sum(r.bytes_received + r.bytes_copied for r in mine)
+        seconds = max((r.seconds for r in mine), default=0.0)
+        bad = [m for r in mine for m in r.mismatches]
+        good = not bad and len(mine) == target.size and all(r.checked for r in mine)
+        ok &= good
+        rate = f"{moved / seconds / 1e9:.3f}" if seconds > 0 else "-"
+        status = "ok" if good else f"FAILED ({len(bad)} tensors differ)"
+        rows.append(
+            (
+                target.index,
+                str(target.spec),
+                f"[{target.rank_offset}, {target.ranks.stop})",
+                moved,
+                sum(r.bytes_copied for r in mine),
+                f"{seconds:.3f}",
+                rate,
+                status,
+            )
+        )
+    table = format_table(rows, ("shard", "spec", "ranks", "bytes", "local bytes", "seconds", "GB/s", "status"))
+    details = [m for r in reports for m in r.mismatches][:20]
+    return table + ("\n" + "\n".join(details) if details else ""), ok
+
+
+def add_refit_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``shardcore refit`` on the main parser's subparsers."""
+    parser = subparsers.add_parser("refit", help="plan moving a model's weights from one shard to others (no torch)")
+    parser.add_argument("--world", type=int, help="total number of ranks")
+    parser.add_argument("--shards", help="e.g. 'tp=8,pp=4,dp=4,role=train+tp=8,role=decode', or @file.yaml")
+    parser.add_argument("--order", default=DEFAULT_ORDER, choices=[*Order, *ORDER_ALIASES])
+    parser.add_argument("--allow-idle", action="store_true", help="allow ranks after the last shard to stay idle")
+    parser.add_argument("--from", dest="src", type=int, metavar="I", help="source shard index (e.g. training)")
+    parser.add_argument("--to", dest="dst", metavar="J[,K...]", help="destination shard indices, comma separated")
+    parser.add_argument("--model", metavar="FILE|PRESET", help="manifest file (JSON/YAML) or a preset name")
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        metavar="K",
+        help="node = rank // K: prefer same-node sources and split traffic by node",
+    )
+    parser.add_argument("--rank", type=int, metavar="R", help="also print rank R's transfers")
+    parser.add_argument("--json", action="store_true", help="print the stats (and tensors) as JSON")
+    parser.add_argument("--transfers", action="store_true", help="with --json: include every transfer")
+    parser.add_argument("--list-models", action="store_true", help="print the preset model names, one a line")
+    parser.add_argument(
+        "--intra-gbps",
+        type=float,
+        default=DEFAULT_INTRA_GBPS,
+        help=f"intra-node bandwidth per rank for the estimate, GB/s (default {DEFAULT_INTRA_GBPS:g})",
+    )
+    parser.add_argument(
+        "--inter-gbps",
+        type=float,
+        default=DEFAULT_INTER_GBPS,
+        help=f"inter-node bandwidth per rank for the estimate, GB/s (default {DEFAULT_INTER_GBPS:g})",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="execute the plan on a live world of --nproc gloo processes (or under torchrun) and "
+        "compare every destination element; needs torch",
+    )
+    parser.add_argument("--nproc", type=int, default=8, help="with --check: local gloo processes to start")
+    parser.add_argument("--timeout", type=float, default=120.0, help="with --check: seconds before a peer is an error")
+    parser.add_argument("--bucket-bytes", type=int, help="with --check: bound on each pairwise send buffer")
+    parser.set_defaults(func=run)
+    return parser
+
+
+__all__ = ["add_refit_parser", "format_bytes", "rank_table", "run", "summary_table"]

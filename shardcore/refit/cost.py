@@ -1,0 +1,193 @@
+"""What a refit plan costs: bytes moved and copied, each rank's load, the lower bound, node traffic, time.
+
+The lower bound: every element is held by exactly one set H of source ranks (its replicas), and
+only they can send it. So some rank of H sends at least (bytes only H holds that must move) / |H|,
+counting an element once per destination rank that needs it and does not hold it already; the
+bound is the maximum of that over the distinct H.
+
+The time estimate assumes every rank sends and receives at once, intra-node traffic at
+``intra_gbps`` and inter-node traffic at ``inter_gbps`` (GB/s, 1e9 bytes), and no other contention:
+a rank's time is the larger of its send and receive time, the plan's the largest rank's.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from .planner import RefitPlan
+
+DEFAULT_INTRA_GBPS = 200.0
+"""Default intra-node bandwidth per rank and direction, GB/s (NVLink-class)."""
+DEFAULT_INTER_GBPS = 25.0
+"""Default inter-node bandwidth per rank and direction, GB/s (one 200 Gb/s NIC per GPU)."""
+
+Load = list[int]
+"""[sent intra-node, sent inter-node, received intra-node, received inter-node] bytes of one rank."""
+
+
+def _seconds(loads: dict[int, Load], intra_gbps: float, inter_gbps: float) -> float:
+    intra, inter = intra_gbps * 1e9, inter_gbps * 1e9
+    return max(
+        (
+            max(s_in / intra + s_out / inter, r_in / intra + r_out / inter)
+            for s_in, s_out, r_in, r_out in loads.values()
+        ),
+        default=0.0,
+    )
+
+
+@dataclass(frozen=True)
+class ShardCost:
+    """The traffic into one destination shard."""
+
+    index: int
+    spec: str
+    bytes: int
+    local_bytes: int
+    busiest_rank: int | None
+    busiest_bytes: int
+    loads: dict[int, Load]
+
+    def estimate_seconds(self, intra_gbps: float = DEFAULT_INTRA_GBPS, inter_gbps: float = DEFAULT_INTER_GBPS) -> float:
+        """Estimated time of this shard's transfers alone."""
+        return _seconds(self.loads, intra_gbps, inter_gbps)
+
+
+@dataclass(frozen=True)
+class RefitStats:
+    """The cost of a whole plan. Byte counts exclude local copies unless named ``local``.
+
+    Attributes:
+        model_bytes: Bytes of the model (each tensor once).
+        total_bytes: Bytes sent between ranks.
+        local_bytes: Bytes copied inside a rank.
+        transfers: Number of transfers, local copies included.
+        sent / received: Bytes per rank (ranks with none are absent).
+        busiest_sender: The rank sending most (None when nothing moves) and ``busiest_sent`` its bytes.
+        lower_bound: Bytes the busiest sender must send at least (see module doc).
+        intra_node_bytes / inter_node_bytes: Split by node when the plan has ``ranks_per_node``;
+            without it every byte counts as inter-node.
+        shards: Per destination shard.
+    """
+
+    model_bytes: int
+    total_bytes: int
+    local_bytes: int
+    transfers: int
+    sent: dict[int, int]
+    received: dict[int, int]
+    busiest_sender: int | None
+    busiest_sent: int
+    lower_bound: float
+    intra_node_bytes: int
+    inter_node_bytes: int
+    shards: tuple[ShardCost, ...]
+    loads: dict[int, Load]
+
+    @classmethod
+    def of(cls, plan: RefitPlan) -> RefitStats:
+        """Walk every tile of ``plan`` once and add up its pieces."""
+        per_node = plan.ranks_per_node
+        loads: dict[int, Load] = defaultdict(lambda: [0, 0, 0, 0])
+        shard_loads: list[dict[int, Load]] = [defaultdict(lambda: [0, 0, 0, 0]) for _ in plan.destinations]
+        shard_bytes = [0] * len(plan.destinations)
+        shard_local = [0] * len(plan.destinations)
+        must_move: dict[tuple[Any, ...], int] = defaultdict(int)
+        holder_count: dict[tuple[Any, ...], int] = {}
+        count = local = 0
+        for tile, pieces in plan.tiles():
+            row_bytes, rows = tile.row_bytes, tile.rows
+            remote = sum(1 for d in tile.needers.ranks if d not in tile.sources.members)
+            must_move[tile.sources.key] += remote * rows * row_bytes
+            holder_count[tile.sources.key] = len(tile.sources.ranks)
+            count += len(pieces)
+            into = shard_loads[tile.shard]
+            for src, dst, lo, hi in pieces:
+                size = (hi - lo) * row_bytes
+                if src == dst:
+                    local += size
+                    shard_local[tile.shard] += size
+                    continue
+                shard_bytes[tile.shard] += size
+                inter = 1 if per_node is None or src // per_node != dst // per_node else 0
+                for table in (loads, into):
+                    table[src][inter] += size
+                    table[dst][2 + inter] += size
+        sent = {rank: load[0] + load[1] for rank, load in sorted(loads.items()) if load[0] + load[1]}
+        received = {rank: load[2] + load[3] for rank, load in sorted(loads.items()) if load[2] + load[3]}
+        busiest = max(sent, key=lambda rank: (sent[rank], -rank), default=None)
+        shards = []
+        for index, (destination, table) in enumerate(zip(plan.destinations, shard_loads)):
+            volume = {rank: max(load[0] + load[1], load[2] + load[3]) for rank, load in table.items()}
+            top = max(volume, key=lambda rank: (volume[rank], -rank), default=None)
+            shards.append(
+                ShardCost(
+                    destination.index,
+                    str(destination.spec),
+                    shard_bytes[index],
+                    shard_local[index],
+                    top,
+                    volume.get(top, 0) if top is not None else 0,
+                    dict(table),
+                )
+            )
+        return cls(
+            model_bytes=plan.manifest.nbytes,
+            total_bytes=sum(sent.values()),
+            local_bytes=local,
+            transfers=count,
+            sent=sent,
+            received=received,
+            busiest_sender=busiest,
+            busiest_sent=sent.get(busiest, 0) if busiest is not None else 0,
+            lower_bound=max((must_move[key] / holder_count[key] for key in must_move), default=0.0),
+            intra_node_bytes=sum(load[0] for load in loads.values()),
+            inter_node_bytes=sum(load[1] for load in loads.values()),
+            shards=tuple(shards),
+            loads=dict(loads),
+        )
+
+    @property
+    def balance(self) -> float:
+        """Busiest sender's bytes over the lower bound (1.0 is optimal; 1.0 when nothing moves)."""
+        return self.busiest_sent / self.lower_bound if self.lower_bound else 1.0
+
+    def estimate_seconds(self, intra_gbps: float = DEFAULT_INTRA_GBPS, inter_gbps: float = DEFAULT_INTER_GBPS) -> float:
+        """Estimated time of the whole plan, all destination shards at once."""
+        return _seconds(self.loads, intra_gbps, inter_gbps)
+
+    def to_dict(self, intra_gbps: float = DEFAULT_INTRA_GBPS, inter_gbps: float = DEFAULT_INTER_GBPS) -> dict[str, Any]:
+        """JSON form, estimates at the given bandwidths."""
+        return {
+            "model_bytes": self.model_bytes,
+            "total_bytes": self.total_bytes,
+            "local_bytes": self.local_bytes,
+            "transfers": self.transfers,
+            "busiest_sender": self.busiest_sender,
+            "busiest_sent": self.busiest_sent,
+            "lower_bound": self.lower_bound,
+            "balance": self.balance,
+            "intra_node_bytes": self.intra_node_bytes,
+            "inter_node_bytes": self.inter_node_bytes,
+            "bandwidth_gbps": {"intra_node": intra_gbps, "inter_node": inter_gbps},
+            "estimate_seconds": self.estimate_seconds(intra_gbps, inter_gbps),
+            "sent": {str(rank): size for rank, size in self.sent.items()},
+            "received": {str(rank): size for rank, size in self.received.items()},
+            "shards": [
+                {
+                    "shard": shard.index,
+                    "spec": shard.spec,
+                    "bytes": shard.bytes,
+                    "local_bytes": shard.local_bytes,
+                    "busiest_rank": shard.busiest_rank,
+                    "busiest_bytes": shard.busiest_bytes,
+                    "estimate_seconds": shard.estimate_seconds(intra_gbps, inter_gbps),
+                }
+                for shard in self.shards
+            ],
+        }
+
+
+__all__ = ["DEFAULT_INTER_GBPS", "DEFAULT_INTRA_GBPS", "RefitStats", "ShardCost"]

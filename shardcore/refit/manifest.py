@@ -1,0 +1,422 @@
+"""A model manifest: every tensor's global shape, element size, and how it lies on a shard.
+
+No model is instantiated: a manifest is the few facts per tensor that, together with a
+``ShardPlan``, say which global box of it every rank holds (``shardcore.refit.placement``).
+The conventions are Megatron-Core's GPT ones (column-parallel weights split dim 0,
+row-parallel dim 1, SwiGLU's gate+up as two packed blocks, experts spread over ep).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from math import prod
+from pathlib import Path
+from typing import Any
+
+from ..errors import ManifestError
+
+ITEMSIZES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+"""Element size in bytes of each supported dtype, named as torch names it (``torch.bfloat16`` -> "bfloat16")."""
+
+STAGES = ("first", "last", "all")
+"""Pipeline placements that are not a decoder layer: the first stage, the last, or every stage."""
+
+
+def _int(value: object, what: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ManifestError(f"{what}={value!r}: expected an integer >= {minimum}")
+    return value
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of the model, in global coordinates.
+
+    Args:
+        name: The parameter name (Megatron's, with global layer and expert numbers).
+        shape: The global (unsharded) shape.
+        dtype: torch's dtype name, e.g. "bfloat16"; sets ``itemsize``.
+        tp_dim: The dim split over tp (expt_tp for an expert), or None when every tp rank holds it whole.
+        blocks: Sizes of the packed blocks along ``tp_dim`` (sum = ``shape[tp_dim]``); each block is
+            split over tp on its own and a tp rank holds its slices of all blocks, concatenated.
+            Defaults to one block.
+        unit: Each block is cut only at multiples of this many elements of ``tp_dim``, e.g. one
+            query group's rows of ``linear_qkv`` or one head's columns of ``linear_proj``.
+        layer: Global decoder layer index: the tensor sits on the pipeline stage of that layer.
+        stage: Otherwise, the stages holding it: ("first",), ("last",), ("first", "last") for a tied
+            embedding, or ("all",).
+        expert: Global expert index for an expert tensor (needs ``layer``): it lives on the expert
+            grid, owned by one ep rank, split over expt_tp and replicated over expt_dp.
+
+    Raises:
+        ManifestError: naming the tensor, for any inconsistent field.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "bfloat16"
+    tp_dim: int | None = None
+    blocks: tuple[int, ...] = ()
+    unit: int = 1
+    layer: int | None = None
+    stage: tuple[str, ...] = ()
+    expert: int | None = None
+    itemsize: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        name = self.name
+        if not isinstance(name, str) or not name:
+            raise ManifestError(f"tensor name {name!r}: expected a non-empty string")
+        if not isinstance(self.shape, Sequence) or isinstance(self.shape, str) or not self.shape:
+            raise ManifestError(f"tensor {name}: shape {self.shape!r} must be a non-empty list of positive integers")
+        shape = tuple(_int(size, f"tensor {name}: shape entry", 1) for size in self.shape)
+        object.__setattr__(self, "shape", shape)
+        if self.dtype not in ITEMSIZES:
+            raise ManifestError(f"tensor {name}: dtype {self.dtype!r} is not one of {', '.join(ITEMSIZES)}")
+        object.__setattr__(self, "itemsize", ITEMSIZES[self.dtype])
+        self._check_split(name, shape)
+        self._check_placement(name)
+
+    def _check_split(self, name: str, shape: tuple[int, ...]) -> None:
+        _int(self.unit, f"tensor {name}: unit", 1)
+        if self.tp_dim is None:
+            if self.blocks or self.unit != 1:
+                raise ManifestError(f"tensor {name}: blocks and unit need a tp_dim (the dim split over tp)")
+            return
+        tp_dim = _int(self.tp_dim, f"tensor {name}: tp_dim", 0)
+        if tp_dim >= len(shape):
+            raise ManifestError(f"tensor {name} {list(shape)}: tp_dim={tp_dim} is not a dim of a {len(shape)}-d tensor")
+        blocks = tuple(_int(b, f"tensor {name}: block size", 1) for b in self.blocks) or (shape[tp_dim],)
+        if sum(blocks) != shape[tp_dim]:
+            raise ManifestError(
+                f"tensor {name} {list(shape)}: blocks {list(blocks)} sum to {sum(blocks)}, "
+                f"not to dim {tp_dim}'s size {shape[tp_dim]}"
+            )
+        object.__setattr__(self, "blocks", blocks)
+
+    def _check_placement(self, name: str) -> None:
+        stage = (self.stage,) if isinstance(self.stage, str) else tuple(self.stage)
+        object.__setattr__(self, "stage", stage)
+        if (self.layer is None) == (not stage):
+            raise ManifestError(
+                f"tensor {name}: give exactly one of layer (a global decoder layer index) or stage "
+                f"(first, last, [first, last] for a tied embedding, or all)"
+            )
+        if self.layer is not None:
+            _int(self.layer, f"tensor {name}: layer", 0)
+        bad = [s for s in stage if s not in STAGES]
+        if bad or len(set(stage)) != len(stage) or ("all" in stage and len(stage) > 1):
+            raise ManifestError(f"tensor {name}: stage {list(stage)} must be first, last, [first, last] or all")
+        if self.expert is not None:
+            _int(self.expert, f"tensor {name}: expert", 0)
+            if self.layer is None:
+                raise ManifestError(f"tensor {name}: an expert tensor needs the layer it belongs to")
+
+    @property
+    def numel(self) -> int:
+        """Elements of the global tensor."""
+        return prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the global tensor."""
+        return self.numel * self.itemsize
+
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest-file form; fields left at their default are omitted."""
+        out: dict[str, Any] = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+        if self.tp_dim is not None:
+            out["tp_dim"] = self.tp_dim
+            if len(self.blocks) > 1:
+                out["blocks"] = list(self.blocks)
+            if self.unit != 1:
+                out["unit"] = self.unit
+        if self.layer is not None:
+            out["layer"] = self.layer
+        else:
+            out["stage"] = self.stage[0] if len(self.stage) == 1 else list(self.stage)
+        if self.expert is not None:
+            out["expert"] = self.expert
+        return out
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Every tensor of a model plus the model-wide facts its placement needs.
+
+    Args:
+        tensors: The tensors, in a fixed order (the plan's order).
+        layers: Number of decoder layers (every ``layer`` is below it).
+        first_stage_layers: Layers on the first pipeline stage (Megatron's
+            ``decoder_first_pipeline_num_layers``); None for the even split.
+        last_stage_layers: Layers on the last stage (``decoder_last_pipeline_num_layers``).
+        experts: Experts per MoE layer (every ``expert`` is below it); 0 for a dense model.
+        name: A label for tables.
+
+    Raises:
+        ManifestError: duplicate names, or a layer / expert index out of range.
+    """
+
+    tensors: tuple[TensorSpec, ...]
+    layers: int = 0
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+    experts: int = 0
+    name: str = "model"
+    _index: dict[str, int] = field(init=False, repr=False, compare=False)
+    _by_layer: dict[int, tuple[int, ...]] = field(init=False, repr=False, compare=False)
+    _by_expert: dict[tuple[int, int], tuple[int, ...]] = field(init=False, repr=False, compare=False)
+    _by_stage: dict[str, tuple[int, ...]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tensors", tuple(self.tensors))
+        _int(self.layers, "layers", 0)
+        _int(self.experts, "experts", 0)
+        for key in ("first_stage_layers", "last_stage_layers"):
+            if getattr(self, key) is not None:
+                _int(getattr(self, key), key, 0)
+        if not self.tensors:
+            raise ManifestError("the manifest has no tensors: list at least one")
+        index: dict[str, int] = {}
+        by_layer: dict[int, list[int]] = {}
+        by_expert: dict[tuple[int, int], list[int]] = {}
+        by_stage: dict[str, list[int]] = {s: [] for s in STAGES}
+        for position, tensor in enumerate(self.tensors):
+            if not isinstance(tensor, TensorSpec):
+                raise ManifestError(f"manifest entry {position} is a {type(tensor).__name__}, not a TensorSpec")
+            if tensor.name in index:
+                raise ManifestError(f"tensor {tensor.name} appears twice in the manifest: names must be unique")
+            index[tensor.name] = position
+            if tensor.layer is not None and tensor.layer >= self.layers:
+                raise ManifestError(
+                    f"tensor {tensor.name}: layer {tensor.layer} is outside the model's {self.layers} layers"
+                )
+            if tensor.expert is not None:
+                if tensor.expert >= self.experts:
+                    raise ManifestError(
+                        f"tensor {tensor.name}: expert {tensor.expert} is outside the model's {self.experts} experts"
+                    )
+                by_expert.setdefault((tensor.layer, tensor.expert), []).append(position)  # type: ignore[arg-type]
+            elif tensor.layer is not None:
+                by_layer.setdefault(tensor.layer, []).append(position)
+            for stage in tensor.stage:
+                by_stage[stage].append(position)
+        object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "_by_layer", {k: tuple(v) for k, v in by_layer.items()})
+        object.__setattr__(self, "_by_expert", {k: tuple(v) for k, v in by_expert.items()})
+        object.__setattr__(self, "_by_stage", {k: tuple(v) for k, v in by_stage.items()})
+
+    def __iter__(self) -> Iterator[TensorSpec]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def tensor(self, name: str) -> TensorSpec:
+        """The tensor called ``name``.
+
+        Raises:
+            ManifestError: no such tensor.
+        """
+        return self.tensors[self.index(name)]
+
+    def index(self, name: str) -> int:
+        """Position of tensor ``name`` in the manifest (the plan's tensor order)."""
+        try:
+            return self._index[name]
+        except KeyError:
+            raise ManifestError(f"no tensor named {name!r} in manifest {self.name!r}") from None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole model (each tensor once)."""
+        return sum(tensor.nbytes for tensor in self.tensors)
+
+    def stage_layers(self, pp: int) -> tuple[range, ...]:
+        """Each pipeline stage's global layer range under ``pp`` stages (see ``split_layers``)."""
+        return split_layers(self.layers, pp, self.first_stage_layers, self.last_stage_layers)
+
+    def on_stage(self, stage: int, pp: int, experts: range = range(0)) -> Iterator[int]:
+        """Positions of the tensors a stage holds: its layers' dense tensors, the experts in
+        ``experts`` of those layers, and the first/last/all-stage tensors; each once, ascending.
+
+        Costs what the stage holds, not the whole manifest.
+        """
+        placed = list(self._by_stage["all"])
+        if stage == 0:
+            placed += self._by_stage["first"]
+        if stage == pp - 1:
+            placed += self._by_stage["last"]
+        for layer in self.stage_layers(pp)[stage]:
+            placed += self._by_layer.get(layer, ())
+            for expert in experts:
+                placed += self._by_expert.get((layer, expert), ())
+        return iter(sorted(set(placed)))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest-file form (see README, "Refit"); ``manifest_from_dict`` inverts it."""
+        out: dict[str, Any] = {"name": self.name, "layers": self.layers}
+        for key in ("first_stage_layers", "last_stage_layers"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        if self.experts:
+            out["experts"] = self.experts
+        out["tensors"] = [tensor.to_dict() for tensor in self.tensors]
+        return out
+
+
+@lru_cache(maxsize=256)
+def split_layers(layers: int, pp: int, first: int | None = None, last: int | None = None) -> tuple[range, ...]:
+    """Megatron's pipeline split: the first and last stages take ``first`` / ``last`` layers when
+    given, the other stages an even share of the rest. With pp=1 every layer is on stage 0.
+
+    Raises:
+        ManifestError: the layers do not divide as asked, naming the counts and the fix.
+    """
+    if pp == 1:
+        return (range(layers),)
+    given = (first is not None) + (last is not None)
+    rest = layers - (first or 0) - (last or 0)
+    middle = pp - given
+    asked = f"{layers} layers over pp={pp}" + "".join(
+        f", {key}={value}"
+        for key, value in (("first_stage_layers", first), ("last_stage_layers", last))
+        if value is not None
+    )
+    if rest < 0 or (middle == 0 and rest) or (middle and rest % middle):
+        fix = (
+            "make the layer count divisible by pp or set first_stage_layers/last_stage_layers"
+            if not given
+            else f"choose first/last stage counts that leave a multiple of {middle} layers for the other stages"
+            if middle
+            else "with pp=2 the first and last stage counts must add up to the layers"
+        )
+        raise ManifestError(f"{asked} do not split evenly: {fix}")
+    share = rest // middle if middle else 0
+    counts = [share] * pp
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    stages, start = [], 0
+    for count in counts:
+        stages.append(range(start, start + count))
+        start += count
+    return tuple(stages)
+
+
+TENSOR_KEYS = ("name", "shape", "dtype", "tp_dim", "blocks", "unit", "layer", "stage", "expert")
+MANIFEST_KEYS = ("name", "layers", "first_stage_layers", "last_stage_layers", "experts", "dtype", "tensors", "config")
+
+
+def manifest_from_dict(data: Mapping[str, Any], source: str = "the manifest") -> Manifest:
+    """Build a manifest from its file form: a ``tensors`` list, or a ``config`` to generate one.
+
+    A top-level ``dtype`` is the default of tensors that give none.
+
+    Raises:
+        ManifestError: naming the bad key, tensor or value.
+    """
+    if not isinstance(data, Mapping):
+        raise ManifestError(f"{source} must be a mapping with 'tensors' (or 'config'); got {type(data).__name__}")
+    unknown = [key for key in data if key not in MANIFEST_KEYS]
+    if unknown:
+        raise ManifestError(f"{source}: unknown key {unknown[0]!r}; allowed keys are {', '.join(MANIFEST_KEYS)}")
+    if "config" in data:
+        from .models import TransformerConfig, manifest_from_config
+
+        if "tensors" in data:
+            raise ManifestError(f"{source}: give either 'tensors' or 'config', not both")
+        config = data["config"]
+        if not isinstance(config, Mapping):
+            raise ManifestError(f"{source}: 'config' must be a mapping of transformer sizes")
+        return manifest_from_config(TransformerConfig.from_dict(config), name=str(data.get("name", "model")))
+    entries = data.get("tensors")
+    if not isinstance(entries, list):
+        raise ManifestError(f"{source}: 'tensors' must be a list of tensor entries (name, shape, ...)")
+    default_dtype = data.get("dtype", "bfloat16")
+    tensors = []
+    for position, entry in enumerate(entries):
+        if not isinstance(entry, Mapping):
+            raise ManifestError(f"{source}: tensor entry {position} must be a mapping, got {entry!r}")
+        bad = [key for key in entry if key not in TENSOR_KEYS]
+        if bad:
+            raise ManifestError(
+                f"{source}: tensor {entry.get('name', position)!r} has unknown key {bad[0]!r}; "
+                f"allowed keys are {', '.join(TENSOR_KEYS)}"
+            )
+        if "name" not in entry or "shape" not in entry:
+            raise ManifestError(f"{source}: tensor entry {position} needs a name and a shape")
+        fields = {key: entry[key] for key in TENSOR_KEYS if key in entry}
+        fields.setdefault("dtype", default_dtype)
+        for key in ("shape", "blocks"):
+            if key in fields and isinstance(fields[key], list):
+                fields[key] = tuple(fields[key])
+        tensors.append(TensorSpec(**fields))
+    return Manifest(
+        tuple(tensors),
+        layers=data.get("layers", 0),
+        first_stage_layers=data.get("first_stage_layers"),
+        last_stage_layers=data.get("last_stage_layers"),
+        experts=data.get("experts", 0),
+        name=str(data.get("name", "model")),
+    )
+
+
+MAX_MANIFEST_BYTES = 64 << 20
+"""A manifest of a trillion-parameter MoE model is a few MB; more is not a manifest."""
+
+
+def load_manifest(source: str | Path) -> Manifest:
+    """Read a manifest from a JSON or YAML file (format in the README).
+
+    Args:
+        source: the file's path.
+
+    Raises:
+        ManifestError: unreadable file, bad document, or bad content; the message names it.
+    """
+    path = Path(source)
+    try:
+        with path.open("rb") as file:
+            raw = file.read(MAX_MANIFEST_BYTES + 1)
+        text = raw.decode("utf-8")
+    except (OSError, ValueError) as error:
+        raise ManifestError(f"cannot read manifest {str(path)!r}: {error}; give a JSON or YAML file") from None
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"manifest {str(path)!r} is over {MAX_MANIFEST_BYTES} bytes")
+    label = f"manifest {str(path)!r}"
+    try:
+        document = json.loads(text)
+    except RecursionError:
+        raise ManifestError(f"{label} is nested too deeply") from None
+    except ValueError as json_error:
+        try:
+            import yaml
+        except ImportError:
+            raise ManifestError(f"{label} is not valid JSON ({json_error}); for YAML install PyYAML") from None
+        try:
+            document = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+        except (yaml.YAMLError, RecursionError) as yaml_error:
+            detail = " ".join(str(yaml_error).split())
+            raise ManifestError(f"{label} is neither JSON nor YAML: {detail}") from None
+    return manifest_from_dict(document, label)
+
+
+__all__ = ["ITEMSIZES", "STAGES", "Manifest", "TensorSpec", "load_manifest", "manifest_from_dict", "split_layers"]

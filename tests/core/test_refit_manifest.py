@@ -1,0 +1,198 @@
+"""Refit manifests: Megatron-Core's GPT conventions on named tensors, file loading, presets, typed errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shardcore.errors import ManifestError, RefitError, ShardcoreError
+from shardcore.plan.layout import plan_layout
+from shardcore.refit import (
+    PRESETS,
+    Manifest,
+    TensorSpec,
+    TransformerConfig,
+    holdings,
+    load_manifest,
+    local_shape,
+    manifest_from_config,
+    plan_refit,
+    preset,
+)
+from shardcore.refit.manifest import manifest_from_dict, split_layers
+
+LLAMA = TransformerConfig(layers=4, hidden=64, ffn=96, heads=8, kv_heads=2, vocab=256)
+
+
+def test_megatron_split_dims_on_named_tensors() -> None:
+    manifest = manifest_from_config(LLAMA)
+    plan = plan_layout(2, "tp=2").shards[0]
+    # column-parallel: dim 0; row-parallel: dim 1; vocab-parallel embedding and output head: dim 0
+    assert holdings(manifest.tensor("decoder.layers.0.self_attention.linear_qkv.weight"), plan, 1, manifest) == (
+        (((48, 96), (0, 64)), (0, 0)),
+    )
+    assert holdings(manifest.tensor("decoder.layers.0.self_attention.linear_proj.weight"), plan, 1, manifest) == (
+        (((0, 64), (32, 64)), (0, 0)),
+    )
+    assert holdings(manifest.tensor("decoder.layers.0.mlp.linear_fc2.weight"), plan, 0, manifest)[0][0] == (
+        (0, 64),
+        (0, 48),
+    )
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        assert holdings(manifest.tensor(name), plan, 1, manifest) == ((((128, 256), (0, 64)), (0, 0)),)
+    # norms are replicated over tp
+    norm = manifest.tensor("decoder.layers.3.input_layernorm.weight")
+    assert [holdings(norm, plan, rank, manifest) for rank in (0, 1)] == [((((0, 64),), (0,)),)] * 2
+
+
+def test_swiglu_fc1_is_two_packed_blocks() -> None:
+    manifest = manifest_from_config(LLAMA)
+    fc1 = manifest.tensor("decoder.layers.1.mlp.linear_fc1.weight")
+    assert fc1.shape == (192, 64) and fc1.blocks == (96, 96)
+    plan = plan_layout(4, "tp=4").shards[0]
+    # tp rank 2 holds [gate_2; up_2]: rows 48:72 of the gate and 144:168 (the up block) in its 48 local rows
+    assert holdings(fc1, plan, 2, manifest) == (
+        (((48, 72), (0, 64)), (0, 0)),
+        (((144, 168), (0, 64)), (24, 0)),
+    )
+    assert local_shape(fc1, plan, 2, manifest) == (48, 64)
+
+
+def test_qkv_splits_by_whole_query_groups() -> None:
+    manifest = manifest_from_config(LLAMA)  # 2 query groups of (4 q + k + v) heads of 8
+    qkv = manifest.tensor("decoder.layers.0.self_attention.linear_qkv.weight")
+    assert qkv.shape == (96, 64) and qkv.unit == 48
+    layout = plan_layout(4, "tp=4")
+    with pytest.raises(ManifestError, match=r"linear_qkv.weight \[96, 64\].*48-element units over tp=4 of shard 0"):
+        plan_refit(layout, 0, 0, manifest)
+
+
+def test_pipeline_placement_embedding_first_head_last() -> None:
+    manifest = manifest_from_config(LLAMA)
+    plan = plan_layout(2, "tp=1,pp=2").shards[0]
+    assert local_shape(manifest.tensor("embedding.word_embeddings.weight"), plan, 0, manifest) == (256, 64)
+    assert local_shape(manifest.tensor("embedding.word_embeddings.weight"), plan, 1, manifest) is None
+    for name in ("output_layer.weight", "decoder.final_layernorm.weight", "decoder.layers.2.mlp.linear_fc2.weight"):
+        assert local_shape(manifest.tensor(name), plan, 0, manifest) is None
+        assert local_shape(manifest.tensor(name), plan, 1, manifest) is not None
+
+
+def test_tied_embeddings_sit_on_first_and_last_stage() -> None:
+    manifest = preset("tiny-dense")
+    assert "output_layer.weight" not in {t.name for t in manifest}
+    embedding = manifest.tensor("embedding.word_embeddings.weight")
+    plan = plan_layout(4, "tp=1,pp=4").shards[0]
+    assert [local_shape(embedding, plan, rank, manifest) is not None for rank in range(4)] == [True, False, False, True]
+
+
+def test_uneven_pipeline_split_follows_megatron() -> None:
+    assert split_layers(61, 16, 3, 2) == (range(3), *(range(3 + 4 * i, 7 + 4 * i) for i in range(14)), range(59, 61))
+    assert split_layers(10, 4, None, 1) == (range(3), range(3, 6), range(6, 9), range(9, 10))
+    assert split_layers(8, 1, 3, 3) == (range(8),)
+    with pytest.raises(ManifestError, match="61 layers over pp=16 do not split evenly"):
+        split_layers(61, 16)
+
+
+def test_experts_spread_over_ep_split_over_expt_tp_replicated_over_expt_dp() -> None:
+    manifest = preset("tiny-moe")  # 8 experts, layers 1-3 MoE
+    plan = plan_layout(8, "tp=2,dp=4,ep=4,expt_tp=1").shards[0]  # expt_dp = 2
+    fc1 = manifest.tensor("decoder.layers.2.mlp.experts.linear_fc1.weight5")
+    owners = [rank for rank in range(8) if local_shape(fc1, plan, rank, manifest) is not None]
+    assert len(owners) == 2  # ep rank 2 of 4 (experts 4-5), two expt_dp replicas
+    assert all(plan.expert_grid.coords(rank)["ep"] == 2 for rank in owners)
+    assert local_shape(fc1, plan, owners[0], manifest) == fc1.shape  # expt_tp=1: whole
+    shared = manifest.tensor("decoder.layers.2.mlp.shared_experts.linear_fc1.weight")
+    assert local_shape(shared, plan, 0, manifest) == (64, 128)  # split over tp like a dense MLP
+    router = manifest.tensor("decoder.layers.2.mlp.router.weight")
+    assert router.tp_dim is None and router.shape == (8, 128)
+    with pytest.raises(ManifestError, match="8 experts do not divide by ep=3"):
+        plan_refit(plan_layout(6, "tp=1,dp=6,ep=3"), 0, 0, manifest)
+
+
+def test_presets() -> None:
+    assert set(PRESETS) >= {"llama3-8b", "llama3-70b", "deepseek-v3", "tiny-dense", "tiny-moe"}
+    deepseek = preset("deepseek-v3")
+    assert deepseek.layers == 61 and deepseek.experts == 256
+    assert 1.3e12 < deepseek.nbytes < 1.4e12  # 671B parameters in bf16, without the MTP layer
+    assert 15e9 < preset("llama3-8b").nbytes < 17e9
+    assert 1e6 < preset("tiny-dense").nbytes < 10e6 and 1e6 < preset("tiny-moe").nbytes < 10e6
+    with pytest.raises(ManifestError, match="unknown model preset 'gpt5'"):
+        preset("gpt5")
+
+
+def test_json_and_yaml_round_trip(tmp_path: Path) -> None:
+    manifest = preset("tiny-moe")
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(manifest.to_dict()))
+    assert load_manifest(path) == manifest
+    yaml_text = """
+name: two
+layers: 1
+dtype: float32
+tensors:
+  - {name: emb, shape: [8, 4], tp_dim: 0, stage: [first, last]}
+  - {name: fc1, shape: [8, 4], tp_dim: 0, blocks: [4, 4], layer: 0, dtype: bfloat16}
+"""
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml_text)
+    loaded = load_manifest(path)
+    assert loaded.tensor("emb").stage == ("first", "last") and loaded.tensor("emb").itemsize == 4
+    assert loaded.tensor("fc1").blocks == (4, 4) and loaded.tensor("fc1").itemsize == 2
+    path.write_text(
+        json.dumps({"name": "cfg", "config": {"layers": 2, "hidden": 64, "ffn": 128, "heads": 4, "vocab": 128}})
+    )
+    assert len(load_manifest(path)) == 1 + 2 * 6 + 2
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"tensors": [{"name": "w", "shape": [4, 0], "stage": "all"}]}, "tensor w: shape entry=0"),
+        ({"tensors": [{"name": "w", "shape": [4], "tp_dim": 1, "stage": "all"}]}, r"tensor w \[4\]: tp_dim=1"),
+        ({"tensors": [{"name": "w", "shape": [8], "tp_dim": 0, "blocks": [4, 3], "stage": "all"}]}, "sum to 7"),
+        ({"tensors": [{"name": "w", "shape": [4]}]}, "tensor w: give exactly one of layer"),
+        ({"tensors": [{"name": "w", "shape": [4], "stage": "middle"}]}, r"stage \['middle'\]"),
+        ({"tensors": [{"name": "w", "shape": [4], "layer": 2}], "layers": 2}, "layer 2 is outside the model's 2"),
+        ({"tensors": [{"name": "w", "shape": [4], "layer": 0, "expert": 4}], "layers": 1, "experts": 4}, "expert 4"),
+        ({"tensors": [{"name": "w", "shape": [4], "stage": "all", "dtype": "float128"}]}, "dtype 'float128'"),
+        ({"tensors": [{"name": "w", "shape": [4], "stage": "all", "size": 3}]}, "unknown key 'size'"),
+        ({"tensors": [{"name": "w", "shape": [4], "stage": "all"}] * 2}, "tensor w appears twice"),
+        ({"tensorz": []}, "unknown key 'tensorz'"),
+        ({"config": {"layers": 2, "hidden": 64}}, "config is missing ffn, heads, vocab"),
+        ({"config": {"layers": 2, "hidden": 64, "ffn": 8, "heads": 3, "kv_heads": 2, "vocab": 8}}, "heads=3"),
+    ],
+)
+def test_bad_manifests_are_typed_errors(data: dict[str, object], message: str) -> None:
+    with pytest.raises(ManifestError, match=message) as raised:
+        manifest_from_dict(data)
+    assert isinstance(raised.value, (RefitError, ShardcoreError, ValueError))
+
+
+def test_bad_files(tmp_path: Path) -> None:
+    with pytest.raises(ManifestError, match="cannot read manifest"):
+        load_manifest(tmp_path / "missing.json")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tensors: [unclosed")
+    with pytest.raises(ManifestError, match="neither JSON nor YAML"):
+        load_manifest(bad)
+
+
+def test_bad_refit_requests() -> None:
+    manifest = Manifest((TensorSpec("w", (8,), stage=("all",)),))
+    layout = plan_layout(8, "tp=1,dp=4 + tp=1,dp=2 + tp=1,dp=2")
+    with pytest.raises(RefitError, match="destination shard 3"):
+        plan_refit(layout, 0, [1, 3], manifest)
+    with pytest.raises(RefitError, match="source shard -1"):
+        plan_refit(layout, -1, 1, manifest)
+    other = plan_layout(8, "tp=1,dp=8").shards[0]
+    with pytest.raises(RefitError, match="overlap"):
+        plan_refit(layout, 0, [1, other], manifest)
+    bigger = plan_layout(16, "tp=1,dp=16").shards[0]
+    with pytest.raises(RefitError, match="outside the world of 8"):
+        plan_refit(layout, 0, bigger, manifest)
+    with pytest.raises(RefitError, match="ranks_per_node=0"):
+        plan_refit(layout, 0, 1, manifest, 0)
+    with pytest.raises(RefitError, match="no destination"):
+        plan_refit(layout, 0, [], manifest)

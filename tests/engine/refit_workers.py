@@ -1,0 +1,119 @@
+"""Rank functions for the refit execution tests: many plans per spawned world (a world costs seconds)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict
+from typing import Any
+
+from shardcore.engine.refit import execute
+from shardcore.engine.refit_check import check_rank
+from shardcore.errors import ShardcoreError
+from shardcore.plan.layout import plan_layout
+from shardcore.refit.models import PRESET_CONFIGS, manifest_from_config, preset
+from shardcore.refit.planner import plan_refit
+
+# (label, model, source layout, source shard, destination layout or None (same), destination shards)
+CASES_8 = [
+    ("tp 8->2 collocated, dp replicas on the destination", "tiny-dense", "tp=8", 0, "tp=2,dp=4", [0]),
+    (
+        "tp 2->4, pp 2->1, dp replicas on the source, cp=2 on the destination",
+        "tiny-dense",
+        "tp=2,pp=2,dp=2",
+        0,
+        "tp=4,cp=2",
+        [0],
+    ),
+    ("pp 1->2, cp=2 on the source", "tiny-dense", "tp=2,cp=2,dp=2", 0, "tp=2,pp=2,cp=2", [0]),
+    ("tp 4->1 and tp 4->2 at once, disaggregated, one idle rank", "tiny-dense", "tp=4 + tp=1 + tp=2", 0, None, [1, 2]),
+    ("ep 4->2 and expt_tp 1->2, collocated", "tiny-moe", "tp=2,dp=4,ep=4", 0, "tp=4,dp=2,ep=2,expt_tp=2", [0]),
+    ("ep 2->8 with pp 2->1, collocated", "tiny-moe", "tp=2,pp=2,dp=2,ep=2", 0, "dp=8,ep=8", [0]),
+    ("bf16: training tp=2,pp=2 to two tp=2 shards", "bf16", "tp=2,pp=2,role=train + tp=2 + tp=2", 0, None, [1, 2]),
+]
+
+
+def _manifest(name: str) -> Any:
+    if name == "bf16":
+        config = PRESET_CONFIGS["tiny-dense"]
+        return manifest_from_config(type(config)(**{**config.__dict__, "dtype": "bfloat16"}), name="tiny-dense-bf16")
+    return preset(name)
+
+
+def _plan(world: int, case: tuple) -> Any:
+    _, model, src_spec, src, dst_spec, dst = case
+    layout = plan_layout(world, src_spec, allow_idle=True)
+    if dst_spec is None:
+        return plan_refit(layout, src, dst, _manifest(model))
+    other = plan_layout(world, dst_spec, allow_idle=True)
+    return plan_refit(layout, src, [other.shards[i] for i in dst], _manifest(model))
+
+
+def run_cases(rank: int, world: int, cases: list[tuple], bucket_bytes: int) -> list[dict[str, Any]]:
+    """Check every case on this world: per case, this rank's report as a dict."""
+    return [asdict(check_rank(_plan(world, case), rank, bucket_bytes=bucket_bytes, timeout=120)) for case in cases]
+
+
+def bad_inputs(rank: int, world: int) -> dict[str, str]:
+    """Wrong tensors on one rank: every rank gets the same typed error, naming tensor and shapes, before any byte."""
+    plan = plan_refit(plan_layout(world, "tp=2 + tp=2"), 0, [1], preset("tiny-dense"))
+    mine = plan.for_rank(rank)
+    import torch
+
+    def tensors(shapes: dict) -> dict:
+        return {name: torch.zeros(shape) for name, shape in shapes.items()}
+
+    out = {}
+    for label, culprit_change in (
+        ("shape", lambda s, d: s.update({"decoder.layers.0.mlp.linear_fc2.weight": torch.zeros(128, 512)})),
+        ("missing", lambda s, d: d.pop("decoder.layers.1.self_attention.linear_qkv.weight")),
+        ("dtype", lambda s, d: d.update({"decoder.final_layernorm.weight": torch.zeros(128, dtype=torch.float16)})),
+    ):
+        sources, destinations = tensors(mine.source_shapes), tensors(mine.destination_shapes)
+        if rank == (0 if label == "shape" else 3):
+            culprit_change(sources, destinations)
+        before = {name: t.clone() for name, t in destinations.items()}
+        try:
+            execute(plan, sources, destinations, timeout=30)
+            out[label] = "no error"
+        except ShardcoreError as error:
+            out[label] = f"{type(error).__name__}: {error}"
+        out[label + " untouched"] = str(all(torch.equal(before[n], destinations[n]) for n in destinations))
+    return out
+
+
+def killed_mid_transfer(rank: int, world: int, victim: int, timeout: float) -> tuple[str, str, tuple, float]:
+    """``victim`` (a destination rank) dies after its first received bucket; the others must name it in time."""
+    import torch.distributed as dist
+
+    plan = plan_refit(plan_layout(world, "tp=2 + tp=1 + tp=1"), 0, [1, 2], preset("tiny-dense"))
+    if rank == victim:
+        real, calls = dist.batch_isend_irecv, [0]
+
+        def dying(ops: list) -> list:
+            calls[0] += 1
+            if calls[0] == 3:
+                os._exit(17)
+            return real(ops)
+
+        dist.batch_isend_irecv = dying
+    started = time.monotonic()
+    try:
+        check_rank(plan, rank, bucket_bytes=64 << 10, timeout=timeout)
+    except ShardcoreError as error:
+        return type(error).__name__, str(error), getattr(error, "ranks", ()), time.monotonic() - started
+    return "ok", "", (), time.monotonic() - started
+
+
+def absent(rank: int, world: int, missing: int, timeout: float) -> tuple[str, str, tuple, float]:
+    """``missing`` never calls execute (it runs other code for longer than the timeout)."""
+    if rank == missing:
+        time.sleep(timeout + 3)
+        return "absent", "", (), 0.0
+    plan = plan_refit(plan_layout(world, "tp=2 + tp=2"), 0, [1], preset("tiny-dense"))
+    started = time.monotonic()
+    try:
+        check_rank(plan, rank, timeout=timeout)
+    except ShardcoreError as error:
+        return type(error).__name__, str(error), getattr(error, "ranks", ()), time.monotonic() - started
+    return "ok", "", (), time.monotonic() - started

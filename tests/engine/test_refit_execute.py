@@ -1,0 +1,68 @@
+"""Refit execution on live gloo worlds: every destination byte equals the source's, bitwise; bad inputs and
+dead or absent ranks end every rank within the timeout with a typed error naming the rank at fault."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+from shardcore.testing import run_world
+from tests.engine import refit_workers as workers
+
+TIMEOUT = 8.0
+MARGIN = 6.0  # store round trips, gloo teardown, a loaded 2-core machine
+
+
+@pytest.mark.parametrize("bucket_bytes", [1 << 16, 64 << 20])
+def test_eight_rank_cases_arrive_bitwise(bucket_bytes: int) -> None:
+    results = run_world(8, workers.run_cases, workers.CASES_8, bucket_bytes, timeout=600)
+    for index, case in enumerate(workers.CASES_8):
+        reports = [results[rank][index] for rank in range(8)]
+        assert not [m for r in reports for m in r["mismatches"]], case[0]
+        destination_ranks = [r for r in reports if r["shard"] is not None]
+        assert destination_ranks and all(r["checked"] for r in destination_ranks), case[0]
+        sent, received = sum(r["bytes_sent"] for r in reports), sum(r["bytes_received"] for r in reports)
+        assert sent == received, case[0]
+        if case[4] is None:  # disaggregated: nothing is local
+            assert sum(r["bytes_copied"] for r in reports) == 0 and received > 0, case[0]
+        else:
+            assert sum(r["bytes_copied"] for r in reports) > 0, case[0]
+
+
+def test_bad_inputs_are_one_typed_error_everywhere_before_any_byte() -> None:
+    results = run_world(4, workers.bad_inputs, timeout=300)
+    for rank, out in enumerate(results):
+        assert out["shape"].startswith("RefitInputError"), (rank, out["shape"])
+        assert (
+            "rank 0:" in out["shape"]
+            and "'decoder.layers.0.mlp.linear_fc2.weight' has shape [128, 512]" in out["shape"]
+            and "expected [128, 256]" in out["shape"]
+        )
+        assert "'decoder.layers.1.self_attention.linear_qkv.weight' is missing" in out["missing"]
+        assert "expected local shape [192, 128]" in out["missing"] and "rank 3:" in out["missing"]
+        assert "torch.float16, expected torch.float32" in out["dtype"]
+        assert all(out[f"{label} untouched"] == "True" for label in ("shape", "missing", "dtype")), out
+
+
+def _within(elapsed: float) -> None:
+    assert elapsed < TIMEOUT + MARGIN, f"took {elapsed:.1f}s, over the {TIMEOUT:g}s timeout + {MARGIN:g}s"
+
+
+def test_destination_rank_killed_mid_transfer_is_named_by_every_other_rank() -> None:
+    results = run_world(4, workers.killed_mid_transfer, 2, TIMEOUT, allow_failures=True, timeout=120)
+    assert results[2] == "died (exit code 17)"
+    for rank in (0, 1, 3):
+        kind, message, ranks, elapsed = results[rank]
+        assert kind == "RefitPeerError", (rank, results[rank])
+        assert ranks == (2,) and "2" in message, (rank, message)
+        _within(elapsed)
+
+
+def test_rank_that_never_calls_execute_is_named() -> None:
+    results = run_world(4, workers.absent, 1, TIMEOUT, allow_failures=True, timeout=120)
+    for rank in (0, 2, 3):
+        kind, message, ranks, elapsed = results[rank]
+        assert kind == "RefitPeerError" and ranks == (1,), (rank, results[rank])
+        assert "ranks [1] did not reach refit start" in message
+        _within(elapsed)
