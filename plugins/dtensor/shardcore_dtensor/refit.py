@@ -18,20 +18,9 @@ from math import prod
 from typing import Any, NamedTuple
 
 from shardcore.engine.refit import DEFAULT_BUCKET_BYTES, RefitInputError, TransferStats, execute
+from shardcore.refit.planner import Transfer
 
 Box = tuple[tuple[int, int], ...]
-
-
-class Transfer(NamedTuple):
-    """One dense box of one tensor from ``src`` to ``dst``, with its offsets in both local tensors."""
-
-    tensor: str
-    src: int
-    dst: int
-    box: Box
-    src_offset: tuple[int, ...]
-    dst_offset: tuple[int, ...]
-    bytes: int
 
 
 class TensorInfo(NamedTuple):
@@ -251,4 +240,4 @@ def refit(
         return execute(plan, sources, targets, timeout=timeout, bucket_bytes=bucket_bytes)
 
 
-__all__ = ["DTensorManifest", "DTensorRefitPlan", "TensorInfo", "Transfer", "local_box", "plan_from_holdings", "refit"]
+__all__ = ["DTensorManifest", "DTensorRefitPlan", "TensorInfo", "local_box", "plan_from_holdings", "refit"]
