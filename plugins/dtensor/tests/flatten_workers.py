@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
-from shardcore import GroupCreationError, ShardcoreError, build_shards
+from shardcore import ShardcoreError, build_shards
 from shardcore.engine.shards import destroy_shards, my_shard
 from shardcore.engine.torch_state import group_counter, live_group_count
 from shardcore_dtensor.backend import window_mesh
@@ -91,7 +91,7 @@ def windows(rank: int, world: int, spec: str, plan: dict[int, list[tuple[str, tu
     unflat = mesh["dp", "tp"]._flatten("dp_tp")._unflatten(0, (2, mine.size // 2), ("u_outer", "u_inner"))
     result["unflatten_inner"] = members(unflat["u_inner"])
     result["repeat_is_same"] = mesh["dp", "tp"]._flatten("dp_tp") is declared
-    result["counter_after"] = group_counter()
+    result["counters"] = _gathered(group_counter())
     # A world-collective group after the window-local ones still agrees on its name.
     world_group = dist.new_group(list(range(world)))
     result["world_sum"] = summed(world_group)
@@ -114,27 +114,27 @@ def windows(rank: int, world: int, spec: str, plan: dict[int, list[tuple[str, tu
     return result
 
 
-def unsafe(rank: int, world: int) -> dict[str, Any]:
-    """Flattening a window mesh that build_shards did not make refuses, naming the safe way."""
-    shards = build_shards(world, "tp=2 + tp=2", backend="dtensor", device_type="cpu", timeout=30)
+def refusals(rank: int, world: int) -> dict[str, Any]:
+    """A window mesh build_shards did not make refuses to create groups; a rank skipping a flatten is named."""
+    shards = build_shards(world, "tp=2 + tp=2", backend="dtensor", device_type="cpu", timeout=4)
     mine = my_shard(shards)
     assert mine is not None
     bare = window_mesh(mine.plan.decoder_grid, mine.groups, "cpu")
     result = {
         "bare_flatten": _error(lambda: bare["pp", "tp"]._flatten("pp_tp")),
         "bare_unflatten": _error(lambda: bare["tp"]._unflatten(0, (2, 1), ("a", "b"))),
-        "counter": group_counter(),
+        "not_member": _error(lambda: next(s for s in shards if not s.is_member).new_group([rank])),
+        "outside": _error(lambda: mine.new_group([0, 3])),
+        "unknown_dim": _error(lambda: mine.handle.flatten("dp", "nope")),
     }
+    result["skipped"] = "skipped" if rank == 3 else _error(lambda: mine.handle.flatten("pp", "tp", name="late"))
+    dist.barrier()
+    result["counters"] = _gathered(group_counter())
     destroy_shards(shards)
     return result
 
 
-def absent(rank: int, world: int) -> dict[str, Any]:
-    """Rank 3 skips a flatten its window makes: the window's other ranks raise, naming it."""
-    shards = build_shards(world, "tp=2 + tp=2", backend="dtensor", device_type="cpu", timeout=4)
-    mine = my_shard(shards)
-    assert mine is not None
-    outcome = "skipped" if rank == 3 else _error(lambda: mine.handle.flatten("pp", "tp", name="late"))
-    dist.barrier()
-    destroy_shards(shards)
-    return {"outcome": outcome, "error_type": GroupCreationError.__name__}
+def _gathered(value: int) -> list[int]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
