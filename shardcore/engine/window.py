@@ -121,16 +121,16 @@ class Window:
         Raises:
             GroupCreationError: as ``new_group``; also overlapping or empty rows.
         """
-        rows = [tuple(sorted(row)) for row in rows]
-        self._check(rows)
+        groups = [tuple(sorted(row)) for row in rows]
+        self._check(groups)
         wait = self.timeout if timeout is None else as_timedelta(timeout)
         check_local_strategy()
-        what = f"{group_desc or 'new_group'} {_rows_text(rows)}"
-        request = json.dumps({"rows": rows, "backend": str(backend), "desc": group_desc})
+        what = f"{group_desc or 'new_group'} {_rows_text(groups)}"
+        request = json.dumps({"rows": groups, "backend": str(backend), "desc": group_desc})
         self._sequence += 1
-        number = self._agree(what, request, len(rows), wait)
+        number = self._agree(what, request, len(groups), wait)
         rank = _dist().get_rank()
-        for index, row in enumerate(rows):
+        for index, row in enumerate(groups):
             if rank in row:
                 pg = _named_group(RESERVED + number + index, row, wait, backend, pg_options, group_desc)
                 self.created.append(pg)

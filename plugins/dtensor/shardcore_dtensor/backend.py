@@ -13,7 +13,7 @@ window-collective creation (see ``shardcore_dtensor.window_mesh``).
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -47,7 +47,7 @@ class DTensorShard:
         plan: ShardPlanLike,
         groups: Mapping[str, Any],
         device_type: str,
-        flatten: Mapping[str, Mapping[str, Sequence[str]]] | None = None,
+        flatten: Mapping[str, Mapping[str, tuple[str, ...]]] | None = None,
         window: Window | None = None,
     ) -> None:
         self.plan, self.groups, self.device_type = plan, dict(groups), device_type

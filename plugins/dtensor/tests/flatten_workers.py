@@ -69,7 +69,9 @@ def flatten_report(mine: Any, names_by_window: dict[int, list[tuple[str, tuple[s
 
 def windows(rank: int, world: int, spec: str, plan: dict[int, list[tuple[str, tuple[str, ...]]]]) -> dict[str, Any]:
     """Declared and undeclared flattens in every window, then world-collective creation, rebuilds and teardown."""
-    shards = build_shards(world, spec, backend="dtensor", device_type="cpu", timeout=60, flatten={"dp_tp": ("tp", "dp")})
+    shards = build_shards(
+        world, spec, backend="dtensor", device_type="cpu", timeout=60, flatten={"dp_tp": ("tp", "dp")}
+    )
     mine = my_shard(shards)
     assert mine is not None
     mesh = mine.handle.mesh

@@ -8,11 +8,14 @@ pytest.importorskip("torch")
 
 from plugins.dtensor.tests import flatten_workers as workers
 from shardcore import LayoutError, plan_layout
-from shardcore_dtensor import DTensorBackend
 from shardcore.testing import run_world
+from shardcore_dtensor import DTensorBackend
 
 TWO = "tp=2,dp=2 + tp=2,dp=2"
-TWO_PLAN = {0: [("dp_tp_late", ("dp", "tp")), ("w0_tp", ("tp",))], 1: [("dp_tp_late", ("dp", "tp")), ("w1_dp", ("dp",))]}
+TWO_PLAN = {
+    0: [("dp_tp_late", ("dp", "tp")), ("w0_tp", ("tp",))],
+    1: [("dp_tp_late", ("dp", "tp")), ("w1_dp", ("dp",))],
+}
 THREE = "tp=2,dp=2 + tp=2 + dp=2"
 THREE_PLAN = {
     0: [("same", ("dp", "tp")), ("w0", ("tp",))],
@@ -92,7 +95,7 @@ def test_unflatten_splits_the_flattened_window(two: list[dict]) -> None:
 
 def test_refusals_name_the_safe_way_and_the_absent_rank() -> None:
     results = run_world(4, workers.refusals, timeout=180)
-    for rank, result in enumerate(results):
+    for result in results:
         assert "was not made by build_shards" in result["bare_flatten"] and "flatten=" in result["bare_flatten"]
         assert result["bare_unflatten"].startswith("GroupCreationError")
         assert "not a member of shard" in result["not_member"]
