@@ -138,8 +138,9 @@ class Window:
         return None
 
     def close(self) -> None:
-        """Refuse later creations: the shard's groups were destroyed."""
+        """Refuse later creations and drop the destroyed groups (holding one keeps its sockets open)."""
         self.closed = True
+        self.created.clear()
         if _open.get((self.first, self.size)) is self:
             del _open[(self.first, self.size)]
 
