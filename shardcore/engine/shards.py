@@ -16,6 +16,7 @@ from .groups import Strategy, as_timedelta, check_local_strategy, create_groups,
 from .plugins import get_backend
 from .rendezvous import Agreement, next_phase, rendezvous, report_failure
 from .torch_state import group_counter
+from .window import Window, next_build, open_window
 
 log = logging.getLogger("shardcore")
 
@@ -36,12 +37,49 @@ class Shard:
     """Group name -> the global ranks of this rank's group, as planned."""
     handle: Any = None
     is_member: bool = False
+    window: Window | None = field(default=None, repr=False)
+    """On member ranks: creates the window's own groups after the build (see ``engine.window``)."""
     _created: list[Any] = field(default_factory=list, repr=False)
 
     @property
     def ranks(self) -> range:
         """The shard's global ranks."""
         return self.plan.ranks
+
+    def new_group(self, ranks: Sequence[int], **options: Any) -> Any:
+        """A group of this window's ranks, created by the window alone, safe beside other windows.
+
+        Use it instead of ``dist.new_group`` after the build: every rank of this shard's window
+        (not of the world) calls it, with the same ranks, in the same order.
+
+        Args:
+            ranks: global ranks inside the shard.
+            **options: ``timeout``, ``backend``, ``pg_options``, ``group_desc``.
+
+        Returns:
+            The ProcessGroup on its members, None on the window's other ranks.
+
+        Raises:
+            GroupCreationError: not a member rank, ranks outside the shard, or a window rank
+                absent or asking for something else within the timeout.
+        """
+        return self._window().new_group(ranks, **options)
+
+    def new_groups(self, rows: Sequence[Sequence[int]], **options: Any) -> Any:
+        """Disjoint groups of this window in one agreement (Megatron's enumerate-all pattern); this rank's one.
+
+        Raises:
+            GroupCreationError: as ``new_group``, or overlapping rows.
+        """
+        return self._window().new_groups(rows, **options)
+
+    def _window(self) -> Window:
+        if self.window is None:
+            raise GroupCreationError(
+                f"this rank is not a member of shard {self.index} (ranks {self.ranks.start}..{self.ranks.stop - 1}): "
+                f"only the shard's ranks create its groups (use my_shard(shards))"
+            )
+        return self.window
 
 
 def _require_world(total_world_size: int) -> tuple[int, int]:
@@ -128,6 +166,7 @@ def build_shards(
     if strategy == Strategy.LOCAL:
         check_local_strategy()
     fake = is_fake_world()
+    build = next_build()
     # Both phase names now, so a rank that fails in between stays in step with the others.
     agree, built = next_phase("agree"), next_phase("built")
     if fake:
@@ -148,6 +187,7 @@ def build_shards(
             shard = Shard(plan.index, plan.spec, plan.rank_offset, plan.size, plan, dict.fromkeys(GROUP_NAMES))
             if rank in plan:
                 shard.is_member, shard.group_ranks, shard._created = True, ranks_by_name, created
+                shard.window = open_window(plan.rank_offset, plan.size, build, wait, created)
                 shard.groups.update(process_groups)
                 shard.handle = chosen.make_handle(plan, rank, shard.groups, backend_options)
             result.append(shard)
@@ -196,6 +236,8 @@ def destroy_shards(shards: Sequence[Shard]) -> None:
     """
     for shard in shards:
         destroy_groups(shard._created)
+        if shard.window is not None:
+            shard.window.close()
         shard._created = []
         shard.groups = {name: None for name in shard.groups}
         shard.handle = None

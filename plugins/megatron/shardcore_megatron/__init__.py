@@ -6,6 +6,6 @@ builders in :mod:`shardcore_megatron.shards` import it only when they build.
 
 from __future__ import annotations
 
-from .backend import INSTALL_HINT, MegatronBackend, collection_fields, shardcore_register_backends
+from .backend import INSTALL_HINT, MegatronBackend, add_group, collection_fields, shardcore_register_backends
 
-__all__ = ["INSTALL_HINT", "MegatronBackend", "collection_fields", "shardcore_register_backends"]
+__all__ = ["INSTALL_HINT", "MegatronBackend", "add_group", "collection_fields", "shardcore_register_backends"]

@@ -7,13 +7,17 @@ import os
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardcore.engine.backend import Backend
 from shardcore.engine.hookspecs import hookimpl
 from shardcore.errors import BackendUnavailableError
+from shardcore.plan.grid import Dims
 from shardcore.plan.layout import GROUP_NAMES
 from shardcore.plan.protocols import ShardPlanLike
+
+if TYPE_CHECKING:
+    from shardcore.engine.shards import Shard
 
 INSTALL_HINT = "pip install megatron-core==0.16.1 einops"
 
@@ -77,6 +81,34 @@ class MegatronBackend(Backend):
 
     def make_handle(self, plan: ShardPlanLike, rank: int, groups: Mapping[str, Any], options: Mapping[str, Any]) -> Any:
         return make_collection(groups)
+
+
+def add_group(shard: Shard, name: str, dims: Dims, *, expert: bool = False, **options: Any) -> Any:
+    """Create, after the build, this rank's group along grid ``dims`` and set it on the collection as ``name``.
+
+    Megatron creates extra groups by enumerating a grid's groups on every rank of the world
+    (``HyperCommGrid.create_pg``); on a shard's window that is unsafe beside other windows
+    (see ``shardcore.engine.window``). Here only the shard's window takes part: every rank of
+    the window calls it, with the same arguments, in the same order.
+
+    Args:
+        shard: this rank's shard (``my_shard(shards)``) from ``build_shards(..., backend="megatron")``.
+        name: the attribute of ``shard.handle`` (a ProcessGroupCollection) that holds the group.
+        dims: decoder grid dims (tp, cp, dp, pp), or expert grid dims (expt_tp, ep, expt_dp, pp).
+        expert: take the dims from the expert grid.
+        **options: ``timeout``, ``backend``, ``pg_options`` (as for ``dist.new_group``).
+
+    Returns:
+        This rank's new ProcessGroup.
+
+    Raises:
+        LayoutError: an unknown dim.
+        GroupCreationError: not a member, or a window rank absent or asking for something else.
+    """
+    grid = shard.plan.expert_grid if expert else shard.plan.decoder_grid
+    group = shard.new_groups(list(grid.iter_groups(dims)), group_desc=name, **options)
+    setattr(shard.handle, name, group)
+    return group
 
 
 @hookimpl
