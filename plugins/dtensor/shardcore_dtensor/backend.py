@@ -75,6 +75,9 @@ class DTensorBackend(Backend):
         """The mesh device type: cuda, else a working Ascend NPU, else cpu."""
         return f"would use {device_type()}"
 
+    def load_framework(self) -> None:
+        import torch.distributed.device_mesh  # noqa: F401
+
     def make_handle(
         self, plan: ShardPlanLike, rank: int, groups: Mapping[str, Any], options: Mapping[str, Any]
     ) -> DTensorShard:
