@@ -315,10 +315,11 @@ def run_local(nproc: int, options: CheckOptions, on_event: OnEvent | None = None
         errors: dict[int, str] = {}
         silence, last_news, give_up = options.timeout + 60, time.monotonic(), None
         while len(reports) + len(errors) < nproc and (give_up is None or time.monotonic() < give_up):
+            ready: Any  # wait returns some of the readers it was given
             for ready in wait(list(readers), timeout=0.2):
                 rank = readers[ready]
                 try:
-                    message = ready.recv()  # type: ignore[union-attr]  # wait returns the readers given
+                    message = ready.recv()
                 except EOFError:  # the process ended; its exit code says how
                     del readers[ready]
                     if rank not in reports and rank not in errors:
