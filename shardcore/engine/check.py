@@ -92,13 +92,12 @@ def prepare(options: CheckOptions, world_size: int) -> Prepared:
     Raises:
         ShardcoreError: a subclass naming the bad timeout, strategy, backend, option or layout.
     """
-    from .groups import Strategy, as_timedelta
+    from .groups import as_timedelta, check_strategy_early
     from .plugins import BACKEND_ENV, get_backend
     from .shards import check_options
 
     as_timedelta(options.timeout)
-    if options.strategy not in set(Strategy):
-        raise GroupCreationError(f"strategy={options.strategy!r}: expected one of {', '.join(Strategy)}")
+    check_strategy_early(options.strategy)
     backend = get_backend(options.backend)
     source = "--backend" if options.backend else f"${BACKEND_ENV}" if os.environ.get(BACKEND_ENV) else "default"
     check_options(backend, options.backend_options)
@@ -203,14 +202,23 @@ def error_line(error: BaseException) -> str:
 _RANK_PREFIX = re.compile(r"^rank \d+: ")
 
 
+def rank_ranges(ranks: list[int]) -> str:
+    """Sorted ranks as runs: ``0-3, 6, 8-9``."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def distinct_errors(errors: dict[int, str]) -> list[str]:
     """Each distinct error once, prefixed by the ranks that hit it (a leading ``rank N:`` is not a difference)."""
-    from .rendezvous import listed
-
     by_text: dict[str, list[int]] = {}
     for rank, text in sorted(errors.items()):
         by_text.setdefault(_RANK_PREFIX.sub("", text), []).append(rank)
-    return [f"{'rank' if len(r) == 1 else 'ranks'} {listed(r)}: {text}" for text, r in by_text.items()]
+    return [f"{'rank' if len(r) == 1 else 'ranks'} {rank_ranges(r)}: {text}" for text, r in by_text.items()]
 
 
 # ----------------------------------------------------------------------------- local processes
@@ -294,7 +302,6 @@ def run_local(nproc: int, options: CheckOptions, on_event: OnEvent | None = None
     from multiprocessing.connection import wait
 
     from .ports import free_port
-    from .rendezvous import listed
 
     context = multiprocessing.get_context("spawn")
     port, started = free_port(), time.time()
@@ -339,7 +346,7 @@ def run_local(nproc: int, options: CheckOptions, on_event: OnEvent | None = None
             if time.monotonic() - last_news > silence:
                 out = [rank for rank in range(nproc) if rank not in reports and rank not in errors]
                 raise GroupCreationError(
-                    f"ranks {listed(out)} sent nothing for {silence:.0f}s (timeout {options.timeout:g}s + 60s)"
+                    f"ranks {rank_ranges(out)} sent nothing for {silence:.0f}s (timeout {options.timeout:g}s + 60s)"
                 )
         if errors:
             raise GroupCreationError("shardcore check failed:\n" + "\n".join(distinct_errors(errors)))
@@ -427,6 +434,7 @@ __all__ = [
     "error_line",
     "gather_reports",
     "prepare",
+    "rank_ranges",
     "run_joined",
     "run_local",
 ]

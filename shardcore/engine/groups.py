@@ -81,12 +81,20 @@ def init_barrier_enabled() -> bool:
         ) from None
 
 
-def world_collective_reason() -> str | None:
-    """Why torch makes every rank take part in each group creation here, or None when it does not."""
+def _environment_reason() -> str | None:
+    """Why torch's settings (not its default group) make every rank take part in each group creation."""
     if torchcomms_enabled():
         return "TorchComms is enabled (TORCH_DISTRIBUTED_USE_TORCHCOMMS=1): new_group splits the whole world"
     if init_barrier_enabled():
         return "TORCH_DIST_INIT_BARRIER=1 makes every group creation a world barrier"
+    return None
+
+
+def world_collective_reason() -> str | None:
+    """Why torch makes every rank take part in each group creation here, or None when it does not."""
+    reason = _environment_reason()
+    if reason is not None:
+        return reason
     device = bound_device()
     if device is not None:
         return (
@@ -94,6 +102,36 @@ def world_collective_reason() -> str | None:
             "communicators with every rank taking part"
         )
     return None
+
+
+def _parse(requested: str | Strategy) -> Strategy:
+    try:
+        return Strategy(requested)
+    except ValueError:
+        raise GroupCreationError(f"strategy={requested!r}: expected one of {', '.join(Strategy)}") from None
+
+
+def _refuse_local(reason: str) -> GroupCreationError:
+    return GroupCreationError(
+        f"strategy='local' cannot work here: {reason}, so members-only creation would hang; "
+        "use strategy='world' or 'auto' (the default), which picks 'world' here"
+    )
+
+
+def check_strategy_early(requested: str | Strategy) -> None:
+    """What can be decided before any process joins a world: the name, ``TORCH_DIST_INIT_BARRIER``'s
+    value, and an explicit ``local`` where torch's settings make it hang (``shardcore check`` calls
+    it before starting workers).
+
+    Raises:
+        GroupCreationError: as ``choose_strategy`` would on every rank.
+    """
+    if _parse(requested) == Strategy.LOCAL:
+        reason = _environment_reason()
+        if reason is not None:
+            raise _refuse_local(reason)
+    else:
+        init_barrier_enabled()
 
 
 def choose_strategy(requested: str | Strategy) -> tuple[Strategy, str]:
@@ -109,19 +147,13 @@ def choose_strategy(requested: str | Strategy) -> tuple[Strategy, str]:
         GroupCreationError: an unknown strategy, or ``local`` asked for explicitly in a world where
             members-only creation would hang (naming the reason and ``strategy='world'`` or ``'auto'``).
     """
-    try:
-        strategy = Strategy(requested)
-    except ValueError:
-        raise GroupCreationError(f"strategy={requested!r}: expected one of {', '.join(Strategy)}") from None
+    strategy = _parse(requested)
     if strategy == Strategy.WORLD:
         return strategy, "asked for: every rank creates every group"
     reason = world_collective_reason()
     if strategy == Strategy.LOCAL:
         if reason is not None:
-            raise GroupCreationError(
-                f"strategy='local' cannot work here: {reason}, so members-only creation would hang; "
-                "use strategy='world' or 'auto' (the default), which picks 'world' here"
-            )
+            raise _refuse_local(reason)
         return strategy, "asked for: members create their own groups"
     if reason is not None:
         return Strategy.WORLD, f"{reason}: every rank creates every group (Megatron's pattern)"
@@ -243,6 +275,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "Strategy",
     "as_timedelta",
+    "check_strategy_early",
     "choose_strategy",
     "create_groups",
     "destroy_groups",
