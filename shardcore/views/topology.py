@@ -192,7 +192,8 @@ class TopologyReport:
             f = same[0]
             names = " = ".join(g.name for g in same) + (" (one communicator)" if len(same) > 1 else "")
             lines.append(
-                f"  warning  shard {f.shard} {names}: {f.crossing} of {counted(f.total, 'group')} cross nodes, "
+                f"  warning  shard {f.shard} {names}: {f.crossing} of {counted(f.total, 'group')} "
+                f"{'crosses' if f.crossing == 1 else 'cross'} nodes, "
                 f"e.g. {f.describe_example()}"
             )
         for p in self.placements:
@@ -231,13 +232,20 @@ def _sharing_note(p: ShardPlacement, ranks_per_node: int) -> str:
 
 
 def _partition(f: GroupFinding) -> tuple[object, ...]:
-    """What fixes a name's groups on one shard: the window and each dim's (size, stride) that is
-    larger than 1. Names with equal keys have the same rank sets."""
+    """What fixes a name's groups on one shard: the window and the group's shape as (size, stride)
+    runs, adjacent dims merged (expt_tp=2 then ep=2 at stride 2 is one run of 4 at stride 1, like
+    tp=4). Names with equal keys have the same rank sets."""
     grid = f._grid
     if grid is None:
         return (f.name,)
-    steps = frozenset((grid.size_of(d), grid.stride_of(d)) for d in f._dims if grid.size_of(d) > 1)
-    return (grid.rank_offset, grid.size, steps)
+    runs: list[tuple[int, int]] = []
+    steps = [(grid.size_of(d), grid.stride_of(d)) for d in f._dims if grid.size_of(d) > 1]
+    for size, stride in sorted(steps, key=lambda step: step[1]):
+        if runs and runs[-1][0] * runs[-1][1] == stride:
+            runs[-1] = (runs[-1][0] * size, runs[-1][1])
+        else:
+            runs.append((size, stride))
+    return (grid.rank_offset, grid.size, tuple(runs))
 
 
 def check_ranks_per_node(ranks_per_node: object) -> int:
