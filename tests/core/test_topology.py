@@ -53,7 +53,9 @@ def test_shard_starting_mid_node_shares_nodes_and_its_tp_group_crosses() -> None
     text = report.format()
     assert "straddl" not in text
     assert "shard 0: ranks [0, 12) on nodes 0-1, shares node 1 with other ranks (ends at local rank 3)" in text
-    assert "shard 1: ranks [12, 20) on nodes 1-2, shares nodes 1 and 2 with other ranks (starts at local rank 4, " in text
+    assert (
+        "shard 1: ranks [12, 20) on nodes 1-2, shares nodes 1 and 2 with other ranks (starts at local rank 4, " in text
+    )
     assert "warning  shard 1 tp = expt_tp = tp_ep (one communicator): 1 of 1 group crosses nodes" in text
 
 
