@@ -31,9 +31,10 @@ from typing import Any
 from ..errors import GroupCreationError, ShardcoreError
 from ..plan.layout import DEFAULT_ORDER, Layout, plan_layout
 
-STAGES = ("joined", "imported", "built", "verified")
-"""Progress events a rank sends, in order: joined the world, imported the backend's framework,
-built its groups, verified them."""
+STAGES = ("started", "joined", "imported", "built", "verified")
+"""Progress events a rank sends, in order: its process runs (local mode only; importing torch
+follows, the slow part of a big local world), joined the world (every rank must arrive),
+imported the backend's framework, built its groups, verified them."""
 
 OnEvent = Callable[[str, int, float], None]
 """Progress callback: (stage, rank, seconds since the check started)."""
@@ -235,6 +236,7 @@ def _local_worker(rank: int, world: int, port: int, options: CheckOptions, conn:
         conn.send(message)
 
     try:
+        send("started", rank, time.time() - started)
         import torch.distributed as dist
 
         dist.init_process_group(

@@ -104,7 +104,14 @@ def test_local_mode(spec: str, world: int, flags: list[str]) -> None:
     argv = [sys.executable, "-m", "shardcore", "check", "--nproc", str(world), "--shards", spec, *flags]
     result = subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
     _assert_checked(result, spec, world, flags)
-    assert f"joined   {world}/{world}" in result.stderr and f"verified {world}/{world}" in result.stderr
+    progress = [line.split()[:2] for line in result.stderr.splitlines() if line.startswith("  ")]
+    assert [stage for stage, count in progress if count == f"{world}/{world}"] == [
+        "started",
+        "joined",
+        "imported",
+        "built",
+        "verified",
+    ]
     if "--strategy" not in flags:
         assert "strategy local: groups are created lazily here" in result.stdout
 
@@ -205,7 +212,7 @@ def test_ctrl_c_ends_quietly_with_no_stray_process() -> None:
             children = [int(pid) for pid in file.read().split()]
     assert len(children) >= 3, "the workers never started"
     process.send_signal(signal.SIGINT)
-    out, err = process.communicate(timeout=60)
+    _, err = process.communicate(timeout=60)
     assert process.returncode == 130, err
     assert err.rstrip().endswith("shardcore: interrupted") and "Traceback" not in err
     deadline = time.monotonic() + 10
