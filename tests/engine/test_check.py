@@ -225,3 +225,15 @@ def test_distinct_errors_group_ranks_and_ignore_the_rank_prefix() -> None:
     errors = {0: "rank 0: boom", 1: "rank 1: boom", 2: "other", 5: "rank 5: boom"}
     assert distinct_errors(errors) == ["ranks 0-1, 5: boom", "rank 2: other"]
     assert rank_ranges([0, 1, 2, 4, 6, 7]) == "0-2, 4, 6-7"
+
+
+def test_the_header_names_the_backend_actually_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardcore.cli.check import _header
+    from shardcore.engine.check import CheckOptions, prepare
+
+    monkeypatch.setenv("SHARDCORE_BACKEND", "toy")
+    options = CheckOptions(shards="tp=2")
+    prepared = prepare(options, 2)
+    assert (prepared.backend, prepared.backend_source) == ("toy", "$SHARDCORE_BACKEND")
+    assert "backend toy (from $SHARDCORE_BACKEND)" in _header(prepared, options, "1 local gloo process")
+    assert prepare(CheckOptions(shards="tp=2", backend="dtensor"), 2).backend_source == "--backend"
