@@ -4,24 +4,54 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 
+from .. import __version__
 from ..engine.groups import Strategy
 from ..errors import ShardcoreError
 from ..plan.layout import DEFAULT_ORDER, ORDER_ALIASES, Order, plan_layout
-from ..views.picture import DEFAULT_RANKS_PER_NODE, render_svg
+from ..views.picture import DEFAULT_RANKS_PER_NODE, draws_ranks, render_svg
 from ..views.tables import format_table, layout_table, rank_table, shown_groups
 from ..views.topology import TOPOLOGY_GROUPS, check_topology
 from .check import cmd_check
 from .refit import add_refit_parser
 
 
+def _number(kind: Callable[[str], float], minimum: float, what: str) -> Callable[[str], float]:
+    """An argparse type: ``kind`` parsed and at least ``minimum``; argparse names the flag in its error."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text} is not {what}")
+        return value
+
+    return parse
+
+
+POSITIVE_INT = _number(int, 1, "a positive integer")
+NON_NEGATIVE_INT = _number(int, 0, "a non-negative integer")
+POSITIVE_SECONDS = _number(float, 1e-9, "a positive number of seconds")
+
+ORDER_HELP = (
+    "how ranks map to coordinates, innermost first: tp-cp-dp-pp keeps each pipeline stage's ranks "
+    "contiguous (Megatron's default); tp-cp-pp-dp (alias tp-pp-dp) keeps each data-parallel replica "
+    "contiguous, Megatron's use_tp_pp_dp_mapping (default: %(default)s)"
+)
+
+
 def _add_layout_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shards", required=True, help="e.g. 'tp=4,pp=2,role=train+tp=2,dp=4,role=prefill', or @file.yaml"
     )
-    parser.add_argument("--order", default=DEFAULT_ORDER, choices=[*Order, *ORDER_ALIASES])
+    parser.add_argument("--order", default=DEFAULT_ORDER, choices=[*Order, *ORDER_ALIASES], help=ORDER_HELP)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -51,6 +81,12 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             print(f"shardcore: error: cannot write {args.svg!r}: {error}", file=sys.stderr)
             return 2
         print(f"wrote {args.svg}: {layout.world_size} ranks, nodes of {per_node}", file=sys.stderr)
+        if args.highlight and not draws_ranks(layout, per_node):
+            print(
+                f"note: --highlight {args.highlight} was not drawn: the picture shows one cell per node "
+                "at this size (use fewer ranks or larger nodes to see each rank)",
+                file=sys.stderr,
+            )
     failed = bool(args.strict and report is not None and report.warnings)
     if args.json:
         data = layout.to_dict()
@@ -98,18 +134,25 @@ def _cmd_backends(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    talk = common.add_mutually_exclusive_group()
+    talk.add_argument("-v", "--verbose", action="store_true", help="say more: every rank's progress, log lines")
+    talk.add_argument("-q", "--quiet", action="store_true", help="say less: no header or progress, results only")
     parser = argparse.ArgumentParser(prog="shardcore", description="Lay out heterogeneous parallel jobs.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    plan = sub.add_parser("plan", help="print the layout of shards over a world (no torch needed)")
-    plan.add_argument("--world", type=int, required=True, help="total number of ranks")
+    plan = sub.add_parser("plan", help="print the layout of shards over a world (no torch needed)", parents=[common])
+    plan.add_argument("--world", type=POSITIVE_INT, required=True, help="total number of ranks")
     _add_layout_args(plan)
-    plan.add_argument("--rank-offset", type=int, default=0, help="first rank of the first shard")
+    plan.add_argument(
+        "--rank-offset", type=NON_NEGATIVE_INT, default=0, help="first rank of the first shard (default: %(default)s)"
+    )
     plan.add_argument("--allow-idle", action="store_true", help="allow ranks after the last shard to stay idle")
     plan.add_argument("--rank", type=int, help="also show this rank's groups")
     plan.add_argument("--json", action="store_true", help="print the full layout as JSON")
     plan.add_argument(
         "--ranks-per-node",
-        type=int,
+        type=POSITIVE_INT,
         metavar="K",
         help="check which groups cross a node of K ranks (node = rank // K) and print the findings",
     )
@@ -131,28 +174,80 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"with --svg: outline every group of this name ({', '.join(TOPOLOGY_GROUPS)})",
     )
     plan.set_defaults(func=_cmd_plan)
-    check = sub.add_parser("check", help="build the layout on a live world and verify every group with a collective")
-    check.add_argument("--nproc", type=int, default=8, help="local gloo processes to start (ignored under torchrun)")
+    check = sub.add_parser(
+        "check",
+        help="build the layout on a live world and verify every group with a collective",
+        description="Build the layout on a live world and verify every group with a collective. Alone it "
+        "starts --nproc local gloo processes; under torchrun (RANK and WORLD_SIZE set) it joins torchrun's "
+        "world, one rank per process, on each process's LOCAL_RANK device.",
+        parents=[common],
+    )
+    check.add_argument(
+        "--nproc",
+        type=POSITIVE_INT,
+        default=8,
+        help="local gloo processes to start; ignored under torchrun (default: %(default)s)",
+    )
     _add_layout_args(check)
     check.add_argument("--backend", help="backend name (default: $SHARDCORE_BACKEND, else dtensor)")
-    check.add_argument("--strategy", default=Strategy.LOCAL, choices=list(Strategy))
+    check.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a backend option, repeatable; VALUE is read as JSON when it parses (2, true, [1,2]), else as text",
+    )
+    check.add_argument(
+        "--strategy",
+        default=Strategy.AUTO,
+        choices=list(Strategy),
+        help="who creates each group: local = its members only (a rank's cost is its own groups); world = "
+        "every rank creates every group (Megatron's pattern); auto = world where torch creates groups with "
+        "every rank (a device-bound default group, TORCH_DIST_INIT_BARRIER=1, TorchComms), else local "
+        "(default: %(default)s)",
+    )
     check.add_argument("--allow-idle", action="store_true", help="allow ranks after the last shard to stay idle")
-    check.add_argument("--timeout", type=float, default=120.0, help="seconds before a stuck group is an error")
+    check.add_argument(
+        "--timeout",
+        type=POSITIVE_SECONDS,
+        default=120.0,
+        help="seconds a rank waits for the others before naming them in an error (default: %(default)s)",
+    )
     check.set_defaults(func=cmd_check)
     add_refit_parser(sub)
-    backends = sub.add_parser("backends", help="list installed backends and whether they work here")
+    backends = sub.add_parser("backends", help="list installed backends and whether they work here", parents=[common])
     backends.set_defaults(func=_cmd_backends)
     return parser
 
 
+def _quiet_broken_pipe() -> int:
+    """``shardcore plan ... | head``: the reader left; end without a traceback, as cat does."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``shardcore`` command; returns the exit status (2: bad input, 130: interrupted)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    logging.basicConfig(format="%(message)s", level=logging.INFO if args.verbose else logging.WARNING)
     try:
         return int(args.func(args))
     except ShardcoreError as error:
         print(f"shardcore: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("shardcore: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
+    except Exception as error:  # never a traceback for a user; -v shows it
+        if args.verbose:
+            traceback.print_exc()
+        hint = "" if args.verbose else " (run with -v for the traceback)"
+        print(f"shardcore: error: {type(error).__name__}: {error}{hint}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -126,16 +126,16 @@ def _check(args: argparse.Namespace) -> int:
     from ..engine import refit_check
 
     joined = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    options: dict[str, Any] = {
-        "model": args.model,
-        "shards": args.shards,
-        "order": args.order,
-        "src": args.src,
-        "dst": _shard_indices(args.dst),
-        "ranks_per_node": args.ranks_per_node,
-        "timeout": args.timeout,
-        "bucket_bytes": args.bucket_bytes,
-    }
+    options = refit_check.RefitCheckOptions(
+        model=args.model,
+        shards=args.shards,
+        src=args.src,
+        dst=tuple(_shard_indices(args.dst)),
+        order=args.order,
+        ranks_per_node=args.ranks_per_node,
+        timeout=args.timeout,
+        bucket_bytes=args.bucket_bytes,
+    )
     world = int(os.environ["WORLD_SIZE"]) if joined else args.nproc
     plan = refit_check.plan_from_options(options, world)  # bad input fails here, before any process starts
     reports = refit_check.run_joined(options) if joined else refit_check.run_local(world, options)

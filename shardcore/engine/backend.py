@@ -43,6 +43,14 @@ class Backend(Protocol):
         """Which device and collective library this backend would use here, and why (for listings)."""
         return None
 
+    def load_framework(self) -> None:
+        """Import the framework the handle needs (e.g. megatron.core), ahead of building.
+
+        ``shardcore check`` calls it before ``build_shards`` and reports its time apart, so a
+        framework that takes seconds to import is not counted as group creation.
+        """
+        return None
+
     def validate(self, layout: Layout, options: Mapping[str, Any]) -> None:
         """Reject layouts or option values this backend cannot serve, before any group is created.
 

@@ -1,27 +1,95 @@
-"""The live side of ``shardcore check``: build a layout on a world, verify every group with a collective."""
+"""The live side of ``shardcore check``: build a layout on a world, verify every group with a collective.
+
+The world comes from ``shardcore.engine.launch``: N local gloo processes, or the world
+torchrun set up.
+
+``prepare`` checks in the calling process what can be checked before any worker starts:
+the timeout, the strategy, the backend (name, availability, options) and the layout against
+the backend.
+"""
 
 from __future__ import annotations
 
 import os
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import GroupCreationError
-from ..plan.layout import DEFAULT_ORDER
+from ..plan.layout import DEFAULT_ORDER, Layout, plan_layout
+from .launch import OnEvent, collective_device, run_joined_job, run_local_job
+
+STAGES = ("started", "joined", "imported", "built", "verified")
+"""Progress events a rank sends, in order: its process runs (local mode only; importing torch
+follows, the slow part of a big local world), joined the world (every rank must arrive),
+imported the backend's framework, built its groups, verified them."""
+
+
+@dataclass(frozen=True)
+class CheckOptions:
+    """What ``shardcore check`` builds: the arguments of ``build_shards``, picklable for workers."""
+
+    shards: str
+    backend: str | None = None
+    order: str = DEFAULT_ORDER
+    allow_idle: bool = False
+    strategy: str = "auto"
+    timeout: float = 120.0
+    """Seconds a rank waits for the others (joining, agreeing, creating a group)."""
+    backend_options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What the parent learned before starting anything: the layout and the backend actually used."""
+
+    layout: Layout
+    backend: str
+    backend_source: str
+    """Where the name came from: ``--backend``, ``$SHARDCORE_BACKEND`` or ``default``."""
 
 
 @dataclass
 class RankReport:
-    """What one rank saw: its shard, how many groups it verified, and anything wrong."""
+    """What one rank saw: its shard, how many groups it verified, its times, and anything wrong."""
 
     rank: int
     shard: int | None
     verified: int = 0
+    import_seconds: float = 0.0
+    """Importing the backend's framework (``Backend.load_framework``), apart from group creation."""
     build_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    strategy: str = ""
+    """The strategy ``auto`` resolved to on this rank, and why."""
     failures: list[str] = field(default_factory=list)
+
+
+def prepare(options: CheckOptions, world_size: int) -> Prepared:
+    """Check everything that needs no other process, before any worker starts.
+
+    Args:
+        options: the check's arguments.
+        world_size: ranks in the world to be checked.
+
+    Returns:
+        The planned layout and the backend's name and where it came from.
+
+    Raises:
+        ShardcoreError: a subclass naming the bad timeout, strategy, backend, option or layout.
+    """
+    from .groups import as_timedelta, check_strategy_early
+    from .plugins import BACKEND_ENV, get_backend
+    from .shards import check_options
+
+    as_timedelta(options.timeout)
+    check_strategy_early(options.strategy)
+    backend = get_backend(options.backend)
+    source = "--backend" if options.backend else f"${BACKEND_ENV}" if os.environ.get(BACKEND_ENV) else "default"
+    check_options(backend, options.backend_options)
+    layout = plan_layout(world_size, options.shards, order=options.order, allow_idle=options.allow_idle)
+    backend.validate(layout, options.backend_options)
+    return Prepared(layout, backend.name, source)
 
 
 def _verify(shard: Any, rank: int, device: str) -> tuple[int, list[str]]:
@@ -46,107 +114,70 @@ def _verify(shard: Any, rank: int, device: str) -> tuple[int, list[str]]:
     return verified, failures
 
 
-def check_rank(options: dict[str, Any]) -> RankReport:
-    """Run on one rank of an initialised world: build, verify, destroy, sync."""
+def check_rank(options: CheckOptions, on_stage: Callable[[str], None] = lambda stage: None) -> RankReport:
+    """Run on one rank of an initialised world: import the framework, build, verify, destroy, sync.
+
+    Args:
+        options: the check's arguments, the same on every rank.
+        on_stage: called with ``imported``, ``built`` and ``verified`` as each is done.
+
+    Returns:
+        This rank's report.
+    """
     import torch.distributed as dist
 
-    from .device import device_type
+    from .groups import choose_strategy
+    from .plugins import get_backend
     from .shards import build_shards, destroy_shards, my_shard
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = "cpu" if str(dist.get_backend()) == "gloo" else device_type()
+    backend = get_backend(options.backend)
     started = time.perf_counter()
+    load = getattr(backend, "load_framework", None)
+    if callable(load):
+        load()
+    imported = time.perf_counter()
+    on_stage("imported")
+    strategy, why = choose_strategy(options.strategy)
     shards = build_shards(
         world,
-        options["shards"],
-        backend=options.get("backend"),
-        order=options.get("order", DEFAULT_ORDER),
-        allow_idle=options.get("allow_idle", False),
-        strategy=options.get("strategy", "local"),
-        timeout=options.get("timeout"),
+        options.shards,
+        backend=options.backend,
+        order=options.order,
+        allow_idle=options.allow_idle,
+        strategy=options.strategy,
+        timeout=options.timeout,
+        **options.backend_options,
     )
+    built = time.perf_counter()
+    on_stage("built")
     mine = my_shard(shards)
-    report = RankReport(rank, None if mine is None else mine.index, build_seconds=time.perf_counter() - started)
+    report = RankReport(
+        rank,
+        None if mine is None else mine.index,
+        import_seconds=imported - started,
+        build_seconds=built - imported,
+        strategy=f"{strategy}: {why}",
+    )
     try:
         if mine is not None:
-            report.verified, report.failures = _verify(mine, rank, device)
+            report.verified, report.failures = _verify(mine, rank, collective_device())
     finally:
         destroy_shards(shards)
     dist.barrier()
+    report.verify_seconds = time.perf_counter() - built
+    on_stage("verified")
     return report
 
 
-def _init_from_env() -> None:
-    import torch
-    import torch.distributed as dist
-
-    from .device import comm_backend, device_type
-
-    device = device_type()
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    elif device == "npu":
-        torch.npu.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # type: ignore[attr-defined]  # registered by torch_npu
-    dist.init_process_group(backend=os.environ.get("SHARDCORE_COMM_BACKEND") or comm_backend(device))
+def run_local(nproc: int, options: CheckOptions, on_event: OnEvent | None = None) -> list[RankReport]:
+    """The check on ``nproc`` local gloo processes (see ``launch.run_local_job``), reports in rank order."""
+    return run_local_job(nproc, check_rank, options, options.timeout, on_event)
 
 
-def local_worker(options: dict[str, Any]) -> dict[str, Any]:
-    """Entry point of each process started by the local launcher (gloo on CPU)."""
-    import torch.distributed as dist
-
-    dist.init_process_group(backend="gloo")
-    try:
-        return asdict(check_rank(options))
-    finally:
-        dist.destroy_process_group()
+def run_joined(options: CheckOptions, on_event: OnEvent | None = None) -> list[RankReport] | None:
+    """The check on the world torchrun set up; rank 0 gets every report, the others None."""
+    return run_joined_job(check_rank, options, on_event)
 
 
-def _failure_text(message: Any) -> str:
-    """The error line of a worker's failure record (a dict with 'message', or plain text)."""
-    return str(message.get("message", message)) if isinstance(message, dict) else str(message)
-
-
-def run_local(nproc: int, options: dict[str, Any], worker: Callable[[dict[str, Any]], Any] = local_worker) -> list[Any]:
-    """Start ``nproc`` local gloo processes with torch's elastic launcher running ``worker`` (by default,
-    the group check), and collect their reports (``RankReport``s for the group check, else what ``worker`` returned)."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from .ports import free_port
-
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=f"shardcore-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="spawn",
-    )
-    try:
-        results = elastic_launch(config, worker)(options)
-    except ChildFailedError as error:
-        messages = [f"rank {r}: {_failure_text(failure.message)}" for r, failure in sorted(error.failures.items())]
-        raise GroupCreationError("shardcore check failed:\n" + "\n".join(messages)) from None
-    if worker is not local_worker:
-        return [results[rank] for rank in sorted(results)]
-    return [RankReport(**results[rank]) for rank in sorted(results)]
-
-
-def run_joined(options: dict[str, Any]) -> list[RankReport] | None:
-    """Join the world torchrun set up (RANK, WORLD_SIZE); rank 0 gets every report, others None."""
-    import torch.distributed as dist
-
-    _init_from_env()
-    try:
-        report = asdict(check_rank(options))
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, report)
-        return [RankReport(**r) for r in gathered] if dist.get_rank() == 0 else None
-    finally:
-        dist.destroy_process_group()
-
-
-__all__ = ["RankReport", "check_rank", "local_worker", "run_joined", "run_local"]
+__all__ = ["STAGES", "CheckOptions", "Prepared", "RankReport", "check_rank", "prepare", "run_joined", "run_local"]

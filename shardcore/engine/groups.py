@@ -3,9 +3,13 @@
 Each distinct rank set is created once per process, in one global order (name slot,
 then first rank), so no two ranks wait on each other in a cycle. Two strategies:
 
-* ``local`` (default): only members call ``new_group``; a rank's cost is its own groups.
+* ``local``: only members call ``new_group``; a rank's cost is its own groups.
 * ``world``: every rank calls ``new_group`` for every group of every shard, Megatron's
   pattern: O(world) calls per rank.
+
+``auto`` (the default) picks one for the world it finds (``choose_strategy``): ``world``
+where torch makes every group creation world-collective (a device-bound default group,
+``TORCH_DIST_INIT_BARRIER=1``, TorchComms), else ``local``.
 
 Why ``local`` does not use ``use_local_synchronization=True``: torch names such a group
 ``sha1(ranks, number of live groups)``, and destroying groups lowers that number, so a
@@ -34,7 +38,7 @@ from ..errors import GroupCreationError
 from ..plan.layout import GROUP_NAMES, Layout, RankGroups, ShardPlan, distinct_groups
 from .backend import NamedGrids
 from .rendezvous import listed
-from .torch_state import bound_device, default_store, group_counter, set_group_counter
+from .torch_state import bound_device, default_store, group_counter, set_group_counter, torchcomms_enabled
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -43,6 +47,8 @@ if TYPE_CHECKING:
 class Strategy(StrEnum):
     """Who calls ``new_group`` for a group: its members only, or every rank of the world."""
 
+    AUTO = "auto"
+    """Choose for the world found: ``world`` where torch creates groups with every rank, else ``local``."""
     LOCAL = "local"
     WORLD = "world"
 
@@ -56,23 +62,102 @@ def _dist() -> Any:
     return dist
 
 
-def check_local_strategy() -> None:
-    """Members-only creation deadlocks where torch makes every rank take part; refuse it upfront.
+def init_barrier_enabled() -> bool:
+    """Whether torch adds a world barrier to every group creation: ``int($TORCH_DIST_INIT_BARRIER) == 1``.
+
+    torch 2.13 reads the variable as ``int(os.getenv("TORCH_DIST_INIT_BARRIER", "0")) == 1``,
+    so ``" 1"`` and ``"01"`` turn the barrier on and ``"true"`` or ``"2"`` do not.
 
     Raises:
-        GroupCreationError: TORCH_DIST_INIT_BARRIER=1, or a device-bound default group.
+        GroupCreationError: the value is not an integer (torch's own ``new_group`` would fail on it).
     """
-    if os.environ.get("TORCH_DIST_INIT_BARRIER") == "1":
+    value = os.environ.get("TORCH_DIST_INIT_BARRIER", "0")
+    try:
+        return int(value) == 1
+    except ValueError:
         raise GroupCreationError(
-            "TORCH_DIST_INIT_BARRIER=1 makes every group creation a world barrier, so members-only creation "
-            "would hang: unset it or use strategy='world'"
+            f"TORCH_DIST_INIT_BARRIER={value!r}: torch reads it as an integer (1 turns on a barrier after every "
+            "group creation, 0 or unset turns it off): set it to 0 or 1"
+        ) from None
+
+
+def _environment_reason() -> str | None:
+    """Why torch's settings (not its default group) make every rank take part in each group creation."""
+    if torchcomms_enabled():
+        return "TorchComms is enabled (TORCH_DISTRIBUTED_USE_TORCHCOMMS=1): new_group splits the whole world"
+    if init_barrier_enabled():
+        return "TORCH_DIST_INIT_BARRIER=1 makes every group creation a world barrier"
+    return None
+
+
+def world_collective_reason() -> str | None:
+    """Why torch makes every rank take part in each group creation here, or None when it does not."""
+    reason = _environment_reason()
+    if reason is not None:
+        return reason
+    device = bound_device()
+    if device is not None:
+        return (
+            f"the default group is bound to {device} (init_process_group(device_id=...)), so torch splits "
+            "communicators with every rank taking part"
         )
-    if bound_device() is not None:
-        raise GroupCreationError(
-            "the default group is bound to a device (init_process_group(device_id=...)), so torch splits "
-            "communicators with every rank taking part and members-only creation would hang: "
-            "init without device_id or use strategy='world'"
-        )
+    return None
+
+
+def _parse(requested: str | Strategy) -> Strategy:
+    try:
+        return Strategy(requested)
+    except ValueError:
+        raise GroupCreationError(f"strategy={requested!r}: expected one of {', '.join(Strategy)}") from None
+
+
+def _refuse_local(reason: str) -> GroupCreationError:
+    return GroupCreationError(
+        f"strategy='local' cannot work here: {reason}, so members-only creation would hang; "
+        "use strategy='world' or 'auto' (the default), which picks 'world' here"
+    )
+
+
+def check_strategy_early(requested: str | Strategy) -> None:
+    """What can be decided before any process joins a world: the name, ``TORCH_DIST_INIT_BARRIER``'s
+    value, and an explicit ``local`` where torch's settings make it hang (``shardcore check`` calls
+    it before starting workers).
+
+    Raises:
+        GroupCreationError: as ``choose_strategy`` would on every rank.
+    """
+    if _parse(requested) == Strategy.LOCAL:
+        reason = _environment_reason()
+        if reason is not None:
+            raise _refuse_local(reason)
+    else:
+        init_barrier_enabled()
+
+
+def choose_strategy(requested: str | Strategy) -> tuple[Strategy, str]:
+    """The strategy to build with and why; ``auto`` resolves to ``world`` or ``local`` here.
+
+    Args:
+        requested: ``auto``, ``local`` or ``world``.
+
+    Returns:
+        (``local`` or ``world``, a sentence saying why).
+
+    Raises:
+        GroupCreationError: an unknown strategy, or ``local`` asked for explicitly in a world where
+            members-only creation would hang (naming the reason and ``strategy='world'`` or ``'auto'``).
+    """
+    strategy = _parse(requested)
+    if strategy == Strategy.WORLD:
+        return strategy, "asked for: every rank creates every group"
+    reason = world_collective_reason()
+    if strategy == Strategy.LOCAL:
+        if reason is not None:
+            raise _refuse_local(reason)
+        return strategy, "asked for: members create their own groups"
+    if reason is not None:
+        return Strategy.WORLD, f"{reason}: every rank creates every group (Megatron's pattern)"
+    return Strategy.LOCAL, "groups are created lazily here: members create only their own groups"
 
 
 def as_timedelta(timeout: float | timedelta | None) -> timedelta:
@@ -190,9 +275,12 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "Strategy",
     "as_timedelta",
-    "check_local_strategy",
+    "check_strategy_early",
+    "choose_strategy",
     "create_groups",
     "destroy_groups",
+    "init_barrier_enabled",
     "is_fake_world",
     "requested_groups",
+    "world_collective_reason",
 ]

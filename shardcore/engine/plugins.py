@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from .backend import Backend
 ENTRY_POINT_GROUP = "shardcore.backends"
 DEFAULT_BACKEND = "dtensor"
 BACKEND_ENV = "SHARDCORE_BACKEND"
+SHIPPED_BACKENDS = ("dtensor", "megatron", "hyperparallel")
+"""Backends whose plugin ships in shardcore's source tree, under ``plugins/NAME``."""
 
 
 @dataclass(frozen=True)
@@ -113,16 +116,27 @@ def get_backend(name: str | None = None, *, require_available: bool = True) -> B
     chosen = name or os.environ.get(BACKEND_ENV) or DEFAULT_BACKEND
     backend = _load(chosen)
     if backend is None:
-        installed = ", ".join(_installed_names()) or "none"
-        raise BackendNotFoundError(
-            f"no backend named {chosen!r}; installed: {installed}. "
-            f"Install one, e.g. pip install ./plugins/{chosen} (or set {BACKEND_ENV} to an installed name)"
-        )
+        raise BackendNotFoundError(_not_found(chosen, from_env=not name and chosen == os.environ.get(BACKEND_ENV)))
     if require_available:
         reason = backend.unavailable_reason()
         if reason:
             raise BackendUnavailableError(f"backend {chosen!r} is installed but unavailable here: {reason}")
     return backend
+
+
+def _not_found(chosen: str, from_env: bool) -> str:
+    """Why no backend has that name, and a fix that exists: the install command for a shipped
+    backend, else the installed names and the closest one."""
+    installed = _installed_names()
+    where = f" (from ${BACKEND_ENV})" if from_env else ""
+    listing = f"installed: {', '.join(installed)}" if installed else "no backend is installed"
+    if chosen in SHIPPED_BACKENDS:
+        return f"backend {chosen!r}{where} is not installed ({listing}): pip install ./plugins/{chosen}"
+    by_lower = {name.lower(): name for name in [*installed, *SHIPPED_BACKENDS]}
+    close = difflib.get_close_matches(chosen.lower(), list(by_lower), n=1, cutoff=0.6)
+    hint = f"; did you mean {by_lower[close[0]]!r}?" if close else ""
+    fix = f"set {BACKEND_ENV} to an installed name" if from_env else "choose an installed name"
+    return f"no backend named {chosen!r}{where}; {listing}{hint} ({fix})"
 
 
 def list_backends() -> list[BackendInfo]:
@@ -166,6 +180,7 @@ __all__ = [
     "BACKEND_ENV",
     "DEFAULT_BACKEND",
     "ENTRY_POINT_GROUP",
+    "SHIPPED_BACKENDS",
     "BackendInfo",
     "get_backend",
     "list_backends",

@@ -8,13 +8,18 @@ tensors it must hold. Tests use the same pieces (``known_tensor``, ``cut``, ``ch
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from ..plan.layout import DEFAULT_ORDER, ShardPlan, plan_layout
+from ..refit.models import model_manifest
+from ..refit.planner import RefitPlan, plan_refit
+from .launch import OnEvent, run_joined_job, run_local_job
 
 if TYPE_CHECKING:
     import torch
 
-    from ..plan.layout import ShardPlan
     from ..refit.manifest import Manifest, TensorSpec
 
 
@@ -97,58 +102,61 @@ def check_rank(plan: Any, rank: int, *, bucket_bytes: int | None = None, timeout
     return report
 
 
-def plan_from_options(options: dict[str, Any], world_size: int) -> Any:
-    """The plan the CLI describes: layout, source and destination shards, model, ranks per node."""
-    from ..plan.layout import DEFAULT_ORDER, plan_layout
-    from ..refit.models import model_manifest
-    from ..refit.planner import plan_refit
+@dataclass(frozen=True)
+class RefitCheckOptions:
+    """What ``shardcore refit --check`` runs: the plan's inputs and the executor's knobs, picklable for workers."""
 
-    model = options["model"]
-    manifest = model_manifest(model)
-    layout = plan_layout(world_size, options["shards"], order=options.get("order", DEFAULT_ORDER), allow_idle=True)
-    return plan_refit(layout, options["src"], list(options["dst"]), manifest, options.get("ranks_per_node"))
+    model: str
+    """A preset name or a manifest file."""
+    shards: str
+    src: int
+    dst: tuple[int, ...]
+    order: str = DEFAULT_ORDER
+    ranks_per_node: int | None = None
+    timeout: float = 120.0
+    bucket_bytes: int | None = None
 
 
-def check_world(options: dict[str, Any]) -> RefitReport:
-    """One rank of an initialised world: plan, check, report."""
+def plan_from_options(options: RefitCheckOptions, world_size: int) -> RefitPlan:
+    """The plan the CLI describes: layout, source and destination shards, model, ranks per node.
+
+    Raises:
+        ShardcoreError: a bad spec, shard index or model (the parent calls it before starting anything).
+    """
+    layout = plan_layout(world_size, options.shards, order=options.order, allow_idle=True)
+    manifest = model_manifest(options.model)
+    return plan_refit(layout, options.src, list(options.dst), manifest, options.ranks_per_node)
+
+
+def check_world(options: RefitCheckOptions, on_stage: Callable[[str], None] = lambda stage: None) -> RefitReport:
+    """One rank of an initialised world: plan, fill, execute, compare; the job of ``refit --check``."""
     import torch.distributed as dist
 
     plan = plan_from_options(options, dist.get_world_size())
-    return check_rank(plan, dist.get_rank(), bucket_bytes=options.get("bucket_bytes"), timeout=options.get("timeout"))
+    on_stage("planned")
+    report = check_rank(plan, dist.get_rank(), bucket_bytes=options.bucket_bytes, timeout=options.timeout)
+    on_stage("executed")
+    return report
 
 
-def local_worker(options: dict[str, Any]) -> dict[str, Any]:
-    """Entry point of each process the local launcher starts (gloo on CPU)."""
-    import torch.distributed as dist
-
-    dist.init_process_group(backend="gloo")
-    try:
-        return asdict(check_world(options))
-    finally:
-        dist.destroy_process_group()
+def run_local(nproc: int, options: RefitCheckOptions, on_event: OnEvent | None = None) -> list[RefitReport]:
+    """``refit --check`` on ``nproc`` local gloo processes, reports in rank order."""
+    return run_local_job(nproc, check_world, options, options.timeout, on_event)
 
 
-def run_local(nproc: int, options: dict[str, Any]) -> list[RefitReport]:
-    """``nproc`` local gloo processes under torch's elastic launcher, as ``shardcore check`` starts them."""
-    from .check import run_local as launch
-
-    return [RefitReport(**report) for report in launch(nproc, options, worker=local_worker)]
+def run_joined(options: RefitCheckOptions, on_event: OnEvent | None = None) -> list[RefitReport] | None:
+    """``refit --check`` on the world torchrun set up; rank 0 gets every report, the others None."""
+    return run_joined_job(check_world, options, on_event)
 
 
-def run_joined(options: dict[str, Any]) -> list[RefitReport] | None:
-    """Join the world torchrun set up; rank 0 gets every report, the others None."""
-    import torch.distributed as dist
-
-    from .check import _init_from_env
-
-    _init_from_env()
-    try:
-        report = asdict(check_world(options))
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, report)
-        return [RefitReport(**r) for r in gathered] if dist.get_rank() == 0 else None
-    finally:
-        dist.destroy_process_group()
-
-
-__all__ = ["RefitReport", "check_rank", "check_world", "cut", "known_tensor", "run_joined", "run_local"]
+__all__ = [
+    "RefitCheckOptions",
+    "RefitReport",
+    "check_rank",
+    "check_world",
+    "cut",
+    "known_tensor",
+    "plan_from_options",
+    "run_joined",
+    "run_local",
+]

@@ -12,7 +12,7 @@ from ..errors import GroupCreationError, LayoutError
 from ..plan.layout import DEFAULT_ORDER, GROUP_NAMES, Layout, RankGroups, ShardPlan, plan_layout
 from ..plan.spec import ShardsInput, ShardSpec
 from .backend import Backend
-from .groups import Strategy, as_timedelta, check_local_strategy, create_groups, destroy_groups, is_fake_world
+from .groups import Strategy, as_timedelta, choose_strategy, create_groups, destroy_groups, is_fake_world
 from .plugins import get_backend
 from .rendezvous import Agreement, next_phase, rendezvous, report_failure
 from .torch_state import group_counter
@@ -109,7 +109,7 @@ def build_shards(
     order: str = DEFAULT_ORDER,
     rank_offset: int = 0,
     allow_idle: bool = False,
-    strategy: str = Strategy.LOCAL,
+    strategy: str = Strategy.AUTO,
     timeout: float | timedelta | None = None,
     groups: Sequence[str] | None = None,
     **backend_options: Any,
@@ -129,8 +129,10 @@ def build_shards(
         order: ``tp-cp-dp-pp`` (pipeline stages contiguous) or ``tp-cp-pp-dp``.
         rank_offset: first rank of the first shard; earlier ranks are idle.
         allow_idle: let ranks after the last shard stay idle.
-        strategy: ``local`` (members create their own groups) or ``world`` (every rank
-            creates every group, Megatron's pattern).
+        strategy: ``auto`` (default: ``world`` where torch creates groups with every rank, as
+            with a device-bound default group, else ``local``; logged), ``local`` (members create
+            their own groups; refused where it would hang) or ``world`` (every rank creates every
+            group, Megatron's pattern).
         timeout: seconds (or a timedelta) to wait for other ranks; default 5 minutes.
         groups: the standard group names to create (default: ``Backend.group_names``, those
             the handle uses); the others stay None.
@@ -159,12 +161,8 @@ def build_shards(
     check_options(chosen, backend_options)
     chosen.validate(layout, backend_options)
     wait = as_timedelta(timeout)
-    try:
-        strategy = Strategy(strategy)
-    except ValueError:
-        raise GroupCreationError(f"strategy={strategy!r}: expected one of {', '.join(Strategy)}") from None
-    if strategy == Strategy.LOCAL:
-        check_local_strategy()
+    strategy, why = choose_strategy(strategy)
+    log.info("shardcore: strategy %s: %s", strategy, why)
     fake = is_fake_world()
     build = next_build()
     # Both phase names now, so a rank that fails in between stays in step with the others.

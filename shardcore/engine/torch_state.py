@@ -71,9 +71,25 @@ def bound_device() -> Any:
     return c10d()._get_default_group().bound_device_id
 
 
+def torchcomms_enabled() -> bool:
+    """Whether torch routes ``new_group`` through TorchComms (``TORCH_DISTRIBUTED_USE_TORCHCOMMS=1`` with
+    torchcomms installed), where every group is a split of the whole world."""
+    enabled = getattr(c10d(), "_use_torchcomms_enabled", None)
+    return bool(enabled()) if callable(enabled) else False
+
+
 def default_store() -> Store:
     """The default group's store: every rank reaches it, whatever the backend."""
     return c10d()._get_default_store()
 
 
-__all__ = ["bound_device", "c10d", "default_store", "group_counter", "live_group_count", "probe", "set_group_counter"]
+__all__ = [
+    "bound_device",
+    "c10d",
+    "default_store",
+    "group_counter",
+    "live_group_count",
+    "probe",
+    "set_group_counter",
+    "torchcomms_enabled",
+]

@@ -42,7 +42,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ..errors import GroupCreationError
-from .groups import as_timedelta, check_local_strategy, is_fake_world
+from .groups import as_timedelta, is_fake_world, world_collective_reason
 from .rendezvous import listed
 from .torch_state import default_store, group_counter, set_group_counter
 
@@ -124,7 +124,13 @@ class Window:
         groups = [tuple(sorted(row)) for row in rows]
         self._check(groups)
         wait = self.timeout if timeout is None else as_timedelta(timeout)
-        check_local_strategy()
+        reason = world_collective_reason()
+        if reason is not None:
+            raise GroupCreationError(
+                f"a window cannot create groups by itself here: {reason}, so every rank of the world must take "
+                f"part; declare the groups at build time instead (Backend.extra_groups, or the dtensor "
+                f"backend's flatten= option)"
+            )
         what = f"{group_desc or 'new_group'} {_rows_text(groups)}"
         request = json.dumps({"rows": groups, "backend": str(backend), "desc": group_desc})
         self._sequence += 1

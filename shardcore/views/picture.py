@@ -1,32 +1,34 @@
 """An SVG picture of a layout: nodes as rows, local ranks as columns, each rank coloured by shard.
 
 Plain SVG text from the standard library (ElementTree escapes it), so the core gains no
-dependency. Up to ``MAX_RANK_CELLS`` ranks every rank is a cell labelled with its
-(pp, dp, cp, tp) coordinates; a larger world is drawn one cell per node (about 200 bytes
-a node: 2.4 MB for 100,000 ranks on 8-rank nodes).
+dependency. While the rank grid fits ``MAX_GRID_WIDTH`` x ``MAX_GRID_HEIGHT`` pixels every
+rank is a cell labelled with its (pp, dp, cp, tp) coordinates; a larger world is drawn one
+cell per node (about 200 bytes a node: 2.4 MB for 100,000 ranks on 8-rank nodes).
 """
 
 from __future__ import annotations
 
+import colorsys
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..errors import LayoutError
+from .tables import counted
 from .topology import TOPOLOGY_GROUPS, check_ranks_per_node
 
 if TYPE_CHECKING:
     from ..plan.layout import Layout, ShardPlan
 
 DEFAULT_RANKS_PER_NODE = 8
-MAX_RANK_CELLS = 1024
-"""Largest world drawn rank by rank; above it one cell per node keeps the file small."""
+MAX_GRID_WIDTH, MAX_GRID_HEIGHT = 4000, 2400
+"""Largest rank grid drawn rank by rank, in pixels (about 46 nodes of 8 ranks); beyond it one cell per node."""
 NODES_PER_ROW = 32
 
 FILLS = ("#8ec5e8", "#f9b97a", "#93d39a", "#f3a1b0", "#c3aee0", "#f2d57e", "#8fd3cb", "#d9b39c")
 """Light shard colours, so that the dark labels and group outlines stay readable on them."""
 STROKES = ("#1f4e79", "#b3261e", "#1b7340", "#6b3fa0", "#a35200", "#0b6e69", "#7a1f5c", "#3d3d3d")
-"""Dark outline colours, cycled per highlighted group so neighbouring groups differ."""
+"""Dark outline colours for the first highlighted groups; later ones get golden-angle hues (``_stroke``)."""
 IDLE_FILL = "#dcdcdc"
 INK, MUTED = "#1e1e1e", "#5c5c5c"
 FONT = "DejaVu Sans, Helvetica, Arial, sans-serif"
@@ -47,6 +49,28 @@ def _el(parent: ET.Element, tag: str, text: str | None = None, **attrs: object) 
 
 def _fill(index: int) -> str:
     return FILLS[index % len(FILLS)]
+
+
+def _stroke(number: int) -> str:
+    """The outline colour of the ``number``-th group: the palette, then hues a golden angle apart
+    (consecutive groups always far apart on the colour wheel), alternating two lightnesses."""
+    if number < len(STROKES):
+        return STROKES[number]
+    hue = (number * 0.381966) % 1.0
+    red, green, blue = colorsys.hls_to_rgb(hue, 0.28 + 0.1 * (number % 2), 0.75)
+    return f"#{round(red * 255):02x}{round(green * 255):02x}{round(blue * 255):02x}"
+
+
+def nodes_of(layout: Layout, k: int) -> int:
+    """Nodes of ``k`` ranks the world fills (the last may be partial)."""
+    return -(-layout.world_size // k)
+
+
+def draws_ranks(layout: Layout, ranks_per_node: int) -> bool:
+    """Whether the picture draws every rank (True) or one cell per node: by the rank grid's size in pixels."""
+    k = check_ranks_per_node(ranks_per_node)
+    nodes = nodes_of(layout, k)
+    return nodes * (CELL_H + GAP) <= MAX_GRID_HEIGHT and min(k, layout.world_size) * (CELL_W + GAP) <= MAX_GRID_WIDTH
 
 
 def _legend_lines(layout: Layout) -> list[tuple[str, str]]:
@@ -72,7 +96,7 @@ def _legend_lines(layout: Layout) -> list[tuple[str, str]]:
 def _header(svg: ET.Element, layout: Layout, k: int, notes: list[str]) -> float:
     """Title, notes and legend; returns the y where the grid starts."""
     nodes = -(-layout.world_size // k)
-    title = f"{layout.world_size} ranks on {nodes} node{'s' if nodes > 1 else ''} of {k} · order {layout.order}"
+    title = f"{counted(layout.world_size, 'rank')} on {counted(nodes, 'node')} of {k} · order {layout.order}"
     _el(svg, "text", title, x=MARGIN, y=MARGIN + 16, font_size=18, font_weight="bold", fill=INK)
     y = MARGIN + 40
     for note in notes:
@@ -186,17 +210,20 @@ def _rank_cells(svg: ET.Element, layout: Layout, k: int, top: float, highlight: 
 def _outlines(
     svg: ET.Element, layout: Layout, k: int, name: str, corner: Callable[[int], tuple[float, float]], cell_w: float
 ) -> None:
-    """Outline each group of ``name``: one rectangle per run of neighbouring ranks, dashed when it spans nodes."""
+    """Outline each group of ``name`` with more than one rank: one rectangle per run of neighbouring
+    ranks, dashed when it spans nodes."""
     outlines = _el(svg, "g", class_="highlight", fill="none", stroke_width=2.5)
     number = 0
     for plan in layout.shards:
         for members in plan.iter_groups(name):
+            if len(members) == 1:
+                continue
             attrs = {"stroke_dasharray": "6 4"} if members[0] // k != members[-1] // k else {}
             box = _el(
                 outlines,
                 "g",
                 class_="group",
-                stroke=STROKES[number % len(STROKES)],
+                stroke=_stroke(number),
                 data_group=name,
                 data_shard=plan.index,
                 data_members=" ".join(map(str, members)),
@@ -275,20 +302,25 @@ def _node_cells(svg: ET.Element, layout: Layout, k: int, top: float) -> tuple[fl
 
 
 def render_svg(layout: Layout, ranks_per_node: int = DEFAULT_RANKS_PER_NODE, highlight: str | None = None) -> str:
-    """The layout as SVG text: rank cells up to MAX_RANK_CELLS ranks, node cells beyond."""
+    """The layout as SVG text: rank cells while they fit (``draws_ranks``), node cells beyond."""
     k = check_ranks_per_node(ranks_per_node)
     if highlight is not None and highlight not in TOPOLOGY_GROUPS:
         raise LayoutError(f"highlight={highlight!r}: expected a group name, one of {', '.join(TOPOLOGY_GROUPS)}")
-    by_rank = layout.world_size <= MAX_RANK_CELLS
+    by_rank = draws_ranks(layout, k)
     svg = ET.Element("svg", {"xmlns": "http://www.w3.org/2000/svg", "font-family": FONT})
     if by_rank:
         notes = ["each cell: rank, then its coordinates pp,dp,cp,tp"]
         if highlight is not None:
-            notes.append(f"outlined: the {highlight} groups, one colour each; dashed: the group spans nodes")
+            notes.append(
+                f"outlined: the {highlight} groups of more than one rank, one colour each; dashed: spans nodes"
+            )
     else:
-        notes = [f"{layout.world_size} ranks is over {MAX_RANK_CELLS}: one cell per node, split where shards share it"]
+        notes = [
+            f"{counted(nodes_of(layout, k), 'node')} are too many to draw rank by rank: one cell per node, "
+            "split where shards share it"
+        ]
         if highlight is not None:
-            notes.append(f"--highlight {highlight} is drawn only up to {MAX_RANK_CELLS} ranks")
+            notes.append(f"{highlight} groups are outlined only when every rank is drawn")
     top = _header(svg, layout, k, notes)
     if by_rank:
         right, bottom = _rank_cells(svg, layout, k, top, highlight)
@@ -305,4 +337,4 @@ def render_svg(layout: Layout, ranks_per_node: int = DEFAULT_RANKS_PER_NODE, hig
     return ET.tostring(svg, encoding="unicode") + "\n"
 
 
-__all__ = ["DEFAULT_RANKS_PER_NODE", "MAX_RANK_CELLS", "render_svg"]
+__all__ = ["DEFAULT_RANKS_PER_NODE", "MAX_GRID_HEIGHT", "MAX_GRID_WIDTH", "draws_ranks", "render_svg"]

@@ -9,6 +9,22 @@ from ..plan.layout import GRID_GROUP_NAMES, GroupName, Layout, ShardPlan
 _COLUMNS = ("shard", "role", "name", "ranks", "tp", "cp", "pp", "dp", "ep", "expt_tp", "expt_dp")
 
 
+def counted(count: int, singular: str, plural: str | None = None) -> str:
+    """``1 rank``, ``2 ranks``, ``1 process``, ``4 processes``."""
+    return f"{count} {singular if count == 1 else plural or singular + 's'}"
+
+
+def ordered_coords(plan: ShardPlan, rank: int) -> list[tuple[str, int]]:
+    """The rank's coordinates, outermost dim first: the decoder grid (``pp, dp, cp, tp`` under
+    ``tp-cp-dp-pp``), then the expert grid without its shared pp (``expt_dp, ep, expt_tp``)."""
+    decoder, expert = plan.decoder_grid, plan.expert_grid
+    dense = decoder.coords(rank)
+    experts = expert.coords(rank)
+    return [(name, dense[name]) for name in reversed(decoder.dim_names)] + [
+        (name, experts[name]) for name in reversed(expert.dim_names) if name not in dense
+    ]
+
+
 def format_table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
     """A plain left-aligned text table."""
     cells = [[str(c) for c in header]] + [[str(c) for c in row] for row in rows]
@@ -68,7 +84,8 @@ def _format_group(ranks: list[int] | dict[str, int] | None) -> object:
     if ranks is None:
         return "-"
     if isinstance(ranks, dict):
-        return f"[{ranks['first']}, ..., {ranks['last']}] ({ranks['size']} ranks, over {MAX_SHOWN_RANKS}: not listed)"
+        size = counted(ranks["size"], "rank")
+        return f"[{ranks['first']}, ..., {ranks['last']}] ({size}, over {MAX_SHOWN_RANKS}: not listed)"
     return ranks
 
 
@@ -77,11 +94,11 @@ def rank_table(layout: Layout, rank: int) -> str:
     plan = layout.shard_of(rank)
     if plan is None:
         return f"rank {rank} is idle: it belongs to no shard"
-    coords = ", ".join(f"{k}={v}" for k, v in plan.coords(rank).items())
+    coords = ", ".join(f"{k}={v}" for k, v in ordered_coords(plan, rank))
     rows = [(name, _format_group(ranks)) for name, ranks in shown_groups(plan, rank).items()]
     return f"rank {rank} in shard {plan.index} ({plan.spec}), coords {coords}\n" + format_table(
         rows, ("group", "ranks")
     )
 
 
-__all__ = ["MAX_SHOWN_RANKS", "format_table", "layout_table", "rank_table", "shown_groups"]
+__all__ = ["MAX_SHOWN_RANKS", "counted", "format_table", "layout_table", "ordered_coords", "rank_table", "shown_groups"]

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ..errors import LayoutError
 from ..plan.grid import Grid
 from ..plan.layout import GRID_GROUP_NAMES
+from .tables import counted
 
 if TYPE_CHECKING:
     from ..plan.layout import Layout, ShardPlan
@@ -88,7 +89,7 @@ class GroupFinding:
 
 @dataclass(frozen=True)
 class ShardPlacement:
-    """Where one shard's window falls on the nodes; a straddling shard shares a node with others."""
+    """Where one shard's window falls on the nodes, and whether it shares a node with other ranks."""
 
     shard: int
     ranks: range
@@ -97,8 +98,18 @@ class ShardPlacement:
     ends_mid_node: bool
 
     @property
-    def straddles(self) -> bool:
+    def shares_node(self) -> bool:
+        """The window starts or ends mid-node, so another shard (or idle ranks) shares that node."""
         return self.starts_mid_node or self.ends_mid_node
+
+    @property
+    def shared_nodes(self) -> tuple[int, ...]:
+        """The nodes this shard shares with other ranks: its first when it starts mid-node, its last
+        when it ends mid-node."""
+        shared = [self.nodes.start] if self.starts_mid_node else []
+        if self.ends_mid_node and self.nodes[-1] not in shared:
+            shared.append(self.nodes[-1])
+        return tuple(shared)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -107,7 +118,7 @@ class ShardPlacement:
             "nodes": [self.nodes.start, self.nodes.stop],
             "starts_mid_node": self.starts_mid_node,
             "ends_mid_node": self.ends_mid_node,
-            "straddles": self.straddles,
+            "shares_node": self.shares_node,
         }
 
 
@@ -135,8 +146,17 @@ class TopologyReport:
         return tuple(f for f in self.groups if f.crosses)
 
     @property
-    def straddling(self) -> tuple[ShardPlacement, ...]:
-        return tuple(p for p in self.placements if p.straddles)
+    def sharing(self) -> tuple[ShardPlacement, ...]:
+        """Shards that share a node with other ranks."""
+        return tuple(p for p in self.placements if p.shares_node)
+
+    def communicators(self, findings: Sequence[GroupFinding]) -> list[list[GroupFinding]]:
+        """``findings`` grouped by communicator: names of one shard whose groups are the same rank
+        sets (tp, expt_tp and tp_ep when expt_tp = tp and ep = 1) are one communicator, so one line."""
+        merged: dict[tuple[object, ...], list[GroupFinding]] = {}
+        for f in findings:
+            merged.setdefault((f.shard, *_partition(f)), []).append(f)
+        return list(merged.values())
 
     def finding(self, shard: int, name: str) -> GroupFinding:
         """The finding for one shard and group name."""
@@ -158,33 +178,36 @@ class TopologyReport:
         """Text for the CLI: placements, then every crossing name, warnings first."""
         rest = self.world_size % self.ranks_per_node
         partial = f", the last holding only {rest}" if rest else ""
-        plural = "s" if self.num_nodes > 1 else ""
         lines = [
-            f"node topology: {self.world_size} ranks on {self.num_nodes} node{plural} of {self.ranks_per_node}{partial}"
+            f"node topology: {counted(self.world_size, 'rank')} on {counted(self.num_nodes, 'node')} of "
+            f"{self.ranks_per_node}{partial}"
         ]
         for p in self.placements:
             lines.append(
                 f"  shard {p.shard}: ranks [{p.ranks.start}, {p.ranks.stop}) on {_nodes(p.nodes)}"
-                f"{_straddle_note(p, self.ranks_per_node)}"
+                f"{_sharing_note(p, self.ranks_per_node)}"
             )
-        for f in self.warnings:
+        warnings = self.communicators(self.warnings)
+        for same in warnings:
+            f = same[0]
+            names = " = ".join(g.name for g in same) + (" (one communicator)" if len(same) > 1 else "")
             lines.append(
-                f"  warning  shard {f.shard} {f.name}: {f.crossing} of {f.total} groups cross nodes, "
+                f"  warning  shard {f.shard} {names}: {f.crossing} of {counted(f.total, 'group')} "
+                f"{'crosses' if f.crossing == 1 else 'cross'} nodes, "
                 f"e.g. {f.describe_example()}"
             )
         for p in self.placements:
             infos = [
-                f"{f.name} {f.crossing}/{f.total}"
-                for f in self.crossings
-                if f.shard == p.shard and f.severity == "info"
+                f"{'/'.join(g.name for g in same)} {same[0].crossing}/{same[0].total}"
+                for same in self.communicators([f for f in self.crossings if f.shard == p.shard])
+                if same[0].severity == "info"
             ]
             if infos:
                 lines.append(f"  info     shard {p.shard}: groups crossing nodes: {', '.join(infos)}")
-        count = len(self.warnings)
-        if count:
+        if warnings:
             names = ", ".join(dict.fromkeys(f.name for f in self.warnings))
             lines.append(
-                f"{count} warning{'s' if count > 1 else ''}: {names} groups span nodes; place them within a "
+                f"{counted(len(warnings), 'warning')}: {names} groups span nodes; place them within a "
                 f"node (shards starting on node boundaries, group sizes dividing {self.ranks_per_node})"
             )
         else:
@@ -196,11 +219,33 @@ def _nodes(nodes: range) -> str:
     return f"node {nodes.start}" if len(nodes) == 1 else f"nodes {nodes.start}-{nodes.stop - 1}"
 
 
-def _straddle_note(p: ShardPlacement, ranks_per_node: int) -> str:
-    notes = [f"starts mid-node (local rank {p.ranks.start % ranks_per_node})"] if p.starts_mid_node else []
+def _sharing_note(p: ShardPlacement, ranks_per_node: int) -> str:
+    """Which node(s) the shard shares with other ranks, and where on them it starts or ends."""
+    if not p.shares_node:
+        return ""
+    shared = p.shared_nodes
+    where = f"node {shared[0]}" if len(shared) == 1 else f"nodes {shared[0]} and {shared[1]}"
+    ends = [f"starts at local rank {p.ranks.start % ranks_per_node}"] if p.starts_mid_node else []
     if p.ends_mid_node:
-        notes.append(f"ends mid-node (local rank {(p.ranks.stop - 1) % ranks_per_node})")
-    return f", straddles: {' and '.join(notes)}" if notes else ""
+        ends.append(f"ends at local rank {(p.ranks.stop - 1) % ranks_per_node}")
+    return f", shares {where} with other ranks ({', '.join(ends)})"
+
+
+def _partition(f: GroupFinding) -> tuple[object, ...]:
+    """What fixes a name's groups on one shard: the window and the group's shape as (size, stride)
+    runs, adjacent dims merged (expt_tp=2 then ep=2 at stride 2 is one run of 4 at stride 1, like
+    tp=4). Names with equal keys have the same rank sets."""
+    grid = f._grid
+    if grid is None:
+        return (f.name,)
+    runs: list[tuple[int, int]] = []
+    steps = [(grid.size_of(d), grid.stride_of(d)) for d in f._dims if grid.size_of(d) > 1]
+    for size, stride in sorted(steps, key=lambda step: step[1]):
+        if runs and runs[-1][0] * runs[-1][1] == stride:
+            runs[-1] = (runs[-1][0] * size, runs[-1][1])
+        else:
+            runs.append((size, stride))
+    return (grid.rank_offset, grid.size, tuple(runs))
 
 
 def check_ranks_per_node(ranks_per_node: object) -> int:

@@ -122,3 +122,118 @@ def test_rank_outside_the_world_prints_only_the_error(capsys: pytest.CaptureFixt
     assert main(["plan", "--world", "8", "--shards", "tp=8", "--rank", "9"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and "rank 9 is outside the world [0, 8)" in err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from shardcore import __version__
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out == f"shardcore {__version__}\n"
+
+
+def _help(capsys: pytest.CaptureFixture[str], command: str) -> str:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    return " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+
+
+def test_help_explains_order_and_strategy_and_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    text = _help(capsys, "check")
+    assert "keeps each pipeline stage's ranks contiguous" in text and "(default: tp-cp-dp-pp)" in text
+    assert "members only" in text and "Megatron's pattern" in text and "(default: auto)" in text
+    assert "(default: 8)" in text and "(default: 120.0)" in text
+    assert "-v, --verbose" in text and "-q, --quiet" in text
+    assert "(default: 0)" in _help(capsys, "plan")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--world", "8", "--shards", "tp=8", "--ranks-per-node", "0"], "argument --ranks-per-node: 0 is"),
+        (["plan", "--world", "0", "--shards", "tp=8"], "argument --world: 0 is not a positive integer"),
+        (["plan", "--world", "8", "--shards", "tp=8", "--rank-offset", "-1"], "argument --rank-offset: -1 is"),
+        (["check", "--shards", "tp=2", "--timeout", "0"], "argument --timeout: 0 is not a positive number"),
+        (["check", "--shards", "tp=2", "--nproc", "x"], "argument --nproc: 'x' is not a positive integer"),
+    ],
+)
+def test_errors_name_the_flag(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_check_without_torch_says_how_to_install_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "torch", None)  # find_spec("torch") is None, as without torch
+    code, out, err = _run(capsys, "check", "--nproc", "2", "--shards", "tp=2")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in err
+
+
+def test_a_huge_nproc_is_refused_with_the_limit() -> None:
+    from shardcore.cli.check import CheckError, check_machine, local_limit
+
+    limit, why = local_limit()
+    with pytest.raises(CheckError, match=rf"--nproc 100000: at most {limit} local processes here \("):
+        check_machine(100000)
+    assert why
+
+
+def test_many_processes_per_core_warn() -> None:
+    import os
+
+    from shardcore.cli.check import OVERSUBSCRIBED, check_machine, local_limit
+
+    cores = os.cpu_count() or 1
+    many = OVERSUBSCRIBED * cores + 1
+    if many > local_limit()[0]:
+        pytest.skip("this machine's limit is below the warning threshold")
+    assert any(f"{many} processes on {cores} core" in warning for warning in check_machine(many))
+    assert not any("core" in warning for warning in check_machine(1))
+
+
+def test_rank_coordinates_are_listed_outermost_first(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, "plan", "--world", "16", "--shards", "tp=2,pp=2,ep=2,dp=4", "--rank", "13")
+    assert code == 0
+    line = next(line for line in out.splitlines() if "coords" in line)
+    assert line.endswith("coords pp=1, dp=2, cp=0, tp=1, expt_dp=1, ep=0, expt_tp=1")
+    code, out, _ = _run(
+        capsys,
+        "plan",
+        "--world",
+        "16",
+        "--shards",
+        "tp=2,pp=2,dp=4,ep=2,expt_tp=1",
+        "--rank",
+        "13",
+        "--order",
+        "tp-pp-dp",
+    )
+    line = next(line for line in out.splitlines() if "coords" in line)
+    assert line.endswith("coords dp=3, pp=0, cp=0, tp=1, expt_dp=3, ep=1, expt_tp=0")  # dp outermost here
+
+
+def test_output_into_a_closed_pipe_is_no_traceback() -> None:
+    reader = subprocess.Popen(["head", "-c", "1"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    writer = subprocess.run(
+        [sys.executable, "-m", "shardcore", "plan", "--world", "3000", "--shards", "+".join(["tp=1"] * 3000)],
+        cwd=ROOT,
+        stdout=reader.stdin,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=120,
+    )
+    reader.stdin.close()  # type: ignore[union-attr]
+    reader.wait(timeout=30)
+    assert writer.returncode == 141  # as a shell reports a pipe writer ended by SIGPIPE
+    assert "Traceback" not in writer.stderr and "BrokenPipe" not in writer.stderr
+
+
+def test_counts_are_singular_for_one() -> None:
+    from shardcore.views.tables import counted
+
+    assert [counted(1, "rank"), counted(2, "rank")] == ["1 rank", "2 ranks"]
+    assert [counted(1, "process", "processes"), counted(3, "process", "processes")] == ["1 process", "3 processes"]

@@ -10,7 +10,7 @@ import pytest
 from shardcore.cli import main
 from shardcore.errors import LayoutError
 from shardcore.plan.layout import plan_layout
-from shardcore.views.picture import MAX_RANK_CELLS, render_svg
+from shardcore.views.picture import MAX_GRID_HEIGHT, STROKES, draws_ranks, render_svg
 
 NS = "{http://www.w3.org/2000/svg}"
 SPEC = "tp=4,pp=2,role=train+tp=2,dp=4,role=prefill,name=a&b<c>+tp=8,role=decode"
@@ -74,7 +74,7 @@ def test_strided_groups_are_outlined_member_by_member() -> None:
 
 def test_large_world_falls_back_to_one_cell_per_node() -> None:
     layout = plan_layout(2048 + 4, "tp=8,dp=128+tp=4,dp=128", allow_idle=True)  # shard 1 [1024, 1536)
-    assert layout.world_size > MAX_RANK_CELLS
+    assert not draws_ranks(layout, 8)
     root = _parse(render_svg(layout, 8, highlight="tp"))
     assert _by_class(root, "rect", "rank") == []
     nodes = _by_class(root, "rect", "node")
@@ -108,3 +108,34 @@ def test_cli_writes_the_svg(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert len(_by_class(root, "rect", "rank")) == 32
     assert "nodes of 8" in capsys.readouterr().err  # the default node size, said aloud
     assert main(["plan", "--world", "8", "--shards", "tp=8", "--highlight", "tp"]) == 2
+
+
+def test_singleton_groups_get_no_outline() -> None:
+    root = _parse(render_svg(plan_layout(8, "tp=2,dp=2+tp=1,dp=4"), 8, highlight="tp"))
+    groups = _by_class(root, "g", "group")
+    assert [g.get("data-members") for g in groups] == ["0 1", "2 3"]
+
+
+def test_outline_colours_stay_distinct_beyond_the_palette() -> None:
+    root = _parse(render_svg(plan_layout(64, "tp=2,dp=32"), 8, highlight="tp"))
+    strokes = [g.get("stroke") for g in _by_class(root, "g", "group")]
+    assert len(strokes) == 32 > len(STROKES)
+    assert strokes[: len(STROKES)] == list(STROKES)
+    assert len(set(strokes)) == len(strokes)
+
+
+def test_the_view_is_chosen_by_image_size_not_rank_count() -> None:
+    """1,024 ranks on 8-rank nodes would be 128 rows of cells; on 512-rank nodes a row too wide."""
+    assert not draws_ranks(plan_layout(1024, "tp=8,dp=128"), 8)
+    assert not draws_ranks(plan_layout(1024, "tp=8,dp=128"), 512)
+    assert draws_ranks(plan_layout(256, "tp=8,dp=32"), 8)
+    svg = render_svg(plan_layout(1024, "tp=8,dp=128"), 8)
+    assert float(_parse(svg).get("height", "0")) < MAX_GRID_HEIGHT
+
+
+def test_cli_says_when_the_node_view_drops_the_highlight(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "big.svg"
+    assert main(["plan", "--world", "1024", "--shards", "tp=8,dp=128", "--svg", str(path), "--highlight", "tp"]) == 0
+    assert "note: --highlight tp was not drawn" in capsys.readouterr().err
+    assert main(["plan", "--world", "16", "--shards", "tp=8,dp=2", "--svg", str(path), "--highlight", "tp"]) == 0
+    assert "not drawn" not in capsys.readouterr().err

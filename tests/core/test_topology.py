@@ -29,7 +29,7 @@ def test_tp8_aligned_is_not_flagged() -> None:
         finding = report.finding(0, name)
         assert (finding.severity, finding.crossing, finding.example) == ("ok", 0, None)
     assert report.warnings == ()
-    assert report.straddling == ()
+    assert report.sharing == ()
     assert "no warnings" in report.format()
 
 
@@ -40,23 +40,56 @@ def test_pp_crossing_nodes_is_info_not_warning() -> None:
     assert report.warnings == ()
 
 
-def test_shard_starting_mid_node_straddles_and_its_tp_group_crosses() -> None:
+def test_shard_starting_mid_node_shares_nodes_and_its_tp_group_crosses() -> None:
     layout = plan_layout(32, "tp=4,dp=3,role=train+tp=8,role=decode", allow_idle=True)  # decode: ranks [12, 20)
     report = check_topology(layout, 8)
     first, decode = report.placements
-    assert (first.starts_mid_node, first.ends_mid_node, first.straddles) == (False, True, True)
+    assert (first.starts_mid_node, first.ends_mid_node, first.shares_node) == (False, True, True)
+    assert first.shared_nodes == (1,) and decode.shared_nodes == (1, 2)
     assert (decode.ranks, decode.nodes) == (range(12, 20), range(1, 3))
     assert decode.starts_mid_node and decode.ends_mid_node
     assert report.finding(1, "tp").example == tuple(range(12, 20))
     assert report.finding(0, "tp").crossing == 0  # [8, 12) stays inside node 1
     text = report.format()
-    assert "starts mid-node (local rank 4)" in text
-    assert "warning  shard 1 tp: 1 of 1 groups cross nodes" in text
+    assert "straddl" not in text
+    assert "shard 0: ranks [0, 12) on nodes 0-1, shares node 1 with other ranks (ends at local rank 3)" in text
+    assert (
+        "shard 1: ranks [12, 20) on nodes 1-2, shares nodes 1 and 2 with other ranks (starts at local rank 4, " in text
+    )
+    assert "warning  shard 1 tp = expt_tp = tp_ep (one communicator): 1 of 1 group crosses nodes" in text
 
 
-def test_last_shard_ending_the_world_is_not_straddling() -> None:
+def test_a_shard_ending_mid_node_on_one_node_shares_it() -> None:
+    layout = plan_layout(8, "tp=4+tp=4")
+    text = check_topology(layout, 8).format()
+    assert "shard 0: ranks [0, 4) on node 0, shares node 0 with other ranks (ends at local rank 3)" in text
+    assert "node topology: 8 ranks on 1 node of 8" in text
+
+
+def test_one_warning_per_communicator_when_names_share_it() -> None:
+    """tp=8, ep=1, expt_tp defaulting to tp: tp, tp_cp, expt_tp and tp_ep are one rank set."""
+    report = check_topology(plan_layout(24, "tp=8,dp=2", rank_offset=4, allow_idle=True), 8)
+    names = {f.name for f in report.warnings}
+    assert {"tp", "expt_tp", "tp_ep"} <= names
+    text = report.format()
+    warning_lines = [line for line in text.splitlines() if line.startswith("  warning")]
+    assert len(warning_lines) == len(report.communicators(report.warnings))
+    tp_line = next(line for line in warning_lines if " tp " in line or " tp =" in line)
+    assert "tp = " in tp_line and "expt_tp" in tp_line and "tp_ep" in tp_line and "(one communicator)" in tp_line
+    assert sum("expt_tp" in line for line in warning_lines) == 1
+    assert text.splitlines()[-1].startswith(f"{len(warning_lines)} warning")
+
+
+def test_names_merge_only_when_their_rank_sets_match() -> None:
+    """tp=4 and tp_ep = expt_tp(2) x ep(2) are the same four ranks; ep alone is another set."""
+    report = check_topology(plan_layout(16, "tp=4,ep=2,expt_tp=2,dp=2", rank_offset=2, allow_idle=True), 8)
+    merged = [[f.name for f in same] for same in report.communicators(report.warnings)]
+    assert sorted(merged) == [["ep"], ["tp", "tp_ep"]]
+
+
+def test_last_shard_ending_the_world_does_not_share_a_node() -> None:
     report = check_topology(plan_layout(12, "tp=4,dp=3"), 8)
-    assert not report.placements[0].straddles
+    assert not report.placements[0].shares_node
     assert report.num_nodes == 2
 
 
@@ -137,11 +170,13 @@ def test_cli_json_carries_the_report_and_strict(capsys: pytest.CaptureFixture[st
     data = json.loads(capsys.readouterr().out)
     assert code == 1
     assert data["topology"]["warnings"] == 3
-    assert data["topology"]["placements"][2]["straddles"] is True
+    assert data["topology"]["placements"][2]["shares_node"] is True
 
 
 def test_cli_strict_without_ranks_per_node_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--world", "8", "--shards", "tp=8", "--strict"]) == 2
     assert "--ranks-per-node" in capsys.readouterr().err
-    assert main(["plan", "--world", "8", "--shards", "tp=8", "--ranks-per-node", "0"]) == 2
-    assert "ranks_per_node=0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--world", "8", "--shards", "tp=8", "--ranks-per-node", "0"])
+    assert exit_info.value.code == 2
+    assert "argument --ranks-per-node: 0 is not a positive integer" in capsys.readouterr().err

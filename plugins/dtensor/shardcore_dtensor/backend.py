@@ -194,6 +194,9 @@ class DTensorBackend(Backend):
             for name, dims in flattens.items()
         }
 
+    def load_framework(self) -> None:
+        import torch.distributed.device_mesh  # noqa: F401
+
     def make_handle(
         self, plan: ShardPlanLike, rank: int, groups: Mapping[str, Any], options: Mapping[str, Any]
     ) -> DTensorShard:

@@ -6,6 +6,7 @@ Errors are shardcore's typed ones, which are also the ValueError / RuntimeError 
 from __future__ import annotations
 
 import inspect
+import os
 from math import prod
 from typing import Any
 
@@ -21,8 +22,14 @@ def ensure_distributed_initialized(
 ) -> bool:
     """Initialise the default process group unless it already is; True when this call did it.
 
-    The backend defaults to the device's collective library (nccl, hccl, else gloo); nccl
-    is bound to the current CUDA device where torch supports ``device_id``.
+    The backend defaults to the device's collective library (nccl, hccl, else gloo). Under
+    nccl each process uses the GPU of its ``LOCAL_RANK`` (set by torchrun; else the current
+    device): it is made the current device and the default group is bound to it where torch
+    supports ``device_id``. A bound group makes torch create groups with every rank taking
+    part, so ``build_shards``'s default strategy ``auto`` then creates every group on every rank.
+
+    Raises:
+        GroupCreationError: no torch.distributed, or ``LOCAL_RANK`` names no visible GPU.
     """
     import torch
     import torch.distributed as dist
@@ -37,14 +44,34 @@ def ensure_distributed_initialized(
         for key, value in (("init_method", init_method), ("rank", rank), ("world_size", world_size))
         if value is not None
     }
-    if (
-        backend == "nccl"
-        and torch.cuda.is_available()
-        and "device_id" in inspect.signature(dist.init_process_group).parameters
-    ):
-        kwargs["device_id"] = torch.device("cuda", torch.cuda.current_device())
+    if backend == "nccl" and torch.cuda.is_available():
+        index = local_device_index(os.environ.get("LOCAL_RANK"), torch.cuda.device_count())
+        index = torch.cuda.current_device() if index is None else index
+        torch.cuda.set_device(index)
+        if "device_id" in inspect.signature(dist.init_process_group).parameters:
+            kwargs["device_id"] = torch.device("cuda", index)
     dist.init_process_group(backend=backend, **kwargs)
     return True
+
+
+def local_device_index(local_rank: str | None, device_count: int) -> int | None:
+    """The GPU index ``LOCAL_RANK`` names (None when unset): one process per GPU, as torchrun starts them.
+
+    Raises:
+        GroupCreationError: not an integer, or no such GPU among the ``device_count`` visible.
+    """
+    if local_rank is None:
+        return None
+    try:
+        index = int(local_rank)
+    except ValueError:
+        raise GroupCreationError(f"LOCAL_RANK={local_rank!r}: expected an integer, the process's GPU index") from None
+    if not 0 <= index < device_count:
+        raise GroupCreationError(
+            f"LOCAL_RANK={index} but {device_count} GPU(s) are visible: start at most {device_count} processes "
+            f"per node (torchrun --nproc-per-node {device_count}) or check CUDA_VISIBLE_DEVICES"
+        )
+    return index
 
 
 def build_device_mesh(
@@ -128,6 +155,7 @@ def resolve_tensor_parallel_group_size(device_mesh: Any, tp_mesh_dim: int | str,
 __all__ = [
     "build_device_mesh",
     "ensure_distributed_initialized",
+    "local_device_index",
     "resolve_data_parallel_partition",
     "resolve_tensor_parallel_group_size",
 ]

@@ -114,7 +114,7 @@ class HyperParallelBackend(Backend):
         staged = [plan for plan in layout.shards if plan.spec.pp > 1]
         if layout.order != Order.TP_CP_DP_PP and staged:
             raise LayoutError(
-                f"order={layout.order!r} interleaves pipeline stages, but Hyper-Parallel's stages are contiguous "
+                f"order='{layout.order}' interleaves pipeline stages, but Hyper-Parallel's stages are contiguous "
                 f"windows of dp*cp*tp ranks (shard {staged[0].index} has pp={staged[0].spec.pp}): "
                 f"use order='tp-cp-dp-pp' with backend 'hyperparallel'"
             )

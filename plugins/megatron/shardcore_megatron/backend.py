@@ -79,6 +79,9 @@ class MegatronBackend(Backend):
         missing = missing_requirement()
         return f"{missing} is not installed: {INSTALL_HINT}" if missing else None
 
+    def load_framework(self) -> None:
+        collection_class()
+
     def make_handle(self, plan: ShardPlanLike, rank: int, groups: Mapping[str, Any], options: Mapping[str, Any]) -> Any:
         return make_collection(groups)
 

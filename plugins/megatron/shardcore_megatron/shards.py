@@ -5,8 +5,9 @@ Change ``from megatron.core.inference.shards import ...`` to
 
 * typed errors (``ShardSpecError``/``LayoutError``, both ``ValueError``) where Megatron asserts;
 * ``cp > 1``, ``role=train`` and a training window before the shards (``rank_offset``);
-* each rank creating only its own groups (``strategy="local"``, the default), or every rank
-  creating every group as Megatron does (``strategy="world"``);
+* each rank creating only its own groups where torch creates groups lazily (``strategy="auto"``,
+  the default, picks this), or every rank creating every group as Megatron does
+  (``strategy="world"``, which ``auto`` picks under a device-bound default group);
 * identical rank sets (tp and tp_cp when cp = 1, ...) sharing one communicator.
 
 Non-members: ``build_inference_pg_collection`` returns, on a rank outside its window, a
@@ -95,7 +96,7 @@ def build_inference_pg_collection(
     use_tp_pp_dp_mapping: bool = False,
     rank_offset: int = 0,
     *,
-    strategy: str = "local",
+    strategy: str = "auto",
     timeout: float | timedelta | None = None,
 ) -> Any:
     """One model's ProcessGroupCollection over ranks ``[rank_offset, rank_offset + world_size)``.
@@ -162,7 +163,7 @@ def build_inference_pg_collections_for_shards(
     use_tp_pp_dp_mapping: bool = False,
     *,
     rank_offset: int = 0,
-    strategy: str = "local",
+    strategy: str = "auto",
     allow_idle: bool = False,
     timeout: float | timedelta | None = None,
 ) -> list[InferenceShard]:

@@ -1,0 +1,294 @@
+"""Worlds for live checks: N local gloo processes, or the world torchrun set up.
+
+A *job* is a module-level function ``job(options, on_stage) -> report`` run on every rank of
+an initialised world (``on_stage(name)`` reports progress); ``shardcore check`` and
+``shardcore refit --check`` are two jobs.
+
+* ``run_local_job`` starts N local gloo processes itself (spawned, one pipe each). It owns
+  them end to end: progress events stream back as they happen, a failing rank's error comes
+  back as one line (never a launcher traceback), a dead rank is named with its exit code, and
+  on Ctrl-C or any error every process is ended before the call returns.
+* ``run_joined_job`` joins the world torchrun set up (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``).
+  Reports travel as pickled bytes in tensors (``all_gather_objects``), so no numpy is needed
+  (torch's ``all_gather_object`` needs it on torch 2.13).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import signal
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+from ..errors import GroupCreationError, ShardcoreError
+
+OnEvent = Callable[[str, int, float], None]
+"""Progress callback: (stage, rank, seconds since the job started)."""
+Job = Callable[[Any, Callable[[str], None]], Any]
+"""A function run on every rank: (options, on_stage) -> a picklable report."""
+
+GRACE_SECONDS = 5.0
+"""After the first failure, how long the other ranks get to report their own errors."""
+SILENCE_SECONDS = 60.0
+"""Beyond the job's timeout, how long no rank may send anything before the ranks still out are named."""
+
+
+def error_line(error: BaseException) -> str:
+    """One line for an error: shardcore's own message as is, anything else with its type."""
+    text = str(error).strip() or type(error).__name__
+    return text if isinstance(error, ShardcoreError) else f"{type(error).__name__}: {text}"
+
+
+_RANK_PREFIX = re.compile(r"^rank \d+: ")
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """Sorted ranks as runs: ``0-3, 6, 8-9``."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def distinct_errors(errors: dict[int, str]) -> list[str]:
+    """Each distinct error once, prefixed by the ranks that hit it (a leading ``rank N:`` is not a difference)."""
+    by_text: dict[str, list[int]] = {}
+    for rank, text in sorted(errors.items()):
+        by_text.setdefault(_RANK_PREFIX.sub("", text), []).append(rank)
+    return [f"{'rank' if len(r) == 1 else 'ranks'} {rank_ranges(r)}: {text}" for text, r in by_text.items()]
+
+
+def collective_device() -> str:
+    """Where collective tensors live: cpu under gloo, else the accelerator."""
+    import torch.distributed as dist
+
+    from .device import device_type
+
+    return "cpu" if str(dist.get_backend()) == "gloo" else device_type()
+
+
+def all_gather_objects(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank of the default group.
+
+    Pickled into uint8 tensors: lengths are all-gathered first, then every payload padded to
+    the longest. Unlike torch's ``all_gather_object`` this needs no numpy. Only for values
+    the ranks of one job exchange with each other (pickle trusts its input).
+    """
+    import torch
+    import torch.distributed as dist
+
+    device, world = collective_device(), dist.get_world_size()
+    data = pickle.dumps(value)
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    dist.all_gather(lengths, length)
+    payload = torch.zeros(max(int(t.item()) for t in lengths), dtype=torch.uint8)
+    payload[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    payload = payload.to(device)
+    payloads = [torch.empty_like(payload) for _ in range(world)]
+    dist.all_gather(payloads, payload)
+    return [pickle.loads(bytes(p[: int(n.item())].cpu().tolist())) for p, n in zip(payloads, lengths)]
+
+
+# ----------------------------------------------------------------------------- local processes
+
+
+def _local_worker(
+    job: Job, rank: int, world: int, port: int, options: Any, timeout: float, conn: Any, started: float
+) -> None:
+    """One spawned process: join the local gloo world, run the job, send events and the report over ``conn``."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+
+    def send(*message: Any) -> None:
+        conn.send(message)
+
+    try:
+        send("started", rank, time.time() - started)
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            timeout=timedelta(seconds=timeout),
+        )  # fmt: skip
+        send("joined", rank, time.time() - started)
+        report = job(options, lambda stage: send(stage, rank, time.time() - started))
+        send("done", rank, report)
+    except BaseException as error:  # the parent shows it as one line; a traceback would be noise
+        send("failed", rank, error_line(error))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        conn.close()
+
+
+@contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """Children started inside inherit a blocked SIGINT, so a terminal's Ctrl-C (sent to the whole
+    process group) reaches only the parent, which ends them: no traceback from each child. A Ctrl-C
+    meanwhile stays pending in the parent and arrives when the block ends."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _end(processes: list[Any]) -> None:
+    """End every process still running: SIGTERM, then SIGKILL after a moment."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + 3
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def run_local_job(nproc: int, job: Job, options: Any, timeout: float, on_event: OnEvent | None = None) -> list[Any]:
+    """Start ``nproc`` local gloo processes running ``job``, stream their progress, collect their reports.
+
+    Args:
+        nproc: processes (ranks) to start.
+        job: a module-level function ``(options, on_stage) -> report``.
+        options: the job's arguments (picklable), the same on every rank.
+        timeout: seconds a rank waits for the others; the default group's timeout.
+        on_event: progress callback: (stage, rank, seconds since start) for ``started``, ``joined``
+            and each stage the job reports.
+
+    Returns:
+        Every rank's report, in rank order.
+
+    Raises:
+        GroupCreationError: a rank failed or died (each distinct error once), or no rank sent
+            anything for ``timeout + SILENCE_SECONDS`` (naming the ranks still out).
+        KeyboardInterrupt: passed on after every process has been ended.
+    """
+    import multiprocessing
+    from multiprocessing.connection import wait
+
+    from .ports import free_port
+
+    context = multiprocessing.get_context("spawn")
+    port, started = free_port(), time.time()
+    processes: list[Any] = []
+    readers: dict[Any, int] = {}
+    try:
+        with _sigint_blocked():
+            for rank in range(nproc):
+                reader, writer = context.Pipe(duplex=False)
+                process = context.Process(
+                    target=_local_worker,
+                    args=(job, rank, nproc, port, options, timeout, writer, started),
+                    daemon=True,
+                )
+                process.start()
+                writer.close()
+                processes.append(process)
+                readers[reader] = rank
+        reports: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        silence, last_news, give_up = timeout + SILENCE_SECONDS, time.monotonic(), None
+        while len(reports) + len(errors) < nproc and (give_up is None or time.monotonic() < give_up):
+            ready: Any  # wait returns some of the readers it was given
+            for ready in wait(list(readers), timeout=0.2):
+                rank = readers[ready]
+                try:
+                    message = ready.recv()
+                except EOFError:  # the process ended; its exit code says how
+                    del readers[ready]
+                    if rank not in reports and rank not in errors:
+                        processes[rank].join(1)
+                        errors[rank] = f"rank {rank} died (exit code {processes[rank].exitcode})"
+                    continue
+                last_news = time.monotonic()
+                kind, _, payload = message
+                if kind == "done":
+                    reports[rank] = payload
+                elif kind == "failed":
+                    errors[rank] = payload
+                elif on_event is not None:
+                    on_event(kind, rank, payload)
+            if errors and give_up is None:
+                give_up = time.monotonic() + GRACE_SECONDS
+            if time.monotonic() - last_news > silence:
+                out = [rank for rank in range(nproc) if rank not in reports and rank not in errors]
+                raise GroupCreationError(
+                    f"ranks {rank_ranges(out)} sent nothing for {silence:.0f}s "
+                    f"(timeout {timeout:g}s + {SILENCE_SECONDS:g}s)"
+                )
+        if errors:
+            raise GroupCreationError("shardcore check failed:\n" + "\n".join(distinct_errors(errors)))
+        return [reports[rank] for rank in sorted(reports)]
+    finally:
+        _end(processes)
+
+
+# ----------------------------------------------------------------------------- torchrun
+
+
+def init_from_env() -> None:
+    """Join torchrun's world on this process's device (``LOCAL_RANK``), without binding the default group."""
+    import torch
+    import torch.distributed as dist
+
+    from .device import comm_backend, device_type
+
+    device = device_type()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+    elif device == "npu":
+        torch.npu.set_device(local_rank)  # type: ignore[attr-defined]  # registered by torch_npu
+    dist.init_process_group(backend=os.environ.get("SHARDCORE_COMM_BACKEND") or comm_backend(device))
+
+
+def run_joined_job(job: Job, options: Any, on_event: OnEvent | None = None) -> list[Any] | None:
+    """Run ``job`` on the world torchrun set up; rank 0 gets every report, the others None.
+
+    Args:
+        job: a module-level function ``(options, on_stage) -> report``.
+        options: the job's arguments, the same on every rank.
+        on_event: progress callback, called on every rank for this rank's own stages.
+
+    Raises:
+        ShardcoreError: the job failed on this rank.
+    """
+    import torch.distributed as dist
+
+    started = time.time()
+    init_from_env()
+    rank = dist.get_rank()
+    emit = on_event or (lambda stage, rank, seconds: None)
+    try:
+        emit("joined", rank, time.time() - started)
+        report = job(options, lambda stage: emit(stage, rank, time.time() - started))
+        reports = all_gather_objects(report)
+        return reports if rank == 0 else None
+    finally:
+        dist.destroy_process_group()
+
+
+__all__ = [
+    "Job",
+    "OnEvent",
+    "all_gather_objects",
+    "collective_device",
+    "distinct_errors",
+    "error_line",
+    "init_from_env",
+    "rank_ranges",
+    "run_joined_job",
+    "run_local_job",
+]

@@ -1,0 +1,239 @@
+"""`shardcore check` on live worlds: the local launcher and torchrun (without numpy) give the same
+table; bad input fails before any process starts; a worker's errors come back once each, without
+tracebacks; Ctrl-C ends every process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from shardcore import plan_layout
+from shardcore.cli import main
+from shardcore.engine.launch import distinct_errors, rank_ranges
+from shardcore.plan.layout import distinct_groups
+from shardcore_dtensor import DTensorBackend
+
+ROOT = Path(__file__).resolve().parents[2]
+
+NO_NUMPY = textwrap.dedent(
+    """
+    import sys
+
+    class _NoNumpy:
+        def find_spec(self, name, path=None, target=None):
+            if name == "numpy" or name.startswith("numpy."):
+                raise ModuleNotFoundError(f"No module named {name!r}")
+            return None
+
+    sys.meta_path.insert(0, _NoNumpy())
+    """
+)
+
+FAILING_PLUGIN = textwrap.dedent(
+    """
+    from shardcore import Backend, hookimpl
+    from shardcore.errors import LayoutError
+
+
+    class Failing(Backend):
+        name = "failing"
+        description = "test backend: every member rank fails to make its handle"
+
+        def make_handle(self, plan, rank, groups, options):
+            if plan.index == 0:
+                raise LayoutError(f"rank {rank}: shard 0 cannot be served")
+            raise RuntimeError("shard 1 has no device")
+
+
+    @hookimpl
+    def shardcore_register_backends(register):
+        register(Failing())
+    """
+)
+
+CASES = [
+    ("tp=2,role=train+tp=1,dp=2,role=decode", 4, []),
+    ("tp=2,pp=2", 5, ["--allow-idle", "--strategy", "world", "--order", "tp-cp-pp-dp"]),
+]
+
+
+def _env(extra_path: Path | None = None) -> dict[str, str]:
+    paths = [str(p) for p in (extra_path, ROOT) if p is not None]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])}
+    env.pop("SHARDCORE_BACKEND", None)
+    return env
+
+
+def _expected_verified(spec: str, world: int, flags: list[str]) -> list[int]:
+    order = flags[flags.index("--order") + 1] if "--order" in flags else "tp-cp-dp-pp"
+    layout = plan_layout(world, spec, order=order, allow_idle="--allow-idle" in flags)
+    return [
+        sum(len(distinct_groups(plan.groups_of(rank, DTensorBackend.group_names))) for rank in plan.ranks)
+        for plan in layout.shards
+    ]
+
+
+def _table_rows(out: str) -> list[list[str]]:
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("shard "))
+    return [line.split() for line in lines[start + 1 :] if line and not line.startswith("all groups")]
+
+
+def _assert_checked(result: subprocess.CompletedProcess[str], spec: str, world: int, flags: list[str]) -> None:
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "backend dtensor (the default)" in result.stdout
+    assert result.stdout.rstrip().endswith("all groups match the plan")
+    rows = [row for row in _table_rows(result.stdout) if row[0] != "idle"]
+    verified = [int(row[-5]) for row in rows]
+    assert verified == _expected_verified(spec, world, flags)
+    assert all(row[-1] == "ok" for row in rows)
+
+
+@pytest.mark.parametrize(("spec", "world", "flags"), CASES)
+def test_local_mode(spec: str, world: int, flags: list[str]) -> None:
+    argv = [sys.executable, "-m", "shardcore", "check", "--nproc", str(world), "--shards", spec, *flags]
+    result = subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+    _assert_checked(result, spec, world, flags)
+    progress = [line.split()[:2] for line in result.stderr.splitlines() if line.startswith("  ")]
+    assert [stage for stage, count in progress if count == f"{world}/{world}"] == [
+        "started",
+        "joined",
+        "imported",
+        "built",
+        "verified",
+    ]
+    if "--strategy" not in flags:
+        assert "strategy local: groups are created lazily here" in result.stdout
+
+
+@pytest.mark.parametrize(("spec", "world", "flags"), CASES)
+def test_torchrun_mode_without_numpy(tmp_path: Path, spec: str, world: int, flags: list[str]) -> None:
+    (tmp_path / "sitecustomize.py").write_text(NO_NUMPY)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
+    argv += ["-m", "shardcore", "check", "--shards", spec, *flags]
+    result = subprocess.run(argv, capture_output=True, text=True, env=_env(tmp_path), timeout=300, cwd=ROOT)
+    assert "Failed to initialize NumPy" in result.stderr  # numpy really was hidden from torch
+    _assert_checked(result, spec, world, flags)
+    assert f"torchrun world of {world} ranks" in result.stdout
+    assert f"all {world} ranks verified their groups" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--backend", "DTensor"], "did you mean 'dtensor'?"),
+        (["--backend", "nope"], "no backend named 'nope'; installed: "),
+        (["--option", "colour=red"], "unknown option(s) colour for backend 'dtensor'"),
+        (["--backend", "hyperparallel", "--order", "tp-cp-pp-dp", "--shards", "pp=2"], "order='tp-cp-pp-dp'"),
+        (["--strategy", "local", "--env", "TORCH_DIST_INIT_BARRIER=1"], "strategy='local' cannot work here"),
+        (["--env", "TORCH_DIST_INIT_BARRIER=yes"], "TORCH_DIST_INIT_BARRIER='yes'"),
+        (["--nproc", "100000"], "--nproc 100000: at most"),
+    ],
+)
+def test_bad_input_fails_before_any_process_starts(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, argv: list[str], message: str
+) -> None:
+    import multiprocessing
+
+    monkeypatch.delenv("SHARDCORE_BACKEND", raising=False)
+    if "--env" in argv:
+        key, _, value = argv[argv.index("--env") + 1].partition("=")
+        monkeypatch.setenv(key, value)
+        argv = argv[: argv.index("--env")]
+    shards = [] if "--shards" in argv else ["--shards", "tp=2"]
+    nproc = [] if "--nproc" in argv else ["--nproc", "2"]
+    code = main(["check", *nproc, *shards, *argv])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("shardcore: error: ") and message in err
+    assert multiprocessing.active_children() == []
+
+
+def test_a_worker_failure_shows_each_distinct_error_once(tmp_path: Path) -> None:
+    (tmp_path / "failing_backend.py").write_text(FAILING_PLUGIN)
+    info = tmp_path / "failing_backend-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: failing-backend\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[shardcore.backends]\nfailing = failing_backend\n")
+    argv = [sys.executable, "-m", "shardcore", "check", "--nproc", "4", "--shards", "tp=2+tp=2"]
+    argv += ["--backend", "failing", "--timeout", "30"]
+    started = time.monotonic()
+    result = subprocess.run(argv, capture_output=True, text=True, env=_env(tmp_path), timeout=300, cwd=ROOT)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    errors = result.stderr[result.stderr.index("shardcore: error:") :].splitlines()
+    assert errors == [
+        "shardcore: error: shardcore check failed:",
+        "ranks 0-1: shard 0 cannot be served",
+        "ranks 2-3: RuntimeError: shard 1 has no device",
+    ]
+    assert time.monotonic() - started < 120
+
+
+def test_a_plugin_that_fails_to_import_is_one_line_before_any_start(tmp_path: Path) -> None:
+    (tmp_path / "broken_backend.py").write_text("raise ImportError('needs libfoo.so')\n")
+    info = tmp_path / "broken_backend-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-backend\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[shardcore.backends]\nbroken = broken_backend\n")
+    argv = [sys.executable, "-m", "shardcore", "check", "--nproc", "2", "--shards", "tp=2", "--backend", "broken"]
+    result = subprocess.run(argv, capture_output=True, text=True, env=_env(tmp_path), timeout=120, cwd=ROOT)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == "shardcore: error: backend 'broken' failed to import: needs libfoo.so\n"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as status:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in status)
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads process children from /proc")
+def test_ctrl_c_ends_quietly_with_no_stray_process() -> None:
+    argv = [sys.executable, "-m", "shardcore", "check", "--nproc", "3", "--shards", "tp=3", "--timeout", "60"]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    children: list[int] = []
+    deadline = time.monotonic() + 120
+    while len(children) < 3 and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.05)
+        with open(f"/proc/{process.pid}/task/{process.pid}/children", encoding="ascii") as file:
+            children = [int(pid) for pid in file.read().split()]
+    assert len(children) >= 3, "the workers never started"
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err
+    assert err.rstrip().endswith("shardcore: interrupted") and "Traceback" not in err
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in children if _alive(pid)] == []
+
+
+def test_distinct_errors_group_ranks_and_ignore_the_rank_prefix() -> None:
+    errors = {0: "rank 0: boom", 1: "rank 1: boom", 2: "other", 5: "rank 5: boom"}
+    assert distinct_errors(errors) == ["ranks 0-1, 5: boom", "rank 2: other"]
+    assert rank_ranges([0, 1, 2, 4, 6, 7]) == "0-2, 4, 6-7"
+
+
+def test_the_header_names_the_backend_actually_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shardcore.cli.check import _header
+    from shardcore.engine.check import CheckOptions, prepare
+
+    monkeypatch.setenv("SHARDCORE_BACKEND", "toy")
+    options = CheckOptions(shards="tp=2")
+    prepared = prepare(options, 2)
+    assert (prepared.backend, prepared.backend_source) == ("toy", "$SHARDCORE_BACKEND")
+    assert "backend toy (from $SHARDCORE_BACKEND)" in _header(prepared, options, "1 local gloo process")
+    assert prepare(CheckOptions(shards="tp=2", backend="dtensor"), 2).backend_source == "--backend"
