@@ -2,11 +2,11 @@
 
 ``DTensor.redistribute`` works within one mesh only ("Cross device mesh comm not supported
 yet!"). Here each rank reads its own holdings off its DTensors' placements (``Shard(d)`` and
-``Replicate()``) as global boxes, one ``all_gather_object`` shares them, and every rank derives
-the same plan from them: each destination box is cut along the source shards it overlaps, and
-each cut comes from the destination rank itself when it holds a source replica (a local copy),
-else from the least loaded replica so far. shardcore's engine then moves the bytes
-(:func:`shardcore.engine.refit.execute`).
+``Replicate()``) as global boxes, one all-gather shares them (``all_gather_objects``, which
+needs no numpy), and every rank derives the same plan from them: each destination box is cut
+along the source shards it overlaps, and each cut comes from the destination rank itself when
+it holds a source replica (a local copy), else from the least loaded replica so far.
+shardcore's engine then moves the bytes (:func:`shardcore.engine.refit.execute`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from datetime import timedelta
 from math import prod
 from typing import Any, NamedTuple
 
+from shardcore.engine.launch import all_gather_objects
 from shardcore.engine.refit import DEFAULT_BUCKET_BYTES, RefitInputError, TransferStats, execute
 from shardcore.refit.planner import Transfer
 
@@ -231,9 +232,7 @@ def refit(
 
     rank = dist.get_rank()
     mine = _holdings("src", src_state or {}, rank) + _holdings("dst", dst_state or {}, rank)
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    plan = plan_from_holdings([record for records in gathered for record in records])
+    plan = plan_from_holdings([record for records in all_gather_objects(mine) for record in records])
     with torch.no_grad():
         sources = {n: t.to_local() for n, t in (src_state or {}).items() if ("src", n, rank) in plan.holdings}
         targets = {n: t.to_local() for n, t in (dst_state or {}).items() if ("dst", n, rank) in plan.holdings}

@@ -13,7 +13,7 @@ allowed. The manifest is read off the models' parameters:
 * a tied output layer on a last stage that is not also first (``output_layer.weight``) is the
   embedding, which then sits on the first and last stages.
 
-Every rank contributes what its own stage and experts hold; one ``all_gather_object`` joins
+Every rank contributes what its own stage and experts hold; one all-gather joins
 them, and any disagreement (between ranks, or between the two models' conventions) is a typed
 error naming the tensor.
 """
@@ -25,6 +25,7 @@ from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
+from shardcore.engine.launch import all_gather_objects
 from shardcore.engine.refit import DEFAULT_BUCKET_BYTES, RefitInputError, TransferStats, execute
 from shardcore.plan.layout import GRID_DIMS, Layout, ShardPlan
 
@@ -157,7 +158,7 @@ def manifest_from_records(records: Sequence[dict[str, Any]], facts: Sequence[dic
 
 
 def read_manifest(src_model: Any, dst_model: Any, source: ShardPlan, target: ShardPlan) -> Any:
-    """The manifest both models agree on, from every rank's parameters (one ``all_gather_object``).
+    """The manifest both models agree on, from every rank's parameters (one all-gather).
 
     Every rank of the world calls it, with None for a model it does not hold.
     """
@@ -169,8 +170,7 @@ def read_manifest(src_model: Any, dst_model: Any, source: ShardPlan, target: Sha
         if model is not None and rank in plan:
             mine["records"] += _records(model, plan, side, rank)
             mine["facts"].append(_config_facts(model))
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+    gathered = all_gather_objects(mine)
     return manifest_from_records([r for g in gathered for r in g["records"]], [f for g in gathered for f in g["facts"]])
 
 
