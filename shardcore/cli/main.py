@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a rank waits for the others before naming them in an error (default: %(default)s)",
     )
     check.set_defaults(func=cmd_check)
-    add_refit_parser(sub)
+    add_refit_parser(sub, common)
     backends = sub.add_parser("backends", help="list installed backends and whether they work here", parents=[common])
     backends.set_defaults(func=_cmd_backends)
     return parser

@@ -154,7 +154,8 @@ def run(args: argparse.Namespace) -> int:
     if args.check:
         if args.world is not None:
             raise RefitError("--check takes its world from --nproc (or torchrun), not --world")
-        args.world = args.nproc
+        joined = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        args.world = int(os.environ["WORLD_SIZE"]) if joined else args.nproc
         _plan(args)
         return _check(args)
     _, plan = _plan(args)
@@ -216,9 +217,11 @@ def check_summary(reports: list[RefitReport], plan: RefitPlan) -> tuple[str, boo
     return table + ("\n" + "\n".join(details) if details else ""), ok
 
 
-def add_refit_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``shardcore refit`` on the main parser's subparsers."""
-    parser = subparsers.add_parser("refit", help="plan moving a model's weights from one shard to others (no torch)")
+def add_refit_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Register ``shardcore refit`` on the main parser's subparsers (``common``: the -v / -q flags)."""
+    parser = subparsers.add_parser(
+        "refit", help="plan moving a model's weights from one shard to others (no torch)", parents=[common]
+    )
     parser.add_argument("--world", type=int, help="total number of ranks")
     parser.add_argument("--shards", help="e.g. 'tp=8,pp=4,dp=4,role=train+tp=8,role=decode', or @file.yaml")
     parser.add_argument("--order", default=DEFAULT_ORDER, choices=[*Order, *ORDER_ALIASES])
