@@ -12,7 +12,7 @@ class ShardSpecError(ShardcoreError, ValueError):
 
 
 class LayoutError(ShardcoreError, ValueError):
-    """Shards do not fit the world, or a grid / rank request is out of range."""
+    """Shards do not fit the world, a grid / rank request is out of range, or an argument is bad."""
 
 
 class BackendNotFoundError(ShardcoreError, LookupError):
@@ -29,3 +29,7 @@ class GroupCreationError(ShardcoreError, RuntimeError):
 
 class LayoutMismatchError(GroupCreationError):
     """Ranks of one world planned different layouts (config drift between ranks)."""
+
+
+class ShardSpecWarning(UserWarning):
+    """A spec that works but is probably a mistake (a key repeated within a shard: the last value wins)."""

@@ -31,6 +31,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from ..errors import GroupCreationError
+from ..plan.arguments import DEFAULT_TIMEOUT, as_timedelta  # re-exported: plan.arguments owns them
 from ..plan.layout import GROUP_NAMES, Layout, RankGroups, ShardPlan, distinct_groups
 from .backend import NamedGrids
 from .rendezvous import listed
@@ -45,9 +46,6 @@ class Strategy(StrEnum):
 
     LOCAL = "local"
     WORLD = "world"
-
-
-DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 
 def _dist() -> Any:
@@ -73,16 +71,6 @@ def check_local_strategy() -> None:
             "communicators with every rank taking part and members-only creation would hang: "
             "init without device_id or use strategy='world'"
         )
-
-
-def as_timedelta(timeout: float | timedelta | None) -> timedelta:
-    """Seconds or a timedelta; None means DEFAULT_TIMEOUT."""
-    if timeout is None:
-        return DEFAULT_TIMEOUT
-    value = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
-    if value.total_seconds() <= 0:
-        raise GroupCreationError(f"timeout={timeout!r}: expected a positive number of seconds")
-    return value
 
 
 def is_fake_world() -> bool:
