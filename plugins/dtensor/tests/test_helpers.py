@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("torch")
 
 from plugins.dtensor.tests import dtensor_workers as workers
+from shardcore import LayoutError
 from shardcore.engine.ports import free_port
 from shardcore.testing import run_world
 
@@ -75,8 +76,6 @@ HUGE = 10**5000
 )
 def test_bad_arguments_are_refused_before_torch_distributed(call: object, token: str) -> None:
     import shardcore_dtensor as helpers
-
-    from shardcore import LayoutError
 
     with pytest.raises(LayoutError) as info:
         call(helpers)  # type: ignore[operator]
