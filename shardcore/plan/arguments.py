@@ -191,7 +191,7 @@ def as_timedelta(timeout: object, name: str = "timeout") -> timedelta:
         value = timeout
     elif isinstance(timeout, Real) and not isinstance(timeout, bool):
         seconds = float(timeout) if not isinstance(timeout, int) or _digits(timeout) < 300 else math.inf
-        if not math.isfinite(seconds) or seconds > MAX_TIMEOUT.total_seconds():
+        if not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT.total_seconds()):
             raise LayoutError(f"{name}={shown(timeout)}: {accepted}")
         value = timedelta(seconds=seconds)
     else:

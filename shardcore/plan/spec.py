@@ -278,6 +278,12 @@ def _load_document(text: str, source: str) -> Any:
 
 
 def _parse_text(text: str, source: str) -> list[ShardSpec]:
+    try:
+        text.encode("utf-8")  # libyaml and every output need text; a lone surrogate is not
+    except UnicodeEncodeError as error:
+        raise ShardSpecError(
+            f"{source} holds U+{ord(text[error.start]):04X} at position {error.start}: a lone surrogate is not text"
+        ) from None
     stripped = text.strip()
     # A document starts like a list, a mapping or a comment, or has ':' and no '=' (grammar never
     # has ':' without '='; a shard name may hold ':').
