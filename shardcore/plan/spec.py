@@ -140,10 +140,11 @@ def format_shards(shards: Sequence[ShardSpec]) -> str:
     Raises:
         ShardSpecError: an item is not a ShardSpec.
     """
-    bad = (
-        next((item for item in shards if not isinstance(item, ShardSpec)), None) if isinstance(shards, Sequence) else 0
-    )
-    if bad is not None or isinstance(shards, str):
+    if (
+        not isinstance(shards, Sequence)
+        or isinstance(shards, str)
+        or not all(isinstance(item, ShardSpec) for item in shards)
+    ):
         raise ShardSpecError(f"format_shards takes a sequence of ShardSpec; got {shown(shards)}")
     return "+".join(str(spec) for spec in shards)
 
@@ -157,7 +158,7 @@ def _shard_context(index: int, source: object) -> Iterator[None]:
         raise ShardSpecError(f"shard {index} ({shown(source)}): {error}") from None
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def _warn(message: str) -> None:
