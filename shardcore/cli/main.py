@@ -11,7 +11,7 @@ from typing import Any
 
 from ..engine.groups import Strategy
 from ..errors import ShardcoreError
-from ..plan.arguments import MAX_TIMEOUT, as_timedelta, check_count, shown
+from ..plan.arguments import MAX_TIMEOUT, as_timedelta, shown
 from ..plan.layout import DEFAULT_ORDER, ORDER_ALIASES, Order, plan_layout
 from ..views.picture import DEFAULT_RANKS_PER_NODE, render_svg
 from ..views.tables import format_table, layout_table, rank_table, shown_groups
@@ -66,8 +66,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     layout = plan_layout(
         args.world, args.shards, order=args.order, rank_offset=args.rank_offset, allow_idle=args.allow_idle
     )
-    if args.ranks_per_node is not None:
-        check_count("ranks_per_node", args.ranks_per_node)
     if args.rank is not None:
         layout.shard_of(args.rank)  # a rank outside the world fails here, before anything is printed
     report = None if args.ranks_per_node is None else check_topology(layout, args.ranks_per_node)

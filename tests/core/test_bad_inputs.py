@@ -31,14 +31,17 @@ from shardcore import (
     build_shards,
     destroy_shards,
     format_shards,
+    get_backend,
     my_shard,
     parse_shards,
     plan_layout,
+    register_backend,
 )
 from shardcore.cli import main
 from shardcore.plan.arguments import MAX_WORLD_SIZE, as_timedelta, shown
 from shardcore.views.picture import render_svg
 from shardcore.views.tables import layout_table
+from shardcore.views.topology import check_topology
 
 BIG = 10**18
 HUGE = "9" * 5000
@@ -191,6 +194,10 @@ def re_escape(text: str) -> str:
         (lambda: my_shard(5), "shards=5: expected the list"),  # type: ignore[arg-type]
         (lambda: destroy_shards(["x"]), "shards=['x']"),  # type: ignore[list-item]
         (lambda: ShardSpec(tp=2, role="Chef"), "role='Chef'"),
+        (lambda: get_backend(["dtensor"]), "backend name ['dtensor']: expected a string"),  # type: ignore[arg-type]
+        (lambda: register_backend(5), "register_backend(5): expected a Backend"),  # type: ignore[arg-type]
+        (lambda: check_topology(plan_layout(8, "tp=8"), 10**5000), "ranks_per_node=100000000000... (5001 digits)"),
+        (lambda: render_svg(plan_layout(8, "tp=8"), 10**5000, None), "ranks_per_node=100000000000..."),
         (lambda: ShardSpec(tp=2, expt_tp=10**5000), "expt_tp=100000000000... (5001 digits)"),
     ],
 )
