@@ -6,7 +6,7 @@ Besides grammar tokens and junk, a share of the inputs holds STRESS tokens, whic
 themselves (digit strings past Python's 4,300-digit int limit, control and format characters, huge
 nesting, YAML's binary and sexagesimal integers) rather than the grammar.
 
-    python benchmarks/fuzz_long.py --n 100000 --seed 0
+    python -m benchmarks.fuzz_long --n 100000 --seed 0
 """
 
 from __future__ import annotations
