@@ -1,14 +1,18 @@
-"""Long fuzz run of parse_shards, plan_layout and `shardcore plan` (issue 6): N random inputs.
+"""Long fuzz run of parse_shards, plan_layout, build_shards' argument checks and `shardcore plan`: N random inputs.
 
 Each input runs twice: once timed (CPU time), once under tracemalloc for its allocation peak. Fails on any
 exception other than a ShardcoreError (or argparse's exit 2), on > 100 ms, or on > 100 MB for one input.
+Besides grammar tokens and junk, a share of the inputs holds STRESS tokens, which stress the parsers
+themselves (digit strings past Python's 4,300-digit int limit, control and format characters, huge
+nesting, YAML's binary and sexagesimal integers) rather than the grammar.
 
-    python benchmarks/fuzz_long.py --n 100000 --seed 0
+    python -m benchmarks.fuzz_long --n 100000 --seed 0
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import sys
 import time
@@ -17,6 +21,8 @@ from typing import Any
 
 from benchmarks.measure import measure_input
 from shardcore.cli import main
+from shardcore.engine.shards import build_shards
+from shardcore.plan.arguments import shown
 from shardcore.plan.layout import plan_layout
 from shardcore.plan.spec import parse_shards
 
@@ -67,6 +73,43 @@ TOKENS = [
     "- {tp: 2}\n",
     "- tp: ",
 ]
+LONG = [4299, 4300, 4301, 5000, 60_000]
+"""Digit counts around and past Python's int-conversion limit."""
+STRESS = [
+    *("9" * n for n in LONG),
+    *("-" + "9" * n for n in LONG[:3]),
+    "0" * 5000 + "2",
+    "1_" * 3000 + "1",
+    "\u0662" * 5000,  # Arabic-Indic digits: int() reads them
+    "\uff19" * 4400,  # fullwidth digits
+    "0b" + "1" * 20_000,  # YAML 1.1 binary: converted without the decimal limit
+    "0x" + "f" * 5000,
+    ":".join(["59"] * 3000),  # YAML 1.1 sexagesimal
+    "1e99999",
+    "nan",
+    "-inf",
+    "\x0b",
+    "\x0c",
+    "\x1b[31m",
+    "\x7f",
+    "\x85",
+    "\u2028",
+    "\u202e",
+    "\u200b",
+    "\ufeff",
+    "\ud800",
+    "\U0001f680",
+    "e\u0301",
+    "\x00",
+    "x" * 100_000,
+    "[" * 70,
+    "{" * 70,
+    "- " * 70,
+    "&a [*a, *a]",
+    "tp=1+" * 1000,
+    ",".join(["tp=1"] * 1000),
+]
+"""Tokens that stress the parsers rather than the grammar."""
 KEYS = ["tp", "pp", "cp", "dp", "ep", "expt_tp", "role", "name", "bogus", ""]
 FLAGS = [
     "--json",
@@ -83,10 +126,34 @@ FLAGS = [
     "--ranks-per-node=8",
     "--ranks-per-node=0",
     "--bogus",
+    "--rank=" + "9" * 5000,
+    "--rank-offset=" + "9" * 4400,
+    "--ranks-per-node=" + "9" * 4000,
+    "--rank=\u0662",
 ]
 
 
+def stress(rng: random.Random) -> str:
+    """A stress token alone, inside grammar, or as a JSON / YAML value."""
+    token = rng.choice(STRESS)
+    key = rng.choice(["tp", "dp", "ep", "name", "role"])
+    return rng.choice(
+        [
+            token,
+            f"{key}={token}",
+            f"tp=2,{key}={token}+tp=1",
+            f'[{{"{key}": {token}}}]',
+            f'[{{"{key}": "{token}"}}]',
+            f"- {{{key}: {token}}}",
+            f"{key}: {token}",
+            f"- tp: 2\n  {key}: {token}\n",
+        ]
+    )
+
+
 def text(rng: random.Random) -> str:
+    if rng.random() < 0.15:
+        return stress(rng)
     if rng.random() < 0.8:
         return "".join(rng.choice(TOKENS) for _ in range(rng.randint(0, 30)))
     return "".join(chr(rng.randint(0, 0x2FF)) for _ in range(rng.randint(0, 40)))
@@ -96,7 +163,7 @@ def value(rng: random.Random) -> Any:
     return rng.choice(
         [
             lambda: rng.randint(-3, 2**40),
-            lambda: rng.choice([True, None, 2.5, float("nan"), "2", [1]]),
+            lambda: rng.choice([True, None, 2.5, float("nan"), "2", [1], 10**5000, -(10**4400), 2**24 + 1]),
             lambda: text(rng),
             lambda: rng.choice(["train", "prefill", "decode"]),
             lambda: rng.choice([1, 2, 4, 8]),
@@ -126,14 +193,40 @@ def spec(rng: random.Random) -> Any:
 
 
 def world(rng: random.Random) -> Any:
-    return rng.choice([lambda: rng.randint(-2, 4096), lambda: rng.choice([2**24, 2**24 + 1, 2**40, None, "8", 2.0])])()
+    return rng.choice(
+        [lambda: rng.randint(-2, 4096), lambda: rng.choice([2**24, 2**24 + 1, 2**40, None, "8", 2.0, 10**5000])]
+    )()
+
+
+def argument(rng: random.Random, good: list[Any]) -> Any:
+    """A good value of a build_shards argument, or anything else."""
+    bad = [None, True, 0, -1, 2.5, float("nan"), float("inf"), 1e20, 10**5000, "abc", "", [5], {}, b"x", text(rng)]
+    return rng.choice(good) if rng.random() < 0.7 else rng.choice(bad)
+
+
+def build_call(rng: random.Random) -> tuple[Any, str]:
+    """build_shards with random arguments, outside any torch world: a typed error, whatever they are."""
+    kwargs = {
+        "timeout": argument(rng, [None, 1, 0.5, 300]),
+        "strategy": argument(rng, ["local", "world"]),
+        "order": argument(rng, ["tp-cp-dp-pp", "tp-pp-dp"]),
+        "rank_offset": argument(rng, [0, 1]),
+        "allow_idle": argument(rng, [False, True]),
+        "groups": argument(rng, [None, ["tp"], ("tp", "dp"), "pp"]),
+        "backend": argument(rng, [None, "dtensor"]),
+    }
+    w, s = world(rng), spec(rng)
+    return (lambda: build_shards(w, s, **kwargs)), shown((w, s, kwargs))
 
 
 def one_input(rng: random.Random) -> tuple[str, Any, str]:
-    target = rng.randrange(3)
+    target = rng.randrange(4)
+    if target == 3:
+        call, described = build_call(rng)
+        return "build_shards", call, described
     if target == 0:
         s = spec(rng)
-        return "parse_shards", lambda: parse_shards(s), repr(s)
+        return "parse_shards", lambda: parse_shards(s), shown(s)
     if target == 1:
         w, s, off = world(rng), spec(rng), rng.choice([0, 0, 1, 7, -1, 2**24])
         order = rng.choice(["tp-cp-dp-pp", "tp-cp-pp-dp", "tp-dp-pp", "tp-pp-dp", "bad", None])
@@ -141,13 +234,14 @@ def one_input(rng: random.Random) -> tuple[str, Any, str]:
         return (
             "plan_layout",
             lambda: plan_layout(w, s, order=order, rank_offset=off, allow_idle=idle),
-            repr((w, s, order, off, idle)),
+            shown((w, s, order, off, idle)),
         )
-    w = str(world(rng)) if rng.random() < 0.9 else text(rng)
+    number = world(rng)
+    w = ("9" * 5000 if isinstance(number, int) and number > 2**40 else str(number)) if rng.random() < 0.9 else text(rng)
     s = spec(rng)
     s = s if isinstance(s, str) else text(rng)
     args = ["plan", f"--world={w}", f"--shards={s}", *rng.sample(FLAGS, rng.randint(0, 4))]
-    return "cli", lambda: main(args), repr(args)
+    return "cli", lambda: main(args), shown(args)
 
 
 def run(n: int, seed: int) -> int:
@@ -159,8 +253,10 @@ def run(n: int, seed: int) -> int:
     started = time.monotonic()
     warnings.simplefilter("ignore")
     parse_shards("- {tp: 2}")  # import PyYAML once, outside the measurements
+    with contextlib.suppress(ImportError):
+        import torch.distributed  # noqa: F401  # likewise torch, which build_shards imports on use
     for i in range(n):
-        kind, call, shown = one_input(rng)
+        kind, call, described = one_input(rng)
         counts[kind] = counts.get(kind, 0) + 1
         cost = measure_input(call, allow_exit=kind == "cli")
         if cost.error is not None:
@@ -168,9 +264,9 @@ def run(n: int, seed: int) -> int:
             print(f"input {i} ({kind}): {type(cost.error).__name__}: {cost.error}", file=sys.stderr)
         elapsed, peak = cost.seconds, cost.peak_bytes
         if elapsed > worst_time.get(kind, (0.0, ""))[0]:
-            worst_time[kind] = (elapsed, f"input {i}: {shown[:200]}")
+            worst_time[kind] = (elapsed, f"input {i}: {described[:200]}")
         if peak > worst_mem.get(kind, (0, ""))[0]:
-            worst_mem[kind] = (peak, f"input {i}: {shown[:200]}")
+            worst_mem[kind] = (peak, f"input {i}: {described[:200]}")
     total = time.monotonic() - started
     print(f"{n} inputs, seed {seed}, {total:.0f} s wall; bad: {bad}")
     print("| target | inputs | max CPU time / input | max allocated / input |")

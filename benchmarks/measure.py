@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import time
 import tracemalloc
@@ -23,7 +24,8 @@ class InputCost:
 
 
 def measure_input(call: Callable[[], Any], allow_exit: bool = False) -> InputCost:
-    """Run ``call`` twice, quietly: timed (CPU time, immune to a loaded machine), then under tracemalloc.
+    """Run ``call`` twice, quietly: timed (CPU time, immune to a loaded machine; the garbage collector
+    paused), then under tracemalloc.
 
     A ShardcoreError is the expected answer to bad input, and with ``allow_exit`` so is
     argparse's exit status 2; anything else is returned as ``error``.
@@ -42,9 +44,13 @@ def measure_input(call: Callable[[], Any], allow_exit: bool = False) -> InputCos
             return error
         return None
 
-    started = time.process_time()
-    error = once()
-    seconds = time.process_time() - started
+    gc.disable()  # a collection pass pays for earlier inputs' garbage: not this input's cost
+    try:
+        started = time.process_time()
+        error = once()
+        seconds = time.process_time() - started
+    finally:
+        gc.enable()
     tracemalloc.start()
     try:
         error = once() or error

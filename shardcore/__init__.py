@@ -23,6 +23,7 @@ from .errors import (
     LayoutMismatchError,
     ShardcoreError,
     ShardSpecError,
+    ShardSpecWarning,
 )
 from .plan.grid import Grid
 from .plan.layout import DEFAULT_ORDER, GROUP_NAMES, DistinctGroup, GroupName, Layout, Order, ShardPlan, plan_layout
@@ -53,6 +54,7 @@ __all__ = [
     "ShardPlanLike",
     "ShardSpec",
     "ShardSpecError",
+    "ShardSpecWarning",
     "ShardcoreError",
     "Strategy",
     "build_shards",

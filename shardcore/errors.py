@@ -12,7 +12,7 @@ class ShardSpecError(ShardcoreError, ValueError):
 
 
 class LayoutError(ShardcoreError, ValueError):
-    """Shards do not fit the world, or a grid / rank request is out of range."""
+    """Shards do not fit the world, a grid / rank request is out of range, or an argument is bad."""
 
 
 class BackendNotFoundError(ShardcoreError, LookupError):
@@ -37,3 +37,7 @@ class RefitError(ShardcoreError, ValueError):
 
 class ManifestError(RefitError):
     """A model manifest is malformed, or a tensor does not fit a shard (split dim, layers, experts)."""
+
+
+class ShardSpecWarning(UserWarning):
+    """A spec that works but is probably a mistake (a key repeated within a shard: the last value wins)."""

@@ -8,7 +8,9 @@ import logging
 import os
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Sequence
+from typing import Any
 
 from .. import __version__
 from ..engine.groups import Strategy
@@ -17,34 +19,20 @@ from ..plan.layout import DEFAULT_ORDER, ORDER_ALIASES, Order, plan_layout
 from ..views.picture import DEFAULT_RANKS_PER_NODE, draws_ranks, render_svg
 from ..views.tables import format_table, layout_table, rank_table, shown_groups
 from ..views.topology import TOPOLOGY_GROUPS, check_topology
+from .arguments import NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_SECONDS
 from .check import cmd_check
 from .refit import add_refit_parser
-
-
-def _number(kind: Callable[[str], float], minimum: float, what: str) -> Callable[[str], float]:
-    """An argparse type: ``kind`` parsed and at least ``minimum``; argparse names the flag in its error."""
-
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{text} is not {what}")
-        return value
-
-    return parse
-
-
-POSITIVE_INT = _number(int, 1, "a positive integer")
-NON_NEGATIVE_INT = _number(int, 0, "a non-negative integer")
-POSITIVE_SECONDS = _number(float, 1e-9, "a positive number of seconds")
 
 ORDER_HELP = (
     "how ranks map to coordinates, innermost first: tp-cp-dp-pp keeps each pipeline stage's ranks "
     "contiguous (Megatron's default); tp-cp-pp-dp (alias tp-pp-dp) keeps each data-parallel replica "
     "contiguous, Megatron's use_tp_pp_dp_mapping (default: %(default)s)"
 )
+
+
+def _one_line_warning(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
+    """Warnings (a key repeated in a shard) as one line, like errors, without Python's source line."""
+    print(f"shardcore: warning: {message}", file=sys.stderr)
 
 
 def _add_layout_args(parser: argparse.ArgumentParser) -> None:
@@ -148,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--rank-offset", type=NON_NEGATIVE_INT, default=0, help="first rank of the first shard (default: %(default)s)"
     )
     plan.add_argument("--allow-idle", action="store_true", help="allow ranks after the last shard to stay idle")
-    plan.add_argument("--rank", type=int, help="also show this rank's groups")
+    plan.add_argument("--rank", type=NON_NEGATIVE_INT, help="also show this rank's groups")
     plan.add_argument("--json", action="store_true", help="print the full layout as JSON")
     plan.add_argument(
         "--ranks-per-node",
@@ -232,22 +220,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(message)s", level=logging.INFO if args.verbose else logging.WARNING)
-    try:
-        return int(args.func(args))
-    except ShardcoreError as error:
-        print(f"shardcore: error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("shardcore: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        return _quiet_broken_pipe()
-    except Exception as error:  # never a traceback for a user; -v shows it
-        if args.verbose:
-            traceback.print_exc()
-        hint = "" if args.verbose else " (run with -v for the traceback)"
-        print(f"shardcore: error: {type(error).__name__}: {error}{hint}", file=sys.stderr)
-        return 1
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_warning
+        try:
+            return int(args.func(args))
+        except ShardcoreError as error:
+            print(f"shardcore: error: {error}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            print("shardcore: interrupted", file=sys.stderr)
+            return 130
+        except BrokenPipeError:
+            return _quiet_broken_pipe()
+        except Exception as error:  # never a traceback for a user; -v shows it
+            if args.verbose:
+                traceback.print_exc()
+            hint = "" if args.verbose else " (run with -v for the traceback)"
+            print(f"shardcore: error: {type(error).__name__}: {error}{hint}", file=sys.stderr)
+            return 1
 
 
 if __name__ == "__main__":

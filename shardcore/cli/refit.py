@@ -13,6 +13,7 @@ from ..refit.cost import DEFAULT_INTER_GBPS, DEFAULT_INTRA_GBPS, RefitStats
 from ..refit.models import PRESETS, model_manifest
 from ..refit.planner import RankRefit, RefitPlan, plan_refit
 from ..views.tables import format_table
+from .arguments import NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_SECONDS
 
 if TYPE_CHECKING:
     from ..engine.refit_check import RefitReport
@@ -222,20 +223,22 @@ def add_refit_parser(subparsers: Any, common: argparse.ArgumentParser) -> argpar
     parser = subparsers.add_parser(
         "refit", help="plan moving a model's weights from one shard to others (no torch)", parents=[common]
     )
-    parser.add_argument("--world", type=int, help="total number of ranks")
+    parser.add_argument("--world", type=POSITIVE_INT, help="total number of ranks")
     parser.add_argument("--shards", help="e.g. 'tp=8,pp=4,dp=4,role=train+tp=8,role=decode', or @file.yaml")
     parser.add_argument("--order", default=DEFAULT_ORDER, choices=[*Order, *ORDER_ALIASES])
     parser.add_argument("--allow-idle", action="store_true", help="allow ranks after the last shard to stay idle")
-    parser.add_argument("--from", dest="src", type=int, metavar="I", help="source shard index (e.g. training)")
+    parser.add_argument(
+        "--from", dest="src", type=NON_NEGATIVE_INT, metavar="I", help="source shard index (e.g. training)"
+    )
     parser.add_argument("--to", dest="dst", metavar="J[,K...]", help="destination shard indices, comma separated")
     parser.add_argument("--model", metavar="FILE|PRESET", help="manifest file (JSON/YAML) or a preset name")
     parser.add_argument(
         "--ranks-per-node",
-        type=int,
+        type=POSITIVE_INT,
         metavar="K",
         help="node = rank // K: prefer same-node sources and split traffic by node",
     )
-    parser.add_argument("--rank", type=int, metavar="R", help="also print rank R's transfers")
+    parser.add_argument("--rank", type=NON_NEGATIVE_INT, metavar="R", help="also print rank R's transfers")
     parser.add_argument("--json", action="store_true", help="print the stats (and tensors) as JSON")
     parser.add_argument("--transfers", action="store_true", help="with --json: include every transfer")
     parser.add_argument("--list-models", action="store_true", help="print the preset model names, one a line")
@@ -257,9 +260,11 @@ def add_refit_parser(subparsers: Any, common: argparse.ArgumentParser) -> argpar
         help="execute the plan on a live world of --nproc gloo processes (or under torchrun) and "
         "compare every destination element; needs torch",
     )
-    parser.add_argument("--nproc", type=int, default=8, help="with --check: local gloo processes to start")
-    parser.add_argument("--timeout", type=float, default=120.0, help="with --check: seconds before a peer is an error")
-    parser.add_argument("--bucket-bytes", type=int, help="with --check: bound on each pairwise send buffer")
+    parser.add_argument("--nproc", type=POSITIVE_INT, default=8, help="with --check: local gloo processes to start")
+    parser.add_argument(
+        "--timeout", type=POSITIVE_SECONDS, default=120.0, help="with --check: seconds before a peer is an error"
+    )
+    parser.add_argument("--bucket-bytes", type=POSITIVE_INT, help="with --check: bound on each pairwise send buffer")
     parser.set_defaults(func=run)
     return parser
 

@@ -78,7 +78,8 @@ def prepare(options: CheckOptions, world_size: int) -> Prepared:
     Raises:
         ShardcoreError: a subclass naming the bad timeout, strategy, backend, option or layout.
     """
-    from .groups import as_timedelta, check_strategy_early
+    from ..plan.arguments import as_timedelta
+    from .groups import check_strategy_early
     from .plugins import BACKEND_ENV, get_backend
     from .shards import check_options
 

@@ -53,9 +53,6 @@ class Strategy(StrEnum):
     WORLD = "world"
 
 
-DEFAULT_TIMEOUT = timedelta(minutes=5)
-
-
 def _dist() -> Any:
     import torch.distributed as dist
 
@@ -160,16 +157,6 @@ def choose_strategy(requested: str | Strategy) -> tuple[Strategy, str]:
     return Strategy.LOCAL, "groups are created lazily here: members create only their own groups"
 
 
-def as_timedelta(timeout: float | timedelta | None) -> timedelta:
-    """Seconds or a timedelta; None means DEFAULT_TIMEOUT."""
-    if timeout is None:
-        return DEFAULT_TIMEOUT
-    value = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
-    if value.total_seconds() <= 0:
-        raise GroupCreationError(f"timeout={timeout!r}: expected a positive number of seconds")
-    return value
-
-
 def is_fake_world() -> bool:
     """True under torch's fake backend, where no rank can see another."""
     return str(_dist().get_backend()) == "fake"
@@ -272,9 +259,7 @@ def destroy_groups(groups: Sequence[ProcessGroup]) -> None:
 
 
 __all__ = [
-    "DEFAULT_TIMEOUT",
     "Strategy",
-    "as_timedelta",
     "check_strategy_early",
     "choose_strategy",
     "create_groups",

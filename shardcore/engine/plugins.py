@@ -10,7 +10,8 @@ from importlib.metadata import entry_points
 
 import pluggy
 
-from ..errors import BackendNotFoundError, BackendUnavailableError
+from ..errors import BackendNotFoundError, BackendUnavailableError, LayoutError
+from ..plan.arguments import shown
 from . import hookspecs
 from .backend import Backend
 
@@ -68,7 +69,14 @@ def _collect(manager: pluggy.PluginManager) -> dict[str, Backend]:
 
 
 def register_backend(backend: Backend) -> None:
-    """Add a backend in-process, without an entry point (tests, notebooks, embedding apps)."""
+    """Add a backend in-process, without an entry point (tests, notebooks, embedding apps).
+
+    Raises:
+        LayoutError: ``backend`` has no name (a non-empty string).
+    """
+    name = getattr(backend, "name", None)
+    if not isinstance(name, str) or not name:
+        raise LayoutError(f"register_backend({shown(backend)}): expected a Backend, whose name is a non-empty string")
     unregister_backend(backend.name)
     plugin_manager.register(_InProcess(backend), name=f"in-process:{backend.name}")
 
@@ -113,6 +121,8 @@ def get_backend(name: str | None = None, *, require_available: bool = True) -> B
         BackendNotFoundError: no installed backend has that name.
         BackendUnavailableError: its plugin failed to import, or it cannot work here.
     """
+    if name is not None and not isinstance(name, str):
+        raise LayoutError(f"backend name {shown(name)}: expected a string or None")
     chosen = name or os.environ.get(BACKEND_ENV) or DEFAULT_BACKEND
     backend = _load(chosen)
     if backend is None:

@@ -9,10 +9,11 @@ from datetime import timedelta
 from typing import Any
 
 from ..errors import GroupCreationError, LayoutError
-from ..plan.layout import DEFAULT_ORDER, GROUP_NAMES, Layout, RankGroups, ShardPlan, plan_layout
+from ..plan.arguments import as_timedelta, check_choice, check_count, check_flag, check_names, shown
+from ..plan.layout import DEFAULT_ORDER, GROUP_NAMES, Layout, RankGroups, ShardPlan, plan_layout, resolve_order
 from ..plan.spec import ShardsInput, ShardSpec
 from .backend import Backend
-from .groups import Strategy, as_timedelta, choose_strategy, create_groups, destroy_groups, is_fake_world
+from .groups import Strategy, choose_strategy, create_groups, destroy_groups, is_fake_world
 from .plugins import get_backend
 from .rendezvous import Agreement, next_phase, rendezvous, report_failure
 from .torch_state import group_counter
@@ -133,7 +134,8 @@ def build_shards(
             with a device-bound default group, else ``local``; logged), ``local`` (members create
             their own groups; refused where it would hang) or ``world`` (every rank creates every
             group, Megatron's pattern).
-        timeout: seconds (or a timedelta) to wait for other ranks; default 5 minutes.
+        timeout: seconds (or a timedelta) to wait for other ranks: above 0 and at most a week;
+            default 5 minutes.
         groups: the standard group names to create (default: ``Backend.group_names``, those
             the handle uses); the others stay None.
         **backend_options: options of the chosen backend (``Backend.options`` lists them).
@@ -142,15 +144,18 @@ def build_shards(
         One ``Shard`` per shard in spec order; ``groups`` and ``handle`` are set on member ranks.
 
     Raises:
-        ShardSpecError, LayoutError: a bad spec, layout, group name or backend option.
+        ShardSpecError, LayoutError: a bad spec, layout, argument, group name or backend option;
+            the arguments are checked before torch.distributed is touched.
         BackendNotFoundError, BackendUnavailableError: the backend is missing or cannot work here.
         LayoutMismatchError: ranks planned different layouts.
         GroupCreationError: torch.distributed is not initialised, a rank is missing, dead or
             slow past ``timeout``, or group creation failed.
     """
+    wait, strategy = _check_arguments(total_world_size, backend, order, rank_offset, allow_idle, strategy, timeout)
+    requested = None if groups is None else _group_names(groups)
     rank, _ = _require_world(total_world_size)
     chosen = get_backend(backend)
-    names = _group_names(groups if groups is not None else chosen.group_names)
+    names = requested if requested is not None else _group_names(chosen.group_names)
     layout = (
         shards
         if isinstance(shards, Layout)
@@ -160,7 +165,6 @@ def build_shards(
         raise LayoutError(f"the layout plans {layout.world_size} ranks but total_world_size={total_world_size}")
     check_options(chosen, backend_options)
     chosen.validate(layout, backend_options)
-    wait = as_timedelta(timeout)
     strategy, why = choose_strategy(strategy)
     log.info("shardcore: strategy %s: %s", strategy, why)
     fake = is_fake_world()
@@ -197,16 +201,32 @@ def build_shards(
     return result
 
 
+def _check_arguments(
+    total_world_size: object,
+    backend: object,
+    order: object,
+    rank_offset: object,
+    allow_idle: object,
+    strategy: object,
+    timeout: object,
+) -> tuple[timedelta, Strategy]:
+    """Every plain argument of build_shards, before torch is touched: (the timeout, the strategy).
+
+    ``order``, ``rank_offset`` and ``allow_idle`` are checked even where a Layout makes them unused,
+    so that a bad call fails alike whatever ``shards`` is.
+    """
+    check_count("total_world_size", total_world_size)
+    if backend is not None and not isinstance(backend, str):
+        raise LayoutError(f"backend={shown(backend)}: expected a backend name (a string) or None")
+    resolve_order(order)  # type: ignore[arg-type]  # checked there
+    check_count("rank_offset", rank_offset, minimum=0)
+    check_flag("allow_idle", allow_idle)
+    return as_timedelta(timeout), check_choice("strategy", strategy, Strategy)
+
+
 def _group_names(names: Sequence[str] | None) -> tuple[str, ...]:
     """The standard group names to create, in creation order; None means all 15."""
-    if names is None:
-        return GROUP_NAMES
-    if isinstance(names, str):
-        names = [names]
-    unknown = [name for name in names if name not in GROUP_NAMES]
-    if unknown:
-        raise LayoutError(f"unknown group name {unknown[0]!r}: choose from {', '.join(GROUP_NAMES)}")
-    return tuple(name for name in GROUP_NAMES if name in names)
+    return GROUP_NAMES if names is None else check_names("groups", names, GROUP_NAMES)
 
 
 def check_options(backend: Backend, options: Mapping[str, Any]) -> None:
@@ -221,9 +241,19 @@ def check_options(backend: Backend, options: Mapping[str, Any]) -> None:
         raise LayoutError(f"unknown option(s) {', '.join(unknown)} for backend {backend.name!r}: it accepts {accepted}")
 
 
+def _check_shards(shards: object) -> Sequence[Shard]:
+    if not isinstance(shards, Sequence) or not all(isinstance(shard, Shard) for shard in shards):
+        raise LayoutError(f"shards={shown(shards)}: expected the list of Shard that build_shards returned")
+    return shards
+
+
 def my_shard(shards: Sequence[Shard]) -> Shard | None:
-    """This rank's shard, or None on an idle rank."""
-    return next((shard for shard in shards if shard.is_member), None)
+    """This rank's shard, or None on an idle rank.
+
+    Raises:
+        LayoutError: ``shards`` is not what build_shards returned.
+    """
+    return next((shard for shard in _check_shards(shards) if shard.is_member), None)
 
 
 def destroy_shards(shards: Sequence[Shard]) -> None:
@@ -231,8 +261,11 @@ def destroy_shards(shards: Sequence[Shard]) -> None:
 
     Local to the rank (no communication); call it on every rank that built, idle ranks
     included, before building again or destroying the default group.
+
+    Raises:
+        LayoutError: ``shards`` is not what build_shards returned.
     """
-    for shard in shards:
+    for shard in _check_shards(shards):
         destroy_groups(shard._created)
         if shard.window is not None:
             shard.window.close()

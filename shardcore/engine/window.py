@@ -42,7 +42,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ..errors import GroupCreationError
-from .groups import as_timedelta, is_fake_world, world_collective_reason
+from ..plan.arguments import as_timedelta
+from .groups import is_fake_world, world_collective_reason
 from .rendezvous import listed
 from .torch_state import default_store, group_counter, set_group_counter
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from math import prod
 
 from ..errors import LayoutError
+from .arguments import MAX_WORLD_SIZE, check_count, shown
 
 Dims = str | Sequence[str]
 
@@ -15,21 +16,29 @@ class Grid:
 
     ``rank = rank_offset + sum(coord_i * prod(shape[:i]))``. Nothing is enumerated
     unless asked for, so a grid over a million ranks costs a few integers.
+
+    Raises:
+        LayoutError: a size outside [1, MAX_WORLD_SIZE], a dim name that is not a unique
+            string, or a rank_offset outside [0, MAX_WORLD_SIZE]; and, from the methods, a
+            rank, dim or coordinate outside the grid.
     """
 
     __slots__ = ("_strides", "dim_names", "rank_offset", "shape", "size")
 
     def __init__(self, shape: Sequence[int], dim_names: Sequence[str], rank_offset: int = 0) -> None:
+        for argument, value in (("shape", shape), ("dim_names", dim_names)):
+            if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+                raise LayoutError(f"grid {argument}={shown(value)}: expected a sequence")
         shape, dim_names = tuple(shape), tuple(dim_names)
         if len(shape) != len(dim_names):
-            raise LayoutError(f"grid shape {shape} and dim names {dim_names} differ in length")
+            raise LayoutError(f"grid shape {shown(shape)} and dim names {shown(dim_names)} differ in length")
+        if not all(isinstance(name, str) and name for name in dim_names):
+            raise LayoutError(f"grid dim names {shown(dim_names)}: expected non-empty strings")
         if len(set(dim_names)) != len(dim_names):
             raise LayoutError(f"grid dim names {dim_names} repeat a name; each dim needs its own name")
         for name, size in zip(dim_names, shape):
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise LayoutError(f"grid dim {name}={size!r}: sizes must be positive integers")
-        if isinstance(rank_offset, bool) or not isinstance(rank_offset, int) or rank_offset < 0:
-            raise LayoutError(f"rank_offset={rank_offset!r}: expected a non-negative integer")
+            check_count(f"grid dim {name}", size)
+        check_count("rank_offset", rank_offset, minimum=0, maximum=MAX_WORLD_SIZE)
         self.shape: tuple[int, ...] = shape
         self.dim_names: tuple[str, ...] = dim_names
         self.rank_offset = rank_offset
@@ -64,12 +73,13 @@ class Grid:
         return self._strides[self._index(dim)]
 
     def _index(self, dim: str) -> int:
-        try:
+        if isinstance(dim, str) and dim in self.dim_names:
             return self.dim_names.index(dim)
-        except ValueError:
-            raise LayoutError(f"unknown grid dim {dim!r}: this grid has {', '.join(self.dim_names)}") from None
+        raise LayoutError(f"unknown grid dim {shown(dim)}: this grid has {', '.join(self.dim_names)}")
 
     def _dim_indices(self, dims: Dims) -> list[int]:
+        if not isinstance(dims, (str, Sequence, set, frozenset)):
+            raise LayoutError(f"dims={shown(dims)}: expected a dim name or a sequence of them")
         names = [dims] if isinstance(dims, str) else list(dims)
         indices = sorted({self._index(name) for name in names})
         if len(indices) != len(names):
@@ -79,7 +89,7 @@ class Grid:
     def _check_rank(self, rank: int) -> None:
         if rank not in self:
             raise LayoutError(
-                f"rank {rank!r} is outside this grid's ranks [{self.rank_offset}, {self.rank_offset + self.size})"
+                f"rank {shown(rank)} is outside this grid's ranks [{self.rank_offset}, {self.rank_offset + self.size})"
             )
 
     def coords(self, rank: int) -> dict[str, int]:
@@ -90,11 +100,13 @@ class Grid:
 
     def rank_at(self, coords: dict[str, int]) -> int:
         """The rank at the given coordinates (missing dims count as 0)."""
+        if not isinstance(coords, Mapping):
+            raise LayoutError(f"coords={shown(coords)}: expected a mapping of dim name to coordinate")
         rank = self.rank_offset
         for name, value in coords.items():
             index = self._index(name)
-            if not 0 <= value < self.shape[index]:
-                raise LayoutError(f"coordinate {name}={value} outside [0, {self.shape[index]})")
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < self.shape[index]:
+                raise LayoutError(f"coordinate {name}={shown(value)} outside [0, {self.shape[index]})")
             rank += value * self._strides[index]
         return rank
 

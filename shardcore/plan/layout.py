@@ -17,11 +17,9 @@ from math import prod
 from typing import Any, NamedTuple
 
 from ..errors import LayoutError
+from .arguments import MAX_WORLD_SIZE, check_count, check_flag, check_names, shown
 from .grid import Grid
-from .spec import ShardsInput, ShardSpec, parse_shards
-
-MAX_WORLD_SIZE = 1 << 24
-"""Largest world planned: far above any cluster, small enough that a group always fits in memory."""
+from .spec import ShardsInput, ShardSpec, format_shards, parse_shards
 
 
 class Order(StrEnum):
@@ -107,15 +105,19 @@ class DistinctGroup(NamedTuple):
 
 
 def resolve_order(order: str) -> Order:
-    """Canonical order; Megatron's spellings without cp are accepted."""
-    if order in ORDER_ALIASES:
-        return ORDER_ALIASES[order]
-    try:
-        return Order(order)
-    except ValueError:
-        raise LayoutError(
-            f"order={order!r}: expected one of {', '.join(Order)} (Megatron's tp-dp-pp / tp-pp-dp also work)"
-        ) from None
+    """Canonical order; Megatron's spellings without cp are accepted.
+
+    Raises:
+        LayoutError: not one of the orders, naming them.
+    """
+    if isinstance(order, str):
+        if order in ORDER_ALIASES:
+            return ORDER_ALIASES[order]
+        if order in tuple(Order):
+            return Order(order)
+    raise LayoutError(
+        f"order={shown(order)}: expected one of {', '.join(Order)} (Megatron's tp-dp-pp / tp-pp-dp also work)"
+    )
 
 
 @dataclass(frozen=True)
@@ -144,11 +146,12 @@ class ShardPlan:
 
     def grid_of(self, name: str) -> tuple[Grid, tuple[str, ...]]:
         """The grid (decoder or expert) and dims that define the group ``name`` (one of GRID_GROUP_NAMES)."""
-        if name in DECODER_GROUPS:
-            return self.decoder_grid, DECODER_GROUPS[name]
-        if name in EXPERT_GROUPS:
-            return self.expert_grid, EXPERT_GROUPS[name]
-        raise LayoutError(f"group {name!r} is not defined by a grid: choose from {', '.join(GRID_GROUP_NAMES)}")
+        if isinstance(name, str):
+            if name in DECODER_GROUPS:
+                return self.decoder_grid, DECODER_GROUPS[name]
+            if name in EXPERT_GROUPS:
+                return self.expert_grid, EXPERT_GROUPS[name]
+        raise LayoutError(f"group {shown(name)} is not defined by a grid: choose from {', '.join(GRID_GROUP_NAMES)}")
 
     def group_span(self, rank: int, name: str) -> tuple[int, int, int]:
         """(size, first rank, last rank) of ``rank``'s group ``name`` (a grid group), in O(dims).
@@ -167,6 +170,7 @@ class ShardPlan:
         embd / pos_embd are None where the rank is not in them. Groups not asked for are not
         computed: at a million ranks one of them can hold a quarter of the world.
         """
+        names = _check_group_names(names)
         groups: RankGroups = {}
         for name in GROUP_NAMES:
             if name not in names:
@@ -183,6 +187,7 @@ class ShardPlan:
 
     def iter_groups(self, name: str) -> Iterator[tuple[int, ...]]:
         """Every group ``name`` of the shard (any of the 15), in Megatron's enumeration order."""
+        (name,) = _check_group_names(name)
         if name in GRID_GROUP_NAMES:
             grid, dims = self.grid_of(name)
             yield from grid.iter_groups(dims)
@@ -204,6 +209,11 @@ class ShardPlan:
             "ranks": [self.rank_offset, self.rank_offset + self.size],
             **grids,
         }
+
+
+def _check_group_names(names: object) -> tuple[str, ...]:
+    """One of the 15 group names, or a collection of them."""
+    return check_names("names", names, GROUP_NAMES)
 
 
 def distinct_groups(groups: RankGroups) -> tuple[DistinctGroup, ...]:
@@ -237,7 +247,7 @@ class Layout:
 
     def _check_rank(self, rank: int) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise LayoutError(f"rank {rank!r} is outside the world [0, {self.world_size})")
+            raise LayoutError(f"rank {shown(rank)} is outside the world [0, {self.world_size})")
 
     def shard_of(self, rank: int) -> ShardPlan | None:
         """The shard owning ``rank``, or None for an idle rank; O(log shards)."""
@@ -279,12 +289,8 @@ class Layout:
 
 
 def _check_world(total_world_size: object, rank_offset: object) -> None:
-    if isinstance(total_world_size, bool) or not isinstance(total_world_size, int) or total_world_size < 1:
-        raise LayoutError(f"world size {total_world_size!r}: expected a positive integer")
-    if total_world_size > MAX_WORLD_SIZE:
-        raise LayoutError(f"world size {total_world_size} is over shardcore's limit of {MAX_WORLD_SIZE} ranks")
-    if isinstance(rank_offset, bool) or not isinstance(rank_offset, int) or not 0 <= rank_offset < total_world_size:
-        raise LayoutError(f"rank_offset={rank_offset!r}: expected an integer in [0, {total_world_size})")
+    world = check_count("total_world_size", total_world_size)
+    check_count("rank_offset", rank_offset, minimum=0, maximum=world - 1)
 
 
 def _plan_shard(index: int, spec: ShardSpec, offset: int, order: Order) -> ShardPlan:
@@ -319,16 +325,36 @@ def plan_layout(
     Ranks before ``rank_offset`` are left to the caller (idle here); ranks after the last
     shard are a LayoutError unless ``allow_idle``, because a rank nobody planned for is
     usually a mistake in the spec.
+
+    Args:
+        total_world_size: ranks in the whole world, 1 to MAX_WORLD_SIZE.
+        shards: anything ``parse_shards`` takes.
+        order: one of ``Order`` (or Megatron's ``tp-dp-pp`` / ``tp-pp-dp``).
+        rank_offset: first rank of the first shard, in ``[0, total_world_size)``.
+        allow_idle: True to let ranks after the last shard stay idle.
+
+    Returns:
+        The layout: every shard's window and grids, and the idle ranks.
+
+    Raises:
+        ShardSpecError: a bad spec (see ``parse_shards``).
+        LayoutError: a bad argument, or shards that do not fill (or do not fit) the world.
     """
     _check_world(total_world_size, rank_offset)
     order = resolve_order(order)
+    check_flag("allow_idle", allow_idle)
     specs = parse_shards(shards)
     needed = sum(spec.world_size for spec in specs)
     end = rank_offset + needed
     if end > total_world_size:
+        fix = (
+            f"shrink the shards: shardcore plans at most {MAX_WORLD_SIZE} ranks"
+            if end > MAX_WORLD_SIZE
+            else f"shrink the shards or grow the world to {end}"
+        )
         raise LayoutError(
-            f"shards '{'+'.join(map(str, specs))}' need {needed} ranks from rank {rank_offset}, "
-            f"but the world has {total_world_size}: shrink the shards or grow the world to {end}"
+            f"shards {shown(format_shards(specs))} need {needed} ranks from rank {rank_offset}, "
+            f"but the world has {total_world_size}: {fix}"
         )
     if end < total_world_size and not allow_idle:
         raise LayoutError(
@@ -350,7 +376,6 @@ __all__ = [
     "GRID_DIMS",
     "GRID_GROUP_NAMES",
     "GROUP_NAMES",
-    "MAX_WORLD_SIZE",
     "ORDER_ALIASES",
     "DistinctGroup",
     "GroupName",

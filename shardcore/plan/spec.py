@@ -3,28 +3,48 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any, Union
 
-from ..errors import ShardSpecError
+from ..errors import ShardSpecError, ShardSpecWarning
+from .arguments import MAX_WORLD_SIZE, LongNumber, check_count, number_or_long, shown
 
 INT_KEYS = ("tp", "pp", "cp", "dp", "ep", "expt_tp")
 KEYS = (*INT_KEYS, "role", "name")
 ROLES = ("train", "prefill", "decode")
-_NAME_FORBIDDEN = set("+;,=\n\r\t")
+_NAME_FORBIDDEN = set("+;,=")
 
-ShardsInput = Union[str, "ShardSpec", Sequence[Union["ShardSpec", Mapping[str, Any], str]]]
+ShardsInput = Union[str, "ShardSpec", Mapping[str, Any], Sequence[Union["ShardSpec", Mapping[str, Any], str]]]
 
 
-def _check_size(key: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ShardSpecError(f"{key}={value!r}: expected a positive integer, e.g. {key}=2")
-    if value < 1:
-        raise ShardSpecError(f"{key}={value}: sizes must be positive integers (>= 1)")
+def _role(role: object) -> str:
+    """The role in lower case, as Megatron's grammar reads it, in every input format."""
+    lowered = role.lower() if isinstance(role, str) else None
+    if lowered not in ROLES:
+        raise ShardSpecError(f"role={shown(role)}: expected one of {', '.join(ROLES)} (any case) or no role")
+    return lowered
+
+
+def _check_name(name: object) -> None:
+    """A name is shown in tables, JSON and SVG: printable, so no output is broken or garbled by it."""
+    if not isinstance(name, str) or not name.strip() or name != name.strip():
+        raise ShardSpecError(f"name={shown(name)}: expected a non-empty string without surrounding spaces")
+    if _NAME_FORBIDDEN & set(name):
+        raise ShardSpecError(f"name={shown(name)}: a name may not contain any of + ; , =")
+    if not name.isprintable():
+        bad = next(char for char in name if not char.isprintable())
+        raise ShardSpecError(
+            f"name={shown(name)}: a name must be printable, without control, format or line-break "
+            f"characters (it holds U+{ord(bad):04X})"
+        )
 
 
 @dataclass(frozen=True)
@@ -32,7 +52,12 @@ class ShardSpec:
     """The parallelism of one shard; ``expt_tp`` defaults to ``tp``.
 
     A shard owns ``tp*cp*pp*dp`` contiguous ranks; ``ep`` and ``expt_tp`` refactor the
-    same ranks on the expert grid, so ``expt_tp*ep*pp`` must divide the shard size.
+    same ranks on the expert grid, so ``expt_tp*ep*pp`` must divide the shard size. Every size
+    is a whole number from 1 to MAX_WORLD_SIZE, and so is the shard size. ``role`` is one of
+    ROLES in any case (stored lower case, as Megatron's grammar does); ``name`` is printable.
+
+    Raises:
+        ShardSpecError: a bad size, role or name, or an expert grid that does not tile the shard.
     """
 
     tp: int = 1
@@ -46,22 +71,27 @@ class ShardSpec:
 
     def __post_init__(self) -> None:
         for key in ("tp", "pp", "cp", "dp", "ep"):
-            _check_size(key, getattr(self, key))
-        if self.expt_tp is None:
+            check_count(key, getattr(self, key), error=ShardSpecError)
+        defaulted = self.expt_tp is None
+        if defaulted:
             object.__setattr__(self, "expt_tp", self.tp)
-        _check_size("expt_tp", self.expt_tp)
-        if self.role is not None and self.role not in ROLES:
-            raise ShardSpecError(f"role={self.role!r}: expected one of {', '.join(ROLES)} (lower case) or no role")
+        check_count("expt_tp", self.expt_tp, error=ShardSpecError)
+        if self.role is not None:
+            object.__setattr__(self, "role", _role(self.role))
         if self.name is not None:
-            if not isinstance(self.name, str) or not self.name.strip() or self.name != self.name.strip():
-                raise ShardSpecError(f"name={self.name!r}: expected a non-empty string without surrounding spaces")
-            if _NAME_FORBIDDEN & set(self.name):
-                raise ShardSpecError(f"name={self.name!r}: a name may not contain any of + ; , = or line breaks")
+            _check_name(self.name)
+        if self.world_size > MAX_WORLD_SIZE:
+            raise ShardSpecError(
+                f"tp*cp*pp*dp = {self.tp}*{self.cp}*{self.pp}*{self.dp} = {shown(self.world_size)} ranks is over "
+                f"shardcore's limit of {MAX_WORLD_SIZE}: shrink the sizes"
+            )
         expert = self.expt_tp * self.ep * self.pp
         if self.world_size % expert:
+            default = f" (expt_tp defaults to tp = {self.tp}; set expt_tp to change it)" if defaulted else ""
             raise ShardSpecError(
-                f"shard '{self}': expt_tp*ep*pp = {expert} does not divide tp*cp*pp*dp = {self.world_size}; "
-                f"choose ep and expt_tp so that expt_tp*ep divides tp*cp*dp = {self.world_size // self.pp}"
+                f"expt_tp*ep*pp = {self.expt_tp}*{self.ep}*{self.pp} = {expert} does not divide "
+                f"tp*cp*pp*dp = {self.world_size}{default}; choose ep and expt_tp so that expt_tp*ep "
+                f"divides tp*cp*dp = {self.world_size // self.pp}"
             )
 
     @property
@@ -86,10 +116,12 @@ class ShardSpec:
     def from_dict(cls, data: Mapping[str, Any]) -> ShardSpec:
         """Build from a mapping of the spec keys; an unknown key is a ShardSpecError."""
         if not isinstance(data, Mapping):
-            raise ShardSpecError(f"a shard must be a mapping of {', '.join(KEYS)}; got {type(data).__name__}: {data!r}")
+            raise ShardSpecError(
+                f"a shard must be a mapping of {', '.join(KEYS)}; got {type(data).__name__}: {shown(data)}"
+            )
         unknown = [key for key in data if key not in KEYS]
         if unknown:
-            raise ShardSpecError(f"unknown shard key {unknown[0]!r}: allowed keys are {', '.join(KEYS)}")
+            raise ShardSpecError(f"unknown shard key {shown(unknown[0])}: allowed keys are {', '.join(KEYS)}")
         return cls(**dict(data))
 
     def __str__(self) -> str:
@@ -103,25 +135,55 @@ class ShardSpec:
 
 
 def format_shards(shards: Sequence[ShardSpec]) -> str:
-    """The spec string that parses back to ``shards``."""
+    """The spec string that parses back to ``shards``.
+
+    Raises:
+        ShardSpecError: an item is not a ShardSpec.
+    """
+    if (
+        not isinstance(shards, Sequence)
+        or isinstance(shards, str)
+        or not all(isinstance(item, ShardSpec) for item in shards)
+    ):
+        raise ShardSpecError(f"format_shards takes a sequence of ShardSpec; got {shown(shards)}")
     return "+".join(str(spec) for spec in shards)
 
 
-def _parse_value(key: str, value: str, shard: str) -> Any:
+@contextmanager
+def _shard_context(index: int, source: object) -> Iterator[None]:
+    """Prefix any ShardSpecError with the shard it is about: its index and how it was given."""
+    try:
+        yield
+    except ShardSpecError as error:
+        raise ShardSpecError(f"shard {index} ({shown(source)}): {error}") from None
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _warn(message: str) -> None:
+    """A ShardSpecWarning attributed to the first caller outside shardcore (the user's line, not ours)."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, ShardSpecWarning, stacklevel=level + 1)
+
+
+def _parse_value(key: str, value: str) -> Any:
     if key == "role":
-        role = value.lower()
-        if role not in ROLES:
-            raise ShardSpecError(f"role={value!r} in shard {shard!r}: expected one of {', '.join(ROLES)}")
-        return role
+        return _role(value)  # each one, as Megatron does, though the last wins
     if key == "name":
         return value
     try:
-        return int(value)
+        number = number_or_long(value)  # as Megatron's parser: '+2', '1_0' and non-ASCII digits are numbers too
     except ValueError:
-        raise ShardSpecError(f"{key}={value!r} in shard {shard!r}: expected a positive integer, e.g. {key}=2") from None
+        raise ShardSpecError(f"{key}={shown(value)}: expected a positive integer, e.g. {key}=2") from None
+    if isinstance(number, LongNumber):  # Megatron's int() refuses it here, even if a later value would win
+        check_count(key, number, error=ShardSpecError)
+    return number
 
 
-def _parse_one(shard: str) -> ShardSpec:
+def _parse_one(index: int, shard: str) -> ShardSpec:
     """One non-empty shard of the grammar (``key=value`` items, comma separated).
 
     Empty items are skipped, so a shard of only commas is a default shard, as in Megatron.
@@ -132,21 +194,29 @@ def _parse_one(shard: str) -> ShardSpec:
         if not item:
             continue
         if "=" not in item:
-            raise ShardSpecError(f"bad entry {item!r} in shard {shard!r}: expected key=value, e.g. tp=2")
+            raise ShardSpecError(f"bad entry {shown(item)}: expected key=value, e.g. tp=2")
         key, value = (part.strip() for part in item.split("=", 1))
         if key not in KEYS:
             hint = f" (keys are lower case: {key.lower()})" if key.lower() in KEYS else ""
-            raise ShardSpecError(f"unknown key {key!r} in shard {shard!r}{hint}: allowed keys are {', '.join(KEYS)}")
+            raise ShardSpecError(f"unknown key {shown(key)}{hint}: allowed keys are {', '.join(KEYS)}")
         if key in values:
-            warnings.warn(f"key {key!r} repeated in shard {shard!r}; the last value wins", stacklevel=4)
-        values[key] = _parse_value(key, value, shard)
+            _warn(f"shard {index} ({shown(shard)}): key {key!r} repeated; the last value wins")
+        values[key] = _parse_value(key, value)
     return ShardSpec(**values)
 
 
-def _parse_grammar(text: str) -> list[ShardSpec]:
-    """Megatron's ``--inference-shards`` grammar: shards split by ``+`` or ``;``, empty ones skipped."""
-    chunks = (chunk.strip() for chunk in text.replace("+", ";").split(";"))
-    return [_parse_one(chunk) for chunk in chunks if chunk]
+def _parse_grammar(text: str, first: int) -> list[ShardSpec]:
+    """Megatron's ``--inference-shards`` grammar: shards split by ``+`` or ``;``, empty ones skipped.
+
+    ``first`` is the index of the first shard, for messages.
+    """
+    specs: list[ShardSpec] = []
+    for chunk in text.replace("+", ";").split(";"):
+        chunk = chunk.strip()
+        if chunk:
+            with _shard_context(first + len(specs), chunk):
+                specs.append(_parse_one(first + len(specs), chunk))
+    return specs
 
 
 MAX_DOCUMENT_DEPTH = 64
@@ -169,6 +239,22 @@ def _nesting_depth(text: str) -> int:
     return max((len(_LEADING.match(line).group()) for line in text.splitlines()), default=0)  # type: ignore[union-attr]
 
 
+@cache
+def _yaml_loader(yaml: Any) -> Any:
+    """PyYAML's safe loader (the C parser when built), whose integers may be LongNumbers (see number_or_long)."""
+    base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+    def construct_int(loader: Any, node: Any) -> Any:
+        try:
+            return yaml.SafeLoader.construct_yaml_int(loader, node)
+        except ValueError:
+            return number_or_long(loader.construct_scalar(node))
+
+    loader: Any = type("ShardLoader", (base,), {})
+    loader.add_constructor("tag:yaml.org,2002:int", construct_int)
+    return loader
+
+
 def _load_document(text: str, source: str) -> Any:
     """JSON, else YAML (PyYAML is optional)."""
     if _nesting_depth(text) > MAX_DOCUMENT_DEPTH:
@@ -176,7 +262,7 @@ def _load_document(text: str, source: str) -> Any:
             f"{source} is nested more than {MAX_DOCUMENT_DEPTH} levels deep: a shard list is a flat list of mappings"
         )
     try:
-        return json.loads(text)
+        return json.loads(text, parse_int=number_or_long)
     except RecursionError:
         raise ShardSpecError(f"{source} is nested too deeply: a shard list is a flat list of mappings") from None
     except ValueError as json_error:
@@ -187,7 +273,7 @@ def _load_document(text: str, source: str) -> Any:
                 f"{source} is not valid JSON ({json_error}); for YAML install PyYAML: pip install 'shardcore[yaml]'"
             ) from None
         try:
-            return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))  # C parser when built
+            return yaml.load(text, Loader=_yaml_loader(yaml))
         except RecursionError:
             raise ShardSpecError(f"{source} is nested too deeply: a shard list is a flat list of mappings") from None
         except yaml.YAMLError as yaml_error:
@@ -196,18 +282,26 @@ def _load_document(text: str, source: str) -> Any:
 
 
 def _parse_text(text: str, source: str) -> list[ShardSpec]:
+    try:
+        text.encode("utf-8")  # libyaml and every output need text; a lone surrogate is not
+    except UnicodeEncodeError as error:
+        raise ShardSpecError(
+            f"{source} holds U+{ord(text[error.start]):04X} at position {error.start}: a lone surrogate is not text"
+        ) from None
     stripped = text.strip()
     # A document starts like a list, a mapping or a comment, or has ':' and no '=' (grammar never
     # has ':' without '='; a shard name may hold ':').
     if stripped[:1] in ("[", "{", "-", "#") or (":" in stripped and "=" not in stripped):
         document = _load_document(stripped, source)
+        if isinstance(document, Mapping):
+            document = [document]  # one mapping is one shard, as in parse_shards
         if not isinstance(document, list):
             raise ShardSpecError(
-                f"{source} must hold a list of shards (e.g. '- {{tp: 2, role: prefill}}'); "
+                f"{source} must hold a list of shards (e.g. '- {{tp: 2, role: prefill}}') or one shard; "
                 f"got {type(document).__name__}"
             )
         return _from_sequence(document)
-    return _parse_grammar(text)
+    return _parse_grammar(text, 0)
 
 
 def _from_sequence(items: Sequence[Any]) -> list[ShardSpec]:
@@ -216,14 +310,30 @@ def _from_sequence(items: Sequence[Any]) -> list[ShardSpec]:
         if isinstance(item, ShardSpec):
             out.append(item)
         elif isinstance(item, Mapping):
-            out.append(ShardSpec.from_dict(item))
+            with _shard_context(len(out), dict(item)):
+                out.append(ShardSpec.from_dict(item))
         elif isinstance(item, str):
-            out.extend(_parse_grammar(item))
+            out.extend(_parse_grammar(item, len(out)))
         else:
             raise ShardSpecError(
-                f"a shard must be a ShardSpec, a mapping or a spec string; got {type(item).__name__}: {item!r}"
+                f"shard {len(out)}: a shard must be a ShardSpec, a mapping or a spec string; "
+                f"got {type(item).__name__}: {shown(item)}"
             )
     return out
+
+
+def _check_unique_names(shards: Sequence[ShardSpec]) -> None:
+    """Names identify shards (in tables, pictures and code): two shards may not share one."""
+    first: dict[str, int] = {}
+    for index, spec in enumerate(shards):
+        if spec.name is None:
+            continue
+        if spec.name in first:
+            raise ShardSpecError(
+                f"name={shown(spec.name)} is given to shards {first[spec.name]} and {index}: "
+                f"each shard needs its own name"
+            )
+        first[spec.name] = index
 
 
 MAX_SPEC_FILE_BYTES = 1 << 20
@@ -248,10 +358,25 @@ def parse_shards(spec: ShardsInput) -> tuple[ShardSpec, ...]:
     """Parse shards from a spec string, ``@file`` (JSON/YAML/grammar), ShardSpecs or dicts.
 
     Accepts every string Megatron-Core's ``--inference-shards`` parser accepts, with the same
-    meaning, plus ``cp > 1``, ``role=train`` and ``name=``; every error is a ShardSpecError.
+    meaning, plus ``cp > 1``, ``role=train`` and ``name=``, except sizes over MAX_WORLD_SIZE
+    (no world holds them). One mapping (or a document holding one) is one shard. A key repeated
+    within a shard of the grammar warns (ShardSpecWarning), and the last value wins, as in Megatron.
+
+    Args:
+        spec: a spec string, ``@path`` of a JSON / YAML / grammar file, a ShardSpec, a mapping
+            of the spec keys, or a sequence of ShardSpecs, mappings and spec strings.
+
+    Returns:
+        The shards, in the order given (at least one).
+
+    Raises:
+        ShardSpecError: a malformed spec, naming the shard (its index and text) and the bad key
+            and value; an empty spec; two shards with one name.
     """
     if isinstance(spec, ShardSpec):
         shards = [spec]
+    elif isinstance(spec, Mapping):
+        shards = _from_sequence([spec])
     elif isinstance(spec, str):
         if spec.strip().startswith("@"):
             path = Path(spec.strip()[1:])
@@ -267,6 +392,7 @@ def parse_shards(spec: ShardsInput) -> tuple[ShardSpec, ...]:
         )
     if not shards:
         raise ShardSpecError("the shard spec is empty: give at least one shard, e.g. 'tp=2'")
+    _check_unique_names(shards)
     return tuple(shards)
 
 

@@ -16,6 +16,7 @@ from math import prod
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import LayoutError
+from ..plan.arguments import check_count
 from ..plan.grid import Grid
 from ..plan.layout import GRID_GROUP_NAMES
 from .tables import counted
@@ -250,11 +251,7 @@ def _partition(f: GroupFinding) -> tuple[object, ...]:
 
 def check_ranks_per_node(ranks_per_node: object) -> int:
     """Validate a node size; shared with the picture."""
-    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
-        raise LayoutError(
-            f"ranks_per_node={ranks_per_node!r}: expected a positive integer, the accelerators per node, e.g. 8"
-        )
-    return ranks_per_node
+    return check_count("ranks_per_node", ranks_per_node)  # a huge one is shown short, never printed whole
 
 
 def _span(grid: Grid, dims: Sequence[str]) -> int:

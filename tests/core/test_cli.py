@@ -154,7 +154,7 @@ def test_help_explains_order_and_strategy_and_shows_defaults(capsys: pytest.Capt
         (["plan", "--world", "0", "--shards", "tp=8"], "argument --world: 0 is not a positive integer"),
         (["plan", "--world", "8", "--shards", "tp=8", "--rank-offset", "-1"], "argument --rank-offset: -1 is"),
         (["check", "--shards", "tp=2", "--timeout", "0"], "argument --timeout: 0 is not a positive number"),
-        (["check", "--shards", "tp=2", "--nproc", "x"], "argument --nproc: 'x' is not a positive integer"),
+        (["check", "--shards", "tp=2", "--nproc", "x"], "argument --nproc: x is not a positive integer"),
     ],
 )
 def test_errors_name_the_flag(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:

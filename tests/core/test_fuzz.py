@@ -1,69 +1,49 @@
-"""Fuzzing parse_shards, plan_layout and `shardcore plan`: only ShardcoreError (or argparse's exit 2),
-under 100 ms of CPU and 100 MB allocated per input. benchmarks/fuzz_long.py runs the same checks at length."""
+"""Fuzzing parse_shards, plan_layout, build_shards' arguments and `shardcore plan`: only ShardcoreError (or
+argparse's exit 2), under 100 ms of CPU and 100 MB allocated per input. benchmarks/fuzz_long.py runs the same
+checks at length; its STRESS tokens (digit strings past Python's int limit, control characters, nesting)
+stress the parsers themselves."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchmarks.fuzz_long import STRESS, TOKENS
 from benchmarks.measure import measure_input
 from shardcore.cli import main
+from shardcore.engine.shards import build_shards
+from shardcore.errors import LayoutError, ShardcoreError
+from shardcore.plan.arguments import MAX_TIMEOUT, as_timedelta
 from shardcore.plan.layout import plan_layout
 from shardcore.plan.spec import parse_shards
 
 MAX_SECONDS = 0.1
 MAX_BYTES = 100 * 2**20
-TOKENS = [
-    "tp",
-    "pp",
-    "cp",
-    "dp",
-    "ep",
-    "expt_tp",
-    "role",
-    "name",
-    "TP",
-    "=",
-    ",",
-    "+",
-    ";",
-    " ",
-    "\n",
-    "-",
-    ":",
-    "[",
-    "]",
-    "{",
-    "}",
-    "@",
-    "0",
-    "1",
-    "2",
-    "4",
-    "8",
-    "16",
-    "-1",
-    "99999999999999999999",
-    "train",
-    "prefill",
-    "decode",
-    "x",
-    "é",
-    "\x00",
-    "1e3",
-    "0x10",
-    "_",
-]
 grammar = st.lists(st.sampled_from(TOKENS), max_size=40).map("".join)
 junk = st.text(max_size=60)
-spec_strings = st.one_of(grammar, junk, st.from_regex(r"((tp|pp|cp|dp|ep|expt_tp)=[0-9]{1,3},?){1,4}([+;].*)?"))
+stress = st.sampled_from(STRESS)
+stressed = st.one_of(
+    stress,
+    st.lists(
+        st.sampled_from(TOKENS) | stress | st.characters(categories=["Cc", "Cf", "Cs", "Zl", "Zp", "Co"]), max_size=8
+    ).map("".join),
+    st.tuples(st.sampled_from(["tp", "dp", "name", "role"]), stress).map(lambda kv: f"{kv[0]}={kv[1]}"),
+    st.tuples(st.sampled_from(["tp", "dp", "name", "role"]), stress).map(lambda kv: f'[{{"{kv[0]}": {kv[1]}}}]'),
+    st.tuples(st.sampled_from(["tp", "dp", "name", "role"]), stress).map(lambda kv: f"- {{{kv[0]}: {kv[1]}}}"),
+)
+"""Inputs that stress the parsers (int limits, unicode, control characters, nesting) rather than the grammar."""
+spec_strings = st.one_of(
+    grammar, junk, stressed, st.from_regex(r"((tp|pp|cp|dp|ep|expt_tp)=[0-9]{1,3},?){1,4}([+;].*)?")
+)
 values = st.one_of(
     st.integers(-3, 2**40),
+    st.sampled_from([10**5000, -(10**4400), 2**24 + 1]),
     st.booleans(),
     st.none(),
     st.floats(allow_nan=True),
@@ -134,6 +114,9 @@ def test_plan_layout(world: Any, spec: Any, order: Any, offset: int, idle: bool)
                 "--ranks-per-node=8",
                 "--ranks-per-node=0",
                 "--bogus",
+                "--rank=" + "9" * 5000,
+                "--rank-offset=" + "9" * 4400,
+                "--ranks-per-node=" + "9" * 4000,
             ]
         ),
         max_size=4,
@@ -143,6 +126,67 @@ def test_plan_cli(world: str, spec: str, flags: list[str]) -> None:
     bounded(lambda: main(["plan", f"--world={world}", f"--shards={spec}", *flags]), allow_exit=True)
 
 
+@FUZZ
+@given(stressed)
+def test_parser_stress(spec: str) -> None:
+    bounded(lambda: parse_shards(spec))
+
+
+anything = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.sampled_from([10**5000, 2**24 + 1]),
+    st.floats(),
+    st.text(max_size=20),
+    st.lists(st.integers(), max_size=3),
+    st.timedeltas(),
+    st.sampled_from(["local", "world", "tp-pp-dp", "tp", ("tp", "dp")]),
+)
+
+
+@FUZZ
+@given(anything)
+def test_timeouts_are_in_range_or_refused(timeout: Any) -> None:
+    try:
+        value = as_timedelta(timeout)
+    except ShardcoreError as error:
+        assert "timeout=" in str(error) and len(str(error)) < 300
+    else:
+        assert timedelta(0) < value <= MAX_TIMEOUT
+
+
+BAD_ARGUMENTS: dict[str, list[Any]] = {
+    "timeout": [float("nan"), float("inf"), 1e20, "abc", [5], 0, -(10**5000), True],
+    "strategy": [5, "all", None, ["local"]],
+    "order": [[1], "tp", 5, None],
+    "rank_offset": ["1", -1, 10**5000, 1.0, None],
+    "allow_idle": ["no", 1, None],
+    "groups": [5, [5], "bogus", b"tp"],
+    "backend": [5, b"x", ["dtensor"]],
+}
+
+
+@FUZZ
+@given(
+    st.sampled_from(sorted(BAD_ARGUMENTS)).flatmap(
+        lambda bad: st.tuples(st.just(bad), st.sampled_from(BAD_ARGUMENTS[bad]))
+    ),
+    st.dictionaries(st.sampled_from(sorted(BAD_ARGUMENTS)), anything),
+)
+def test_build_shards_arguments(bad: tuple[str, Any], others: dict[str, Any]) -> None:
+    """One bad argument among any others: refused with a typed error before torch is touched (none is imported)."""
+    kwargs = {**others, bad[0]: bad[1]}
+    cost = measure_input(lambda: build_shards(8, "tp=8", **kwargs))
+    assert cost.error is None and cost.seconds < MAX_SECONDS
+    try:
+        build_shards(8, "tp=8", **kwargs)
+    except LayoutError as error:
+        assert len(str(error)) < 400
+    else:
+        raise AssertionError(f"{kwargs} was accepted")
+
+
 HOSTILE = [
     "[" * 100_000,
     "{" * 5000,
@@ -150,6 +194,10 @@ HOSTILE = [
     "- [" * 3000,
     "[]" * 50_000,
     "tp=" + "9" * 5000,
+    f'[{{"tp": {"9" * 5000}}}]',
+    f"- {{tp: {'9' * 5000}}}",
+    "- {tp: 0b" + "1" * 20_000 + "}",
+    "- {tp: 2, name: \ud800}",
     "- &a [*a]",
     "- !!python/object/apply:os.system [ls]",
     "@/nonexistent",

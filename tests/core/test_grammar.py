@@ -3,19 +3,22 @@
 
 ``reference_parse`` restates Megatron's parser from that description; with ``extended=True`` it
 also allows shardcore's documented extensions (cp > 1, role=train, name=). Any exception in
-the reference means "rejected".
+the reference means "rejected". shardcore also refuses what no world can hold or show: sizes
+over its world limit, unprintable names and two shards of one name (``_plannable``).
 """
 
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
-from shardcore import LayoutError, ShardSpec, ShardSpecError, parse_shards, plan_layout
+from shardcore import LayoutError, ShardSpec, ShardSpecError, ShardSpecWarning, parse_shards, plan_layout
+from shardcore.plan.arguments import MAX_WORLD_SIZE
 
 SIZE_KEYS = ("tp", "pp", "ep", "expt_tp", "dp", "cp")
 COMPARED = ("tp", "pp", "ep", "dp", "cp", "expt_tp", "role", "name")
@@ -79,8 +82,12 @@ def _outcome(text: str, *, extended: bool) -> list[dict[str, Any]] | None:
         return None
 
 
-def _positive(shards: list[dict[str, Any]]) -> bool:
-    return all(shard[key] > 0 for shard in shards for key in SIZE_KEYS)
+def _plannable(shards: list[dict[str, Any]]) -> bool:
+    """Sizes from 1 to the world limit, a shard within it, printable names, each name once."""
+    sizes = all(0 < shard[key] <= MAX_WORLD_SIZE for shard in shards for key in SIZE_KEYS)
+    worlds = all(shard["tp"] * shard["pp"] * shard["dp"] * shard["cp"] <= MAX_WORLD_SIZE for shard in shards)
+    names = [shard["name"] for shard in shards if shard["name"] is not None]
+    return sizes and worlds and all(name.isprintable() for name in names) and len(set(names)) == len(names)
 
 
 def _fields(shards: tuple[ShardSpec, ...]) -> list[dict[str, Any]]:
@@ -99,11 +106,11 @@ def _shardcore(text: str) -> tuple[ShardSpec, ...] | None:
 
 _pad = st.sampled_from(["", "", " ", "\t", "  ", "\n "])
 _int_value = st.integers(-2, 9).map(str) | st.sampled_from(
-    ["1.5", "abc", "", "02", "1_0", "\u0662", "2 2", "0x2", str(10**18), "2=3", "-0"]
+    ["1.5", "abc", "", "02", "1_0", "\u0662", "2 2", "0x2", str(10**18), "2=3", "-0", "9" * 5000, "0" * 5000 + "2"]
 )
 _values = {
     "role": st.sampled_from(["prefill", "decode", "train", "PREFILL", "Decode", "TRAIN", "x", ""]),
-    "name": st.sampled_from(["a", "llm-1", "x:y", "a b", "a=b", "a\tb", ""]),
+    "name": st.sampled_from(["a", "llm-1", "x:y", "a b", "a=b", "a\tb", "", "a\x0bb", "\x1b[31m", "\u202e"]),
 }
 _keys = st.sampled_from([*SIZE_KEYS, "tp", "dp", "ep", "role", "name", "TP", "Pp", "x", "", "t p", "expt-tp"])
 
@@ -142,11 +149,11 @@ def test_grammar_parity(text: str) -> None:
     assume(not text.strip().startswith(("[", "{", "-", "#", "@")))
     mine = _shardcore(text)
     megatron = _outcome(text, extended=False)
-    if megatron is not None and _positive(megatron):
+    if megatron is not None and _plannable(megatron):
         assert mine is not None, f"Megatron accepts {text!r}"
         assert _fields(mine) == megatron
     extended = _outcome(text, extended=True)
-    if extended is None or not _positive(extended):
+    if extended is None or not _plannable(extended):
         assert mine is None, f"{text!r} must be rejected, got {mine}"
     else:
         assert mine is not None and _fields(mine) == extended
@@ -211,11 +218,16 @@ def test_cp_above_one_is_an_extension() -> None:
 
 
 def test_repeated_key_last_wins_with_a_warning() -> None:
-    with pytest.warns(UserWarning, match="'tp'"):
+    with pytest.warns(ShardSpecWarning, match="'tp'") as record:
         (spec,) = parse_shards("tp=2,tp=4")
     assert spec.tp == 4 == reference_parse("tp=2,tp=4")[0]["tp"]
-    with pytest.warns(UserWarning, match="'role'"):
-        assert parse_shards("role=prefill,role=decode")[0].role == "decode"
+    # Attributed to the caller's line (this file), not to shardcore's source.
+    assert [Path(warning.filename).name for warning in record] == ["test_grammar.py"]
+    with pytest.warns(ShardSpecWarning, match=r"shard 1 \('role=prefill,role=decode'\): key 'role' repeated"):
+        assert parse_shards("tp=2+role=prefill,role=decode")[1].role == "decode"
+    with pytest.warns(ShardSpecWarning) as record:
+        plan_layout(2, "tp=2,tp=2")
+    assert [Path(warning.filename).name for warning in record] == ["test_grammar.py"]
 
 
 def test_no_warning_without_repeats() -> None:

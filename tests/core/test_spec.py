@@ -30,6 +30,14 @@ def specs(draw: st.DrawFn) -> ShardSpec:
     return ShardSpec(tp=tp, pp=pp, cp=cp, dp=dp, ep=ep, expt_tp=expt_tp, role=draw(st.sampled_from(ROLES)), name=name)
 
 
+def _unique_names(shards: list[ShardSpec]) -> bool:
+    names = [spec.name for spec in shards if spec.name is not None]
+    return len(set(names)) == len(names)
+
+
+shard_lists = st.lists(specs(), min_size=1, max_size=4).filter(_unique_names)
+
+
 def _valid_name(name: str) -> bool:
     try:
         ShardSpec(name=name)
@@ -82,14 +90,14 @@ def test_dict_round_trip(spec: ShardSpec) -> None:
 
 
 @settings(deadline=None, max_examples=200)
-@given(st.lists(specs(), min_size=1, max_size=4))
+@given(shard_lists)
 def test_string_round_trip(shards: list[ShardSpec]) -> None:
     assert parse_shards(format_shards(shards)) == tuple(shards)
     assert parse_shards(";".join(map(str, shards))) == tuple(shards)
 
 
 @settings(deadline=None, max_examples=100)
-@given(st.lists(specs(), min_size=1, max_size=4))
+@given(shard_lists)
 def test_json_yaml_and_file_inputs(shards: list[ShardSpec]) -> None:
     dicts = [spec.to_dict() for spec in shards]
     expected = tuple(shards)
@@ -143,3 +151,33 @@ def test_names_with_document_characters_round_trip() -> None:
     """A name may hold ':' or '#'; its spec string must still parse as the grammar, not YAML."""
     shards = (ShardSpec(tp=2, name="llama:70b"), ShardSpec(name="a # b"), ShardSpec(name="[x]"))
     assert parse_shards(format_shards(shards)) == shards
+
+
+def test_role_case_is_alike_in_every_input() -> None:
+    """Megatron's grammar lower-cases the role; dicts, JSON and YAML do the same."""
+    expected = (ShardSpec(tp=2, role="prefill"),)
+    for spec in (
+        "tp=2,role=PREFILL",
+        [{"tp": 2, "role": "Prefill"}],
+        '[{"tp": 2, "role": "PreFill"}]',
+        "- {tp: 2, role: PREFILL}",
+    ):
+        assert parse_shards(spec) == expected
+    assert ShardSpec(role="DECODE").role == "decode"
+    with pytest.raises(ShardSpecError, match="role=5"):
+        ShardSpec(role=5)  # type: ignore[arg-type]
+
+
+def test_one_mapping_is_one_shard() -> None:
+    expected = (ShardSpec(tp=2, pp=2),)
+    assert parse_shards({"tp": 2, "pp": 2}) == expected
+    assert parse_shards('{"tp": 2, "pp": 2}') == expected
+    assert parse_shards("tp: 2\npp: 2\n") == expected
+
+
+def test_duplicate_names_are_an_error() -> None:
+    with pytest.raises(ShardSpecError, match="name='policy' is given to shards 0 and 2"):
+        parse_shards("tp=2,name=policy+tp=2,name=ref+tp=1,name=policy")
+    with pytest.raises(ShardSpecError, match="shards 0 and 1"):
+        parse_shards([ShardSpec(name="a"), {"name": "a"}])
+    assert len(parse_shards("tp=2,name=a+tp=2,name=b+tp=2+tp=2")) == 4  # unnamed shards are fine

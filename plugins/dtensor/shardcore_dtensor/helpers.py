@@ -12,6 +12,12 @@ from typing import Any
 
 from shardcore.engine.device import comm_backend, device_type
 from shardcore.errors import GroupCreationError, LayoutError
+from shardcore.plan.arguments import MAX_WORLD_SIZE, check_count, check_flag, shown
+
+
+def _check_optional_text(name: str, value: object) -> None:
+    if value is not None and not isinstance(value, str):
+        raise LayoutError(f"{name}={shown(value)}: expected a string or None")
 
 
 def ensure_distributed_initialized(
@@ -29,8 +35,15 @@ def ensure_distributed_initialized(
     part, so ``build_shards``'s default strategy ``auto`` then creates every group on every rank.
 
     Raises:
+        LayoutError: a bad argument (checked before torch is touched).
         GroupCreationError: no torch.distributed, or ``LOCAL_RANK`` names no visible GPU.
     """
+    _check_optional_text("backend", backend)
+    _check_optional_text("init_method", init_method)
+    if world_size is not None:
+        check_count("world_size", world_size)
+    if rank is not None:
+        check_count("rank", rank, minimum=0, maximum=(world_size or MAX_WORLD_SIZE) - 1)
     import torch
     import torch.distributed as dist
 
@@ -79,7 +92,30 @@ def build_device_mesh(
     mesh_shape: tuple[int, ...] | None = None,
     mesh_dim_names: tuple[str, ...] | None = None,
 ) -> Any:
-    """A DeviceMesh over the whole initialised world; the shape must use every rank exactly."""
+    """A DeviceMesh over the whole initialised world; the shape must use every rank exactly.
+
+    Raises:
+        LayoutError: a bad argument, or a shape whose product is not the world size.
+        GroupCreationError: torch.distributed is not initialised.
+    """
+    if not isinstance(device_type, str):
+        raise LayoutError(f"device_type={shown(device_type)}: expected a device type such as 'cuda' or 'cpu'")
+    if mesh_shape is not None:
+        if not isinstance(mesh_shape, (tuple, list)) or not mesh_shape:
+            raise LayoutError(f"mesh_shape={shown(mesh_shape)}: expected a tuple of sizes, e.g. (2, 4)")
+        for size in mesh_shape:
+            check_count("mesh_shape size", size)
+    if mesh_dim_names is not None:
+        names = mesh_dim_names
+        if (
+            not isinstance(names, (tuple, list))
+            or not all(isinstance(name, str) and name for name in names)
+            or len(set(names)) != len(names)
+            or len(names) != (len(mesh_shape) if mesh_shape is not None else 1)
+        ):
+            raise LayoutError(
+                f"mesh_dim_names={shown(names)}: expected one distinct name per dim of mesh_shape={shown(mesh_shape)}"
+            )
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -102,13 +138,15 @@ def _mesh_shape_and_coordinate(device_mesh: Any) -> tuple[tuple[int, ...], tuple
 
 def _dim_index(device_mesh: Any, dim: int | str, shape: tuple[int, ...], what: str) -> int:
     """A mesh dim given by position or by name."""
+    if isinstance(dim, bool) or not isinstance(dim, (int, str)):
+        raise LayoutError(f"{what}={shown(dim)}: expected a mesh dim's index or name")
     if isinstance(dim, str):
         names = tuple(getattr(device_mesh, "mesh_dim_names", None) or ())
         if dim not in names:
             raise LayoutError(f"{what}={dim!r} is not a dim of this mesh (dims: {', '.join(names) or 'unnamed'})")
         return names.index(dim)
     if not 0 <= dim < len(shape):
-        raise LayoutError(f"{what}={dim} is out of range for a mesh with shape {shape}")
+        raise LayoutError(f"{what}={shown(dim)} is out of range for a mesh with shape {shape}")
     return dim
 
 
@@ -119,10 +157,13 @@ def resolve_data_parallel_partition(
 
     Unsharded data or no mesh is one partition; a mesh-like object without ``.mesh``
     shards by the whole world.
+
+    Raises:
+        LayoutError: a bad argument, or a rank outside the mesh.
     """
     import torch.distributed as dist
 
-    if not sharded_by_data_parallel or device_mesh is None:
+    if not check_flag("sharded_by_data_parallel", sharded_by_data_parallel) or device_mesh is None:
         return 1, 0
     if getattr(device_mesh, "mesh", None) is None:
         if dist.is_initialized():
@@ -141,10 +182,14 @@ def resolve_data_parallel_partition(
 
 
 def resolve_tensor_parallel_group_size(device_mesh: Any, tp_mesh_dim: int | str, tensor_parallel_enabled: bool) -> int:
-    """The TP group size from a mesh: 1 when TP is off or there is no mesh."""
+    """The TP group size from a mesh: 1 when TP is off or there is no mesh.
+
+    Raises:
+        LayoutError: a bad argument.
+    """
     import torch.distributed as dist
 
-    if not tensor_parallel_enabled or device_mesh is None:
+    if not check_flag("tensor_parallel_enabled", tensor_parallel_enabled) or device_mesh is None:
         return 1
     if getattr(device_mesh, "mesh", None) is None:
         return dist.get_world_size() if dist.is_initialized() else 1

@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("torch")
 
 from plugins.dtensor.tests import dtensor_workers as workers
+from shardcore import LayoutError
 from shardcore.engine.ports import free_port
 from shardcore.testing import run_world
 
@@ -47,3 +48,35 @@ def test_ensure_distributed_initialized_starts_a_single_process_world() -> None:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert result.stdout.split() == ["True", "False", "gloo"], result.stderr
+
+
+HUGE = 10**5000
+
+
+@pytest.mark.parametrize(
+    ("call", "token"),
+    [
+        (lambda h: h.ensure_distributed_initialized(backend=5), "backend=5"),
+        (lambda h: h.ensure_distributed_initialized(init_method=b"tcp://"), "init_method=b'tcp://'"),
+        (lambda h: h.ensure_distributed_initialized(rank=-1), "rank=-1"),
+        (
+            lambda h: h.ensure_distributed_initialized(rank=4, world_size=4),
+            "rank=4: expected a whole number from 0 to 3",
+        ),
+        (lambda h: h.ensure_distributed_initialized(world_size=HUGE), "world_size=100000000000... (5001 digits)"),
+        (lambda h: h.build_device_mesh(5), "device_type=5"),
+        (lambda h: h.build_device_mesh("cpu", 4), "mesh_shape=4"),
+        (lambda h: h.build_device_mesh("cpu", (2, "2")), "mesh_shape size='2'"),
+        (lambda h: h.build_device_mesh("cpu", (2, HUGE)), "(5001 digits)"),
+        (lambda h: h.build_device_mesh("cpu", (2, 2), ("dp",)), "mesh_dim_names=('dp',)"),
+        (lambda h: h.build_device_mesh("cpu", (2, 2), ("dp", "dp")), "one distinct name per dim"),
+        (lambda h: h.resolve_data_parallel_partition(None, 0, "yes"), "sharded_by_data_parallel='yes'"),
+        (lambda h: h.resolve_tensor_parallel_group_size(None, 0, 1), "tensor_parallel_enabled=1"),
+    ],
+)
+def test_bad_arguments_are_refused_before_torch_distributed(call: object, token: str) -> None:
+    import shardcore_dtensor as helpers
+
+    with pytest.raises(LayoutError) as info:
+        call(helpers)  # type: ignore[operator]
+    assert token in str(info.value) and len(str(info.value)) < 400

@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from shardcore.engine.groups import Strategy
 from shardcore.engine.shards import Shard, build_shards, destroy_shards
 from shardcore.errors import GroupCreationError, LayoutError, ShardSpecError
+from shardcore.plan.arguments import as_timedelta, check_choice, check_count, check_flag, shown
 from shardcore.plan.layout import Layout, Order, plan_layout
 from shardcore.plan.spec import INT_KEYS, ShardSpec, parse_shards
 
@@ -72,18 +74,19 @@ def _training_sizes() -> dict[str, int]:
 
 
 def _order(use_tp_pp_dp_mapping: bool) -> Order:
-    return Order.TP_CP_PP_DP if use_tp_pp_dp_mapping else Order.TP_CP_DP_PP
+    return Order.TP_CP_PP_DP if check_flag("use_tp_pp_dp_mapping", use_tp_pp_dp_mapping) else Order.TP_CP_DP_PP
+
+
+def _check_build_options(strategy: object, timeout: object) -> None:
+    """The options passed on to build_shards, checked before torch or Megatron is touched."""
+    check_choice("strategy", strategy, Strategy)
+    as_timedelta(timeout)
 
 
 def _build(layout: Layout, strategy: str, timeout: float | timedelta | None) -> list[Shard]:
     shards = build_shards(layout.world_size, layout, backend="megatron", strategy=strategy, timeout=timeout)
     _built.append(shards)
     return shards
-
-
-def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ShardSpecError(f"{name}={value!r}: expected a positive integer")
 
 
 def build_inference_pg_collection(
@@ -104,18 +107,24 @@ def build_inference_pg_collection(
     Every rank of the torch world calls it. Sizes left None come from training's
     parallel_state when initialised, else 1; dp is ``world_size / (tp*cp*pp)``.
     Off the window every field of the returned collection is None.
+
+    Raises:
+        ShardSpecError: a size that is not a whole number from 1 to shardcore's world limit, or
+            sizes that do not divide ``world_size``.
+        LayoutError: a bad ``rank_offset``, ``use_tp_pp_dp_mapping``, ``strategy`` or ``timeout``.
     """
-    _check_positive("world_size", world_size)
-    if isinstance(rank_offset, bool) or not isinstance(rank_offset, int) or rank_offset < 0:
-        raise LayoutError(f"rank_offset={rank_offset!r}: expected a non-negative integer (the window's first rank)")
+    check_count("world_size", world_size, error=ShardSpecError)
+    check_count("rank_offset", rank_offset, minimum=0)
+    order = _order(use_tp_pp_dp_mapping)
+    _check_build_options(strategy, timeout)
     given = {"tp": tp_size, "pp": pp_size, "cp": cp_size, "ep": ep_size, "expt_tp": expt_tp_size}
     for key, value in given.items():
         if value is not None:
-            _check_positive(f"{key}_size", value)
+            check_count(f"{key}_size", value, error=ShardSpecError)
     defaults = _training_sizes() if any(v is None for v in given.values()) else {}
     sizes = {key: defaults[key] if value is None else value for key, value in given.items()}
     for key, value in sizes.items():
-        _check_positive(f"{key}_size", value)
+        check_count(f"{key}_size", value, error=ShardSpecError)
     dense = sizes["tp"] * sizes["cp"] * sizes["pp"]
     if world_size % dense:
         raise ShardSpecError(
@@ -126,35 +135,35 @@ def build_inference_pg_collection(
     spec = ShardSpec(dp=world_size // dense, **sizes)  # type: ignore[arg-type]  # sizes holds only int keys
     require_available()
     _, total = _torch_world()
-    layout = plan_layout(total, [spec], order=_order(use_tp_pp_dp_mapping), rank_offset=rank_offset, allow_idle=True)
+    layout = plan_layout(total, [spec], order=order, rank_offset=rank_offset, allow_idle=True)
     shards = _build(layout, strategy, timeout)
     mine = shards[0]
     return mine.handle if mine.is_member else make_collection({})
 
 
-def _specs_of(item: Any) -> tuple[ShardSpec, ...]:
-    """ShardSpecs from a ShardSpec, a mapping, a spec string, or an object with Megatron's spec attributes."""
+def _as_input(index: int, item: Any) -> ShardSpec | Mapping[str, Any] | str:
+    """What parse_shards reads: the item itself, or the spec attributes of a Megatron-like object."""
     if isinstance(item, (ShardSpec, Mapping, str)):
-        return parse_shards([item])
+        return item
     if all(hasattr(item, key) for key in ("tp", "pp", "dp")):
-        values = {key: getattr(item, key) for key in _SPEC_ATTRS if getattr(item, key, None) is not None}
-        return (ShardSpec(**values),)
+        return {key: getattr(item, key) for key in _SPEC_ATTRS if getattr(item, key, None) is not None}
     raise ShardSpecError(
-        f"a shard must be a spec string, a ShardSpec, a mapping or an object with tp/pp/dp attributes "
-        f"(like Megatron's InferenceShardSpec); got {type(item).__name__}: {item!r}"
+        f"shard {index}: a shard must be a spec string, a ShardSpec, a mapping or an object with tp/pp/dp "
+        f"attributes (like Megatron's InferenceShardSpec); got {type(item).__name__}: {shown(item)}"
     )
 
 
 def normalize_shard_specs(shards: Any) -> tuple[ShardSpec, ...]:
-    """Specs from a string (Megatron's grammar), InferenceShardSpec-like objects or dicts."""
-    if isinstance(shards, (str, ShardSpec)):
+    """Specs from a string (Megatron's grammar), InferenceShardSpec-like objects or dicts.
+
+    Raises:
+        ShardSpecError: as parse_shards, naming the shard (its index) and the bad key and value.
+    """
+    if isinstance(shards, (str, ShardSpec, Mapping)):
         return parse_shards(shards)
     if not isinstance(shards, Sequence):
         raise ShardSpecError(f"shards must be a spec string or a sequence of specs; got {type(shards).__name__}")
-    specs = tuple(spec for item in shards for spec in _specs_of(item))
-    if not specs:
-        raise ShardSpecError("the shard spec is empty: give at least one shard, e.g. 'tp=2'")
-    return specs
+    return parse_shards([_as_input(index, item) for index, item in enumerate(shards)])
 
 
 def build_inference_pg_collections_for_shards(
@@ -173,9 +182,15 @@ def build_inference_pg_collections_for_shards(
     total_world_size)`` unless ``allow_idle``; ranks before ``rank_offset`` (a training
     window) and torch ranks past ``total_world_size`` are idle here. Every shard is
     returned in spec order, ``role=train`` ones included.
+
+    Raises:
+        ShardSpecError: a bad spec (see ``normalize_shard_specs``).
+        LayoutError: a bad argument, or shards that do not fit the world.
     """
-    specs = normalize_shard_specs(shards)
     order = _order(use_tp_pp_dp_mapping)
+    _check_build_options(strategy, timeout)
+    check_flag("allow_idle", allow_idle)
+    specs = normalize_shard_specs(shards)
     layout = plan_layout(total_world_size, specs, order=order, rank_offset=rank_offset, allow_idle=allow_idle)
     require_available()
     _, torch_world = _torch_world()

@@ -6,6 +6,7 @@ import importlib.util
 import subprocess
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -61,7 +62,9 @@ def test_unavailable_without_megatron_core(monkeypatch: pytest.MonkeyPatch) -> N
         ("tp=2,pp=2", 2, LayoutError, "need 4 ranks"),
         ("tp=2", 4, LayoutError, "idle"),
         ("tp=2,ep=2", 2, ShardSpecError, "does not divide"),
-        ("tp=0", 1, ShardSpecError, "positive"),
+        ("tp=0", 1, ShardSpecError, "tp=0: expected a whole number from 1"),
+        ("tp=" + "9" * 5000, 1, ShardSpecError, r"tp=999999999999\.\.\. \(5000 digits\)"),
+        ("tp=1+tp=0", 2, ShardSpecError, r"shard 1 \('tp=0'\)"),
         ("tp=2,pp=2,dp=2,ep=2,expt_tp=2", 8, LayoutError, None),
     ],
 )
@@ -98,12 +101,6 @@ def test_single_builder_raises_typed_errors(args: tuple, match: str) -> None:
         build_inference_pg_collection(*args)
 
 
-def test_needs_an_initialised_world() -> None:
-    pytest.importorskip("torch")
-    with pytest.raises(GroupCreationError, match="init_process_group"):
-        build_inference_pg_collections_for_shards(4, "tp=2,role=prefill+tp=1,dp=2,role=decode")
-
-
 @dataclass(frozen=True)
 class SpecLike:
     """Stands in for Megatron's InferenceShardSpec (not in 0.16.1)."""
@@ -115,6 +112,43 @@ class SpecLike:
     cp: int = 1
     expt_tp: int | None = None
     role: str | None = None
+
+
+HUGE = 10**5000
+"""Past Python's int-conversion limit: printing it raises ValueError, which must never escape."""
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: build_inference_pg_collection(HUGE), r"world_size=100000000000\.\.\. \(5001 digits\)"),
+        (lambda: build_inference_pg_collection(4, HUGE), r"tp_size=100000000000\.\.\."),
+        (lambda: build_inference_pg_collection(4, 2, rank_offset=HUGE), r"rank_offset=100000000000\.\.\."),
+        (lambda: build_inference_pg_collection(4, 2, 1, 1, 1, 2, "yes"), "use_tp_pp_dp_mapping='yes'"),
+        (lambda: build_inference_pg_collection(4, 2, 1, 1, 1, 2, strategy="all"), "strategy='all'"),
+        (lambda: build_inference_pg_collection(4, 2, 1, 1, 1, 2, timeout=float("nan")), "timeout=nan"),
+        (lambda: build_inference_pg_collections_for_shards(HUGE, "tp=2"), r"total_world_size=100000000000\.\.\."),
+        (lambda: build_inference_pg_collections_for_shards(4, [{"tp": HUGE}]), r"shard 0 .*tp=100000000000\.\.\."),
+        (lambda: build_inference_pg_collections_for_shards(4, [SpecLike(tp=2), SpecLike(dp=HUGE)]), r"shard 1 .*dp="),
+        (lambda: build_inference_pg_collections_for_shards(4, "tp=4", timeout="soon"), "timeout='soon'"),
+        (lambda: build_inference_pg_collections_for_shards(4, "tp=4", strategy=None), "strategy=None"),
+        (lambda: build_inference_pg_collections_for_shards(4, "tp=2", allow_idle="no"), "allow_idle='no'"),
+        (lambda: build_inference_pg_collections_for_shards(4, "tp=4", [1]), r"use_tp_pp_dp_mapping=\[1\]"),
+        (lambda: normalize_shard_specs({"tp": 2, "name": "a\x1b[0m"}), "must be printable"),
+        (lambda: normalize_shard_specs([SpecLike(tp=2), 7]), "shard 1: a shard must be"),
+    ],
+)
+def test_every_argument_is_checked_before_torch(call: Any, match: str) -> None:
+    """Bad input is a typed error naming the argument, shown short, before torch or Megatron is touched."""
+    with pytest.raises((ShardSpecError, LayoutError), match=match) as info:
+        call()
+    assert len(str(info.value)) < 400
+
+
+def test_needs_an_initialised_world() -> None:
+    pytest.importorskip("torch")
+    with pytest.raises(GroupCreationError, match="init_process_group"):
+        build_inference_pg_collections_for_shards(4, "tp=2,role=prefill+tp=1,dp=2,role=decode")
 
 
 def test_spec_inputs_agree() -> None:

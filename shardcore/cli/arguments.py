@@ -1,0 +1,49 @@
+"""argparse types of the number flags: argparse names the flag in the error, huge values are shown short."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+from ..plan.arguments import MAX_TIMEOUT, as_timedelta, shown
+
+
+def _short(text: str) -> str:
+    """The flag's text as typed, or shortened when long (a 5,000-digit number is one line)."""
+    return text if len(text) <= 24 else shown(text)
+
+
+def _number(kind: Callable[[str], float], minimum: float, what: str) -> Callable[[str], float]:
+    """An argparse type: ``kind`` parsed and at least ``minimum``; argparse names the flag in its error,
+    and a huge value is shown short (never thousands of digits)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{_short(text)} is not {what}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{_short(text)} is not {what}")
+        return value
+
+    return parse
+
+
+POSITIVE_INT = _number(int, 1, "a positive integer")
+NON_NEGATIVE_INT = _number(int, 0, "a non-negative integer")
+
+
+def POSITIVE_SECONDS(text: str) -> float:
+    """argparse type of --timeout: seconds as build_shards takes them (above 0, finite, at most MAX_TIMEOUT)."""
+    try:
+        seconds = float(text)
+        as_timedelta(seconds)
+    except ValueError:  # float() refused it, or as_timedelta (a LayoutError is a ValueError)
+        limit = MAX_TIMEOUT.total_seconds()
+        raise argparse.ArgumentTypeError(
+            f"{_short(text)} is not a positive number of seconds (at most {limit:.0f})"
+        ) from None
+    return seconds
+
+
+__all__ = ["NON_NEGATIVE_INT", "POSITIVE_INT", "POSITIVE_SECONDS"]

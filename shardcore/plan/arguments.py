@@ -1,0 +1,216 @@
+"""Checking what callers pass (counts, flags, choices, timeouts), and showing a bad value short.
+
+Every public function and CLI flag checks its arguments through here, so that a bad one is a
+typed error naming the argument, the value and what is accepted, instead of a Python error from
+deep inside (a ``TypeError``, an ``OverflowError``, or ``ValueError: Exceeds the limit (4300
+digits)`` from printing a huge integer). Torch-free: the plan, the engine and the CLI share it.
+"""
+
+from __future__ import annotations
+
+import math
+import reprlib
+from collections.abc import Collection
+from datetime import timedelta
+from enum import StrEnum
+from numbers import Real
+from typing import TypeVar
+
+from ..errors import LayoutError, ShardcoreError
+
+MAX_WORLD_SIZE = 1 << 24
+"""Largest world planned, and so the largest size any count may have: far above any cluster,
+small enough that a group always fits in memory."""
+
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+MAX_TIMEOUT = timedelta(days=7)
+"""Longest wait accepted: a rank silent for a week is gone, and far longer waits overflow the
+clocks of torch's stores and communicators."""
+
+_LONG_INT_DIGITS = 30
+"""Integers with more digits are shown as their first digits and their length."""
+
+Choice = TypeVar("Choice", bound=StrEnum)
+
+
+def _digits(number: int) -> int:
+    """Decimal digits of ``number`` without converting it to a string (which fails past 4,300 digits)."""
+    number = abs(number)
+    estimate = max(1, int(number.bit_length() * math.log10(2)))  # the count is estimate or estimate + 1
+    return estimate + 1 if number >= 10**estimate else estimate
+
+
+class LongNumber:
+    """A number written with more digits than Python converts (4,300 by default), kept as its text.
+
+    Parsers (the grammar, JSON, YAML) return it in place of the int, so that the spec's checks can
+    name the key it was given for; no shard or world can be that big.
+    """
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    @property
+    def digits(self) -> int:
+        return sum(char.isdigit() for char in self.text)
+
+    def __repr__(self) -> str:
+        text = self.text.strip()
+        sign = text[0] if text[0] in "+-" else ""
+        return f"{sign}{text[len(sign) : len(sign) + 12]}... ({self.digits} digits)"
+
+
+def number_or_long(text: str) -> int | LongNumber:
+    """``int(text)``, or a LongNumber when ``text`` is digits that int() refuses only for their length.
+
+    Raises:
+        ValueError: ``text`` is not a number, as from int().
+    """
+    try:
+        return int(text)
+    except ValueError:
+        if text.strip().lstrip("+-").replace("_", "").isdigit():
+            return LongNumber(text)
+        raise
+
+
+class _Short(reprlib.Repr):
+    """reprlib, bounded everywhere: long strings say their length, huge integers are never converted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxstring = 60
+        self.maxother = 60
+        self.maxlong = 60
+
+    def repr_int(self, x: int, level: int) -> str:
+        digits = _digits(x)
+        if digits <= _LONG_INT_DIGITS:
+            return repr(x)
+        head = abs(x) // 10 ** (digits - 12)
+        return f"{'-' if x < 0 else ''}{head}... ({digits} digits)"
+
+    def repr_str(self, x: str, level: int) -> str:
+        text = super().repr_str(x, level)
+        return text if len(x) <= self.maxstring else f"{text} ({len(x)} characters)"
+
+    def repr_instance(self, x: object, level: int) -> str:
+        try:
+            return super().repr_instance(x, level)
+        except Exception:  # a repr that itself fails (a huge int inside an unknown type)
+            return f"<{type(x).__name__}>"
+
+
+_short = _Short()
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` for an error message, bounded: never thousands of digits or characters."""
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, int):
+        return _short.repr_int(value, 1)
+    return _short.repr(value)
+
+
+def check_count(
+    name: str,
+    value: object,
+    *,
+    minimum: int = 1,
+    maximum: int = MAX_WORLD_SIZE,
+    error: type[ShardcoreError] = LayoutError,
+) -> int:
+    """``value`` as an int in ``[minimum, maximum]``; a bool or any other type is refused.
+
+    Raises:
+        LayoutError (or ``error``): naming ``name``, the value and the accepted range.
+    """
+    if isinstance(value, (LongNumber, bool)) or not isinstance(value, int):
+        many = "too many digits; " if isinstance(value, LongNumber) else ""
+        raise error(f"{name}={shown(value)}: {many}expected a whole number from {minimum} to {maximum}")
+    if not minimum <= value <= maximum:
+        over = value > maximum
+        limit = " (shardcore's limit)" if over and maximum == MAX_WORLD_SIZE else ""
+        raise error(f"{name}={shown(value)}: expected a whole number from {minimum} to {maximum}{limit}")
+    return value
+
+
+def check_flag(name: str, value: object) -> bool:
+    """``value`` if it is True or False: a string like ``'no'`` is truthy, so it is refused.
+
+    Raises:
+        LayoutError: naming ``name`` and the value.
+    """
+    if not isinstance(value, bool):
+        raise LayoutError(f"{name}={shown(value)}: expected True or False")
+    return value
+
+
+def check_choice(name: str, value: object, choices: type[Choice]) -> Choice:
+    """``value`` as a member of the string enum ``choices``.
+
+    Raises:
+        LayoutError: naming ``name``, the value and every accepted one.
+    """
+    if isinstance(value, str):
+        try:
+            return choices(value)
+        except ValueError:
+            pass
+    raise LayoutError(f"{name}={shown(value)}: expected one of {', '.join(choices)}")
+
+
+def check_names(name: str, value: object, known: tuple[str, ...]) -> tuple[str, ...]:
+    """A group name or a collection of them, each one of ``known``; returned in the order of ``known``.
+
+    Raises:
+        LayoutError: not names, or an unknown name, naming the accepted ones.
+    """
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, Collection) or not all(isinstance(item, str) for item in names):
+        raise LayoutError(f"{name}={shown(value)}: expected group names from {', '.join(known)}")
+    unknown = [item for item in names if item not in known]
+    if unknown:
+        raise LayoutError(f"unknown group name {shown(unknown[0])} in {name}: choose from {', '.join(known)}")
+    return tuple(item for item in known if item in names)
+
+
+def as_timedelta(timeout: object, name: str = "timeout") -> timedelta:
+    """Seconds (an int or float) or a timedelta, positive, finite and at most MAX_TIMEOUT; None means DEFAULT_TIMEOUT.
+
+    Raises:
+        LayoutError: naming ``name``, the value and what is accepted.
+    """
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    accepted = f"expected seconds (a number above 0 and at most {MAX_TIMEOUT.total_seconds():.0f}) or a timedelta"
+    if isinstance(timeout, timedelta):
+        value = timeout
+    elif isinstance(timeout, Real) and not isinstance(timeout, bool):
+        seconds = float(timeout) if not isinstance(timeout, int) or _digits(timeout) < 300 else math.inf
+        if not (math.isfinite(seconds) and 0 < seconds <= MAX_TIMEOUT.total_seconds()):
+            raise LayoutError(f"{name}={shown(timeout)}: {accepted}")
+        value = timedelta(seconds=seconds)
+    else:
+        raise LayoutError(f"{name}={shown(timeout)}: {accepted}")
+    if not timedelta(0) < value <= MAX_TIMEOUT:
+        raise LayoutError(f"{name}={shown(timeout)}: {accepted}")
+    return value
+
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "MAX_TIMEOUT",
+    "MAX_WORLD_SIZE",
+    "LongNumber",
+    "as_timedelta",
+    "check_choice",
+    "check_count",
+    "check_flag",
+    "check_names",
+    "number_or_long",
+    "shown",
+]
