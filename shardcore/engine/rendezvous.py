@@ -49,6 +49,8 @@ GRACE = 2.0
 """Seconds allowed past the deadline for the store to answer before its host is called unresponsive."""
 EPOCH_KEY = "shardcore/epoch"
 COMPLETE = "complete"
+_ARRIVED = "arrived"
+"""What a rank brings to a meeting with nothing to compare; never empty: compare-and-set treats "" as unset."""
 _FAILED = "!"
 """A value starting with it is a rank's error, not what it agreed to."""
 
@@ -182,19 +184,27 @@ def meet(epoch: int, phase: str, timeout: timedelta) -> None:
         GroupCreationError: a rank did not arrive in time or failed on the way (naming it
             and why), or the store's host died or stopped answering.
     """
-    _meet(epoch, phase, "", timeout)
+    _meet(epoch, phase, _ARRIVED, timeout)
 
 
 def report_failure(epoch: int | None, phase: str, error: BaseException, timeout: timedelta) -> None:
     """Arrive at ``phase`` with ``error`` instead of a value: the others stop at once and name it.
 
-    It waits, like every rank, for the meeting's outcome, so that this rank's next build
-    cannot start before the epoch has moved on. ``epoch`` None is a failure before the
-    build's first meeting (``agree``). Best effort: whatever the meeting says, or a store
-    that cannot be reached, the caller raises its own error.
+    ``epoch`` None is a failure before the build's first meeting (``agree``): then it waits,
+    like every rank, for the meeting's outcome, so that this rank's next build cannot read
+    the epoch before it has moved on. At a later meeting the build's epoch is already past,
+    so it leaves at once. Best effort: whatever the meeting says, or a store that cannot be
+    reached, the caller raises its own error.
     """
+    text = f"{_FAILED}{type(error).__name__}: {error}"[:500]
     try:
-        _meet(epoch, phase, f"{_FAILED}{type(error).__name__}: {error}"[:500], timeout)
+        if epoch is None:
+            _meet(epoch, phase, text, timeout)
+        else:
+            dist = _dist()
+            rank, world = dist.get_rank(), dist.get_world_size()
+            where = f"at '{phase}' of build {epoch}"
+            _pending.append(store_call(lambda store: _join(store, epoch, phase, text, rank, world), GRACE, where))
     except ShardcoreError:
         log.debug("shardcore: reported a failure at %r", phase, exc_info=True)
 
