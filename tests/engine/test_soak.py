@@ -14,7 +14,7 @@ from tests.engine import lifecycle_workers as workers
 
 WORLD = 8
 CYCLES = 500
-LAYOUTS = ["tp=2,pp=2+tp=2,dp=2", "tp=4,dp=2", "tp=2,cp=2,dp=2", "tp=1,dp=4+tp=2+tp=2", "tp=2,ep=2,dp=2"]
+LAYOUTS = ["tp=2,pp=2+tp=2,dp=2", "tp=4,dp=2", "tp=2,cp=2,dp=2", "tp=1,dp=4+tp=2+tp=2", "tp=2,ep=2,dp=4"]
 FAIL_EVERY = 10  # one cycle in ten, on average, starts with a failed build on a random rank
 STORE_SLACK = 4 + 2 * WORLD  # the last meetings' keys, which the next build deletes
 
