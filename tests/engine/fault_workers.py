@@ -27,7 +27,11 @@ def _attempt(world: int, spec: str, timeout: float, **kwargs: Any) -> tuple[str,
 
 def different_spec(rank: int, world: int, odd_rank: int, timeout: float) -> tuple[str, str, str, float]:
     """``odd_rank`` plans another layout than the rest."""
-    return _attempt(world, OTHER_SPEC if rank == odd_rank else SPEC, timeout)
+    import torch.distributed as dist
+
+    outcome = _attempt(world, OTHER_SPEC if rank == odd_rank else SPEC, timeout)
+    dist.barrier()  # rank 0 hosts the store: it must not exit while the others still read why
+    return outcome
 
 
 def never_calls(rank: int, world: int, absent: int, timeout: float, strategy: str) -> tuple[str, str, str, float]:

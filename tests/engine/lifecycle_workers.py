@@ -136,12 +136,7 @@ def fail_then_rebuild(rank: int, world: int, kinds: list[str], timeout: float, s
 
 def three_way(rank: int, world: int, specs: list[str], timeout: float) -> tuple[str, str]:
     """Each rank builds ``specs[rank]``; returns (error type, message)."""
-    try:
-        shards = build_shards(world, specs[rank], timeout=timeout)
-    except ShardcoreError as error:
-        return type(error).__name__, str(error)
-    destroy_shards(shards)
-    return "built", ""
+    return _attempt(world, specs[rank], timeout)
 
 
 def frozen_store_host(rank: int, world: int, timeout: float, resume_after: float) -> tuple[str, str, float]:
@@ -211,9 +206,19 @@ def soak(rank: int, world: int, cycles: int, layouts: list[str], fail_every: int
 
 def strategies(rank: int, world: int, chosen: list[str], timeout: float) -> tuple[str, str]:
     """Each rank builds the same spec with ``chosen[rank]`` as strategy; returns (error type, message)."""
+    return _attempt(world, GOOD_SPEC, timeout, strategy=chosen[rank])
+
+
+def _attempt(world: int, spec: str, timeout: float, **kwargs: Any) -> tuple[str, str]:
+    """One build; (error type, message), or ("built", ""). Ends with a barrier: rank 0 hosts the store, and
+    must not exit while the others still read why the build failed."""
+    import torch.distributed as dist
+
     try:
-        shards = build_shards(world, GOOD_SPEC, timeout=timeout, strategy=chosen[rank])
+        shards = build_shards(world, spec, timeout=timeout, **kwargs)
+        destroy_shards(shards)
+        outcome = "built", ""
     except ShardcoreError as error:
-        return type(error).__name__, str(error)
-    destroy_shards(shards)
-    return "built", ""
+        outcome = type(error).__name__, str(error)
+    dist.barrier()
+    return outcome
