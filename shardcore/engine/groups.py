@@ -27,6 +27,7 @@ private state is touched only through ``torch_state``.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
@@ -38,7 +39,14 @@ from ..errors import GroupCreationError
 from ..plan.layout import GROUP_NAMES, Layout, RankGroups, ShardPlan, distinct_groups
 from .backend import NamedGrids
 from .rendezvous import listed
-from .torch_state import bound_device, default_store, group_counter, set_group_counter, torchcomms_enabled
+from .torch_state import (
+    bound_device,
+    group_counter,
+    group_keys,
+    set_group_counter,
+    store_call,
+    torchcomms_enabled,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -51,6 +59,11 @@ class Strategy(StrEnum):
     """Choose for the world found: ``world`` where torch creates groups with every rank, else ``local``."""
     LOCAL = "local"
     WORLD = "world"
+
+
+KEY_DELETION_TIMEOUT = 10.0
+"""Seconds destroy_groups waits for the store to delete a destroyed group's keys."""
+log = logging.getLogger("shardcore")
 
 
 def _dist() -> Any:
@@ -196,9 +209,9 @@ def _new_group(ranks: tuple[int, ...], names: Sequence[str], plan: ShardPlan, ti
 def _likely_cause() -> str:
     """Why a group creation failed: a lost store (its host died) explains a member's abrupt error."""
     try:
-        default_store().check(["shardcore/alive"])
-    except Exception:  # any failure to reach the store means the same thing here
-        return "The store is unreachable: its host (rank 0 under torchrun) has probably died"
+        store_call(lambda store: store.check(["shardcore/alive"]), KEY_DELETION_TIMEOUT, "after a failed group")
+    except GroupCreationError as error:
+        return f"The store is unreachable: {error}"
     return "Its members must all reach this group within the timeout"
 
 
@@ -249,13 +262,26 @@ def create_groups(
 
 
 def destroy_groups(groups: Sequence[ProcessGroup]) -> None:
-    """Destroy each group once (shared names hold the same object)."""
+    """Destroy each group once (shared names hold the same object) and delete the store keys it left.
+
+    Each member deletes the keys it wrote to connect the group (``torch_state.group_keys``):
+    a default-mode group's name is never used again, and by the time a group is destroyed
+    its members have connected, so no later group reads them. Deleting is best effort: a
+    store that does not answer within ``KEY_DELETION_TIMEOUT`` leaves them (logged).
+    """
     dist = _dist()
     seen: set[int] = set()
+    keys: list[str] = []
     for pg in groups:
         if pg is not None and id(pg) not in seen:
             seen.add(id(pg))
+            keys += group_keys(pg)
             dist.destroy_process_group(pg)
+    if keys and not is_fake_world():
+        try:
+            store_call(lambda store: [store.delete_key(key) for key in keys], KEY_DELETION_TIMEOUT, "deleting keys")
+        except GroupCreationError as error:
+            log.warning("shardcore: the destroyed groups' store keys stay: %s", error)
 
 
 __all__ = [

@@ -11,13 +11,13 @@ from typing import Any
 from ..errors import GroupCreationError, LayoutError
 from ..plan.arguments import as_timedelta, check_choice, check_count, check_flag, check_names, shown
 from ..plan.layout import DEFAULT_ORDER, GROUP_NAMES, Layout, RankGroups, ShardPlan, plan_layout, resolve_order
-from ..plan.spec import ShardsInput, ShardSpec
+from ..plan.spec import ShardsInput, ShardSpec, format_shards
 from .backend import Backend
 from .groups import Strategy, choose_strategy, create_groups, destroy_groups, is_fake_world
 from .plugins import get_backend
-from .rendezvous import Agreement, next_phase, rendezvous, report_failure
-from .torch_state import group_counter
-from .window import Window, next_build, open_window
+from .rendezvous import Agreement, agree, meet, report_failure
+from .torch_state import group_counter, set_group_counter
+from .window import Window, open_window
 
 log = logging.getLogger("shardcore")
 
@@ -83,7 +83,7 @@ class Shard:
         return self.window
 
 
-def _require_world(total_world_size: int) -> tuple[int, int]:
+def _require_initialized() -> None:
     try:
         import torch.distributed as dist
     except ImportError:
@@ -93,13 +93,50 @@ def _require_world(total_world_size: int) -> tuple[int, int]:
             "torch.distributed is not initialized: call torch.distributed.init_process_group() first "
             "(or shardcore_dtensor.ensure_distributed_initialized())"
         )
+
+
+def _require_world(total_world_size: int) -> int:
+    """This rank, once ``total_world_size`` is checked against the torch world."""
+    import torch.distributed as dist
+
     rank, world = dist.get_rank(), dist.get_world_size()
     if total_world_size != world:
         raise GroupCreationError(
             f"total_world_size={total_world_size} but the torch world has {world} ranks: plan the whole world "
             f"(pass {world}, with allow_idle=True for ranks outside every shard)"
         )
-    return rank, world
+    return rank
+
+
+def _plan(
+    total_world_size: int,
+    shards: ShardsInput | Layout,
+    backend: str | None,
+    order: str,
+    rank_offset: int,
+    allow_idle: bool,
+    strategy: Strategy,
+    names: tuple[str, ...] | None,
+    backend_options: Mapping[str, Any],
+) -> tuple[Backend, Layout, tuple[str, ...], Strategy]:
+    """Everything a rank checks on its own before meeting the others: backend, layout, options, strategy.
+
+    ``names`` are the requested group names (None: those the backend's handle uses).
+    """
+    chosen = get_backend(backend)
+    names = names if names is not None else _group_names(chosen.group_names)
+    layout = (
+        shards
+        if isinstance(shards, Layout)
+        else plan_layout(total_world_size, shards, order=order, rank_offset=rank_offset, allow_idle=allow_idle)
+    )
+    if layout.world_size != total_world_size:
+        raise LayoutError(f"the layout plans {layout.world_size} ranks but total_world_size={total_world_size}")
+    check_options(chosen, backend_options)
+    chosen.validate(layout, backend_options)
+    chosen_strategy, why = choose_strategy(strategy)
+    log.info("shardcore: strategy %s: %s", chosen_strategy, why)
+    return chosen, layout, names, chosen_strategy
 
 
 def build_shards(
@@ -151,53 +188,68 @@ def build_shards(
         GroupCreationError: torch.distributed is not initialised, a rank is missing, dead or
             slow past ``timeout``, or group creation failed.
     """
-    wait, strategy = _check_arguments(total_world_size, backend, order, rank_offset, allow_idle, strategy, timeout)
-    requested = None if groups is None else _group_names(groups)
-    rank, _ = _require_world(total_world_size)
-    chosen = get_backend(backend)
-    names = requested if requested is not None else _group_names(chosen.group_names)
-    layout = (
-        shards
-        if isinstance(shards, Layout)
-        else plan_layout(total_world_size, shards, order=order, rank_offset=rank_offset, allow_idle=allow_idle)
-    )
-    if layout.world_size != total_world_size:
-        raise LayoutError(f"the layout plans {layout.world_size} ranks but total_world_size={total_world_size}")
-    check_options(chosen, backend_options)
-    chosen.validate(layout, backend_options)
-    strategy, why = choose_strategy(strategy)
-    log.info("shardcore: strategy %s: %s", strategy, why)
+    wait, asked = _check_arguments(total_world_size, backend, order, rank_offset, allow_idle, strategy, timeout)
+    names = None if groups is None else _group_names(groups)
+    _require_initialized()
     fake = is_fake_world()
-    build = next_build()
-    # Both phase names now, so a rank that fails in between stays in step with the others.
-    agree, built = next_phase("agree"), next_phase("built")
+    try:  # a rank that fails here still arrives, with its error, so the others stop and name it
+        rank = _require_world(total_world_size)
+        chosen, layout, names, strategy = _plan(
+            total_world_size,
+            shards,
+            backend,
+            order,
+            rank_offset,
+            allow_idle,
+            asked,
+            names,
+            backend_options,
+        )
+    except BaseException as error:
+        if not fake:
+            report_failure(None, "agree", error, wait)
+        raise
+    epoch = 0
     if fake:
         log.info("shardcore: fake backend, ranks cannot see each other: agreement checks skipped")
     else:
-        agreement = Agreement(layout.fingerprint(), chosen.name, names, strategy, group_counter())
-        rendezvous(agree, agreement, wait)
+        agreement = Agreement(
+            layout.fingerprint(),
+            format_shards([plan.spec for plan in layout.shards]),
+            str(layout.order),
+            layout.rank_offset,
+            chosen.name,
+            names,
+            strategy,
+            group_counter(),
+        )
+        epoch, counter = agree(agreement, wait)
+        if counter != agreement.group_counter:  # a failed build left this rank behind: catch up
+            set_group_counter(counter)
     extras = {plan.index: chosen.extra_groups(plan, backend_options) for plan in layout.shards}
+    created: list[Any] = []
     try:
         ranks_by_name, process_groups, created = create_groups(layout, rank, extras, strategy, wait, names)
-    except BaseException as error:
-        if not fake:
-            report_failure(built, error)
-        raise
-    result = []
-    try:
+        result = []
         for plan in layout.shards:
             shard = Shard(plan.index, plan.spec, plan.rank_offset, plan.size, plan, dict.fromkeys(GROUP_NAMES))
             if rank in plan:
                 shard.is_member, shard.group_ranks, shard._created = True, ranks_by_name, created
-                shard.window = open_window(plan.rank_offset, plan.size, build, wait, created)
+                shard.window = open_window(plan.rank_offset, plan.size, epoch, wait, created)
                 shard.groups.update(process_groups)
                 shard.handle = chosen.make_handle(plan, rank, shard.groups, backend_options)
             result.append(shard)
-        if not fake:
-            rendezvous(built, None, wait)
-    except BaseException:
+    except BaseException as error:
         destroy_groups(created)
+        if not fake:
+            report_failure(epoch, "built", error, wait)
         raise
+    if not fake:
+        try:
+            meet(epoch, "built", wait)
+        except BaseException:
+            destroy_groups(created)
+            raise
     return result
 
 

@@ -1,5 +1,16 @@
 """The torch.distributed internals shardcore relies on, read and written only here.
 
+Store access: shardcore talks to the default store through ``store_call``, on a client of
+its own and a daemon thread, because a TCPStore client blocks on its socket, whatever
+``set_timeout`` says, when the store's host is stopped (SIGSTOP, swap, a debugger)
+rather than dead: measured on torch 2.13, ``get`` waited until the host was killed.
+The thread is abandoned, with its client, when the caller's time is up.
+
+Group keys: a default-mode gloo group named ``G`` leaves, per member, a key
+``G//<device>//<gloo device index>/<group rank>`` in the default store (its
+connect-full-mesh address); ``group_keys`` names them so the group's destroyer can
+delete them.
+
 ``strategy="local"`` names each group by setting torch's world-wide default-mode group
 counter (``_world.group_count``) before creating it; see ``shardcore.engine.groups``.
 That counter, the live group names (``_world.pg_names``), the default group's bound
@@ -9,13 +20,18 @@ that this torch still has them in the shape relied on.
 
 from __future__ import annotations
 
+import os
+import threading
+from collections.abc import Callable
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import GroupCreationError
 
 if TYPE_CHECKING:
-    from torch.distributed import Store
+    from torch.distributed import ProcessGroup, Store
+
+T = TypeVar("T")
 
 
 def c10d() -> Any:
@@ -83,13 +99,119 @@ def default_store() -> Store:
     return c10d()._get_default_store()
 
 
+def store_host() -> str:
+    """Who hosts the default store, for messages: rank 0, or torchrun's agent, and its address."""
+    store: Any = default_store()
+    while hasattr(store, "underlying_store"):
+        store = store.underlying_store
+    where = f" at {store.host}:{store.port}" if hasattr(store, "host") else ""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return f"torchrun's agent{where}"
+    return f"rank 0{where}"
+
+
+class _Client:
+    """shardcore's own connection to the default store, replaced when a call on it is abandoned."""
+
+    lock = threading.Lock()
+    store: Store | None = None
+    generation = 0
+
+
+def store_call(job: Callable[[Store], T], seconds: float, what: str) -> T:
+    """Run ``job(store)`` on shardcore's own client of the default store; give up after ``seconds``.
+
+    Args:
+        job: the store operations, run in one daemon thread (they may block on the socket).
+        seconds: how long the caller may wait.
+        what: where the caller is, for the message (``"at 'agree' of build 3"``).
+
+    Returns:
+        What ``job`` returned.
+
+    Raises:
+        GroupCreationError: the store did not answer in time (its host is unresponsive), or
+            the connection failed (its host has probably died). Errors of ``job`` itself that
+            are not connection failures propagate unchanged.
+    """
+    import torch.distributed as dist
+
+    with _Client.lock:
+        generation = _Client.generation
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            with _Client.lock:
+                client = _Client.store if _Client.generation == generation else None
+            if client is None:
+                client = _clone(default_store())
+                with _Client.lock:
+                    if _Client.generation == generation:
+                        _Client.store = client
+            box["value"] = job(client)
+        except BaseException as error:  # handed to the caller's thread
+            box["error"] = error
+
+    thread = threading.Thread(target=run, name="shardcore-store", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    rank = dist.get_rank()
+    if thread.is_alive():
+        with _Client.lock:  # the thread keeps the old client; the next call connects anew
+            _Client.generation += 1
+            _Client.store = None
+        raise GroupCreationError(
+            f"rank {rank}: the store did not answer within {seconds:.3g}s {what}: its host, {store_host()}, is "
+            f"unresponsive (stopped, frozen by swap or a debugger) or unreachable"
+        )
+    error = box.get("error")
+    if isinstance(error, dist.DistError) and not isinstance(error, dist.DistStoreError):
+        raise GroupCreationError(
+            f"rank {rank}: lost the store {what} ({error}); its host, {store_host()}, has probably died"
+        ) from None
+    if error is not None:
+        raise error
+    return box["value"]
+
+
+def _clone(store: Store) -> Store:
+    """A client of its own where the store can make one (TCPStore), else the shared one."""
+    try:
+        return store.clone()  # type: ignore[attr-defined]  # missing from torch's stubs
+    except (AttributeError, RuntimeError):
+        return store
+
+
+def group_keys(pg: ProcessGroup) -> list[str]:
+    """The keys this rank wrote in the default store to connect ``pg`` (gloo; see the module doc).
+
+    Nothing for backends whose keys shardcore does not know (NCCL, custom ones).
+    """
+    import torch
+
+    devices = [d.split(":") for d in str(c10d()._world.pg_backend_config.get(pg, "")).split(",") if ":" in d]
+    gloo = [device for device, backend in devices if backend == "gloo"]
+    if not gloo:
+        return []
+    try:  # one gloo backend serves every device mapped to gloo; its connect keys live under the first
+        count = len(pg._get_backend(torch.device(gloo[0])).options._devices)  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):
+        count = 1
+    name = c10d()._get_process_group_name(pg)
+    return [f"{name}//{gloo[0]}//{index}/{pg.rank()}" for index in range(count)]
+
+
 __all__ = [
     "bound_device",
     "c10d",
     "default_store",
     "group_counter",
+    "group_keys",
     "live_group_count",
     "probe",
     "set_group_counter",
+    "store_call",
+    "store_host",
     "torchcomms_enabled",
 ]

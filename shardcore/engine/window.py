@@ -53,7 +53,6 @@ if TYPE_CHECKING:
 RESERVED = 1 << 48
 """Window-local group names start here: world-collective creation never counts this high."""
 
-_builds = 0
 _name_block = 0
 """Fake worlds only: no store is shared, so numbers are drawn from this process's count."""
 _open: dict[tuple[int, int], Window] = {}
@@ -252,13 +251,6 @@ def _rows_text(rows: Sequence[tuple[int, ...]]) -> str:
     return f"[{shown}{'; ...' if len(rows) > 4 else ''}]"
 
 
-def next_build() -> int:
-    """Count a ``build_shards`` call (every rank of the world calls it alike)."""
-    global _builds
-    _builds += 1
-    return _builds
-
-
 def open_window(first: int, size: int, build: int, timeout: timedelta, created: list[Any]) -> Window:
     """The member rank's window for a build; ``created`` is the list of the build's groups, shared."""
     window = Window(first, size, build, timeout, created)
@@ -271,4 +263,4 @@ def window_of(first: int, size: int) -> Window | None:
     return _open.get((first, size))
 
 
-__all__ = ["RESERVED", "Window", "next_build", "open_window", "window_of"]
+__all__ = ["RESERVED", "Window", "open_window", "window_of"]

@@ -35,8 +35,8 @@ def test_rank_with_a_different_spec_is_named_on_every_rank() -> None:
     results = run_world(WORLD, workers.different_spec, 3, TIMEOUT, allow_failures=True, timeout=120)
     for rank, (outcome, kind, message, elapsed) in enumerate(results):
         assert (outcome, kind) == ("error", "LayoutMismatchError"), (rank, message)
-        assert "ranks [3] (1 ranks) disagree with the other 3 ranks" in message
-        assert "layout: " in message
+        assert "1 of 4 ranks disagree with the majority" in message
+        assert "ranks [3] (1 ranks) have spec 'tp=4'" in message and "have spec 'tp=2+tp=2'" in message
         assert elapsed < MARGIN  # no waiting: everyone arrived, the values differ
 
 
@@ -44,7 +44,7 @@ def test_rank_given_a_different_spec_first_in_line_is_still_the_one_named() -> N
     results = run_world(WORLD, workers.different_spec, 0, TIMEOUT, allow_failures=True, timeout=120)
     for rank, (_, kind, message, _) in enumerate(results):
         assert kind == "LayoutMismatchError", (rank, message)
-        assert "ranks [0] (1 ranks) disagree" in message
+        assert "ranks [0] (1 ranks) have spec 'tp=4'" in message
 
 
 @pytest.mark.parametrize("strategy", ["local", "world"])

@@ -68,11 +68,10 @@ def test_extra_members_only_group_on_one_rank_is_handled(strategy: str) -> None:
     assert results == ["ok: tp=[0, 1]", "ok: tp=[0, 1]", "ok: tp=[2, 3]", "ok: tp=[2, 3]"]
 
 
-def test_rank_that_advanced_torchs_group_counter_is_named_not_hung() -> None:
+def test_rank_that_advanced_torchs_group_counter_is_caught_up() -> None:
+    """Every rank builds from the highest counter any rank brings, so group names still agree."""
     results = run_world(4, workers.extra_group_then_build, "local", False, timeout=120)
-    for result in results:
-        assert result.startswith("error:")
-        assert "ranks [1] (1 ranks) disagree" in result or "ranks [0, 2, 3] (3 ranks) disagree" in result
+    assert results == ["ok: tp=[0, 1]", "ok: tp=[0, 1]", "ok: tp=[2, 3]", "ok: tp=[2, 3]"]
 
 
 def test_dtensor_distribute_and_redistribute_on_two_shards() -> None:
