@@ -537,7 +537,7 @@ def _exchange(
     stats: TransferStats,
 ) -> None:
     """Post each round's sends and receives, to and from every peer, as one batch; copy locally while the
-    first round is on the wire; unpack a round's staged receives once it is done."""
+    first round is on the wire; unpack each staged receive as soon as it has arrived."""
     import torch
     import torch.distributed as dist
 
@@ -553,24 +553,24 @@ def _exchange(
         works = _start(ops, round_, rank, world)
         if number == 0:
             stats.bytes_copied = _copy_locally(mine.copies, sources, destinations)
-        _wait(works, round_, rank, world)
-        for message in round_:
-            if message.send:
-                stats.bytes_sent += message.payload
-            else:
-                stats.bytes_received += message.payload
-                if message.in_place is None:
-                    _unpack(message, staging, destinations)
-            log.debug(
-                "shardcore refit: rank %d round %d: %s rank %d, %d pieces, %d B%s",
-                rank,
-                number,
-                "send to" if message.send else "receive from",
-                message.peer,
-                len(message.pieces),
-                message.nbytes,
-                "" if message.in_place is not None else " (staged)",
-            )
+        for done in _completed(works, round_, rank, world):
+            for message in done:
+                if message.send:
+                    stats.bytes_sent += message.payload
+                else:
+                    stats.bytes_received += message.payload
+                    if message.in_place is None:
+                        _unpack(message, staging, destinations)
+                log.debug(
+                    "shardcore refit: rank %d round %d: %s rank %d, %d pieces, %d B%s",
+                    rank,
+                    number,
+                    "send to" if message.send else "receive from",
+                    message.peer,
+                    len(message.pieces),
+                    message.nbytes,
+                    "" if message.in_place is not None else " (staged)",
+                )
         stats.buckets += len(round_)
 
 
@@ -603,14 +603,19 @@ def _start(ops: list[Any], pending: list[_Message], rank: int, world: _World) ->
         raise _peer_failure(error, pending, rank, world) from None
 
 
-def _wait(works: list[Any], pending: list[_Message], rank: int, world: _World) -> None:
-    """Wait for each work until the call's deadline; name the peer whose work failed."""
+def _completed(works: list[Any], pending: list[_Message], rank: int, world: _World) -> Iterator[list[_Message]]:
+    """Wait for each work until the call's deadline and yield the messages it completed: one by one
+    where the backend gives a work per op (gloo), so a staged receive is unpacked while later ones
+    are still on the wire; all at the end where it coalesces them. Names the peer whose work failed."""
+    per_op = len(works) == len(pending)
     for index, work in enumerate(works):
+        which = pending[index : index + 1] if per_op else pending
         try:
             work.wait(world.remaining())
         except Exception as error:  # gloo: RuntimeError on timeout or a closed connection
-            which = pending[index : index + 1] if len(works) == len(pending) else pending
             raise _peer_failure(error, which, rank, world) from None
+        if per_op or index == len(works) - 1:
+            yield which
 
 
 def _peer_failure(
