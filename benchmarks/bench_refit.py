@@ -119,11 +119,12 @@ def _sources(plan: Any, rank: int) -> dict[str, Any]:
 
 
 def _empty(plan: Any, rank: int) -> dict[str, Any]:
+    """Fresh destinations, written once before the clock starts, as a model's parameters are: the page
+    faults of first touch are not what a refit costs, and would otherwise land in whichever method runs."""
     import torch
 
-    return {
-        name: torch.empty(shape, dtype=torch.bfloat16) for name, shape in plan.for_rank(rank).destination_shapes.items()
-    }
+    shapes = plan.for_rank(rank).destination_shapes
+    return {name: torch.empty(shape, dtype=torch.bfloat16).fill_(0) for name, shape in shapes.items()}
 
 
 def _local(full: Any, spec: Any, shard: Any, rank: int, manifest: Any) -> Any:
