@@ -55,6 +55,7 @@ DEFAULT_TIMEOUT = 300.0
 _ALIGN = 16  # byte offset of each piece in a bucket: any dtype's view of it is aligned
 _SOLO_BYTES = 256 << 10  # a piece this big travels alone, from and into the tensors where contiguous
 _MAX_NAMED = 8
+_READ_GRACE = 2.0  # seconds rank 0 keeps the store up for the others after a barrier timed out
 _calls = 0
 _previous_prefix: str | None = None
 
@@ -391,6 +392,7 @@ class _World:
                     f"has probably died",
                     [0],
                 ) from None
+            self._read_by_all(key, self.world - len(missing))
             raise RefitPeerError(
                 f"rank {self.rank}: ranks {_listed(missing)} did not reach refit {phase} within {self.timeout:g}s: "
                 f"every rank of the world must call refit execute (is one dead, slow, or running other code?)",
@@ -399,6 +401,20 @@ class _World:
         failed = self.failures()
         if failed:
             raise self.failed_error(failed)
+
+    def _read_by_all(self, key: str, arrived: int) -> None:
+        """After a barrier timed out: count this rank as done reading the store, and on rank 0 (the store's
+        host under torchrun) wait, a little, until every rank that arrived has read who is missing. All of
+        them time out at about the same moment; without this, rank 0 could raise and exit first, and take
+        the store with it before the others had learnt whom to name."""
+        try:
+            done = self.store.add(f"{key}/read", 1)
+            grace = time.monotonic() + _READ_GRACE
+            while self.rank == 0 and done < arrived and time.monotonic() < grace:
+                time.sleep(0.01)
+                done = self.store.add(f"{key}/read", 0)
+        except Exception:  # the store is gone: nothing left to wait for
+            log.debug("shardcore refit: the store went away after a barrier timed out", exc_info=True)
 
     def _missing(self, key: str) -> list[int] | None:
         try:
