@@ -5,23 +5,30 @@ Every rank of the world calls :func:`execute`, idle ranks too. The steps:
 1. **Check inputs, then agree.** Each rank checks its source and destination tensors
    against the plan (names, local shapes, dtypes) and the world meets at a store barrier
    where any rank's problem is everyone's error. No byte moves before that.
-2. **Local copies** for the pieces a rank holds in both layouts.
-3. **Pairwise exchange.** Pieces between two ranks are sorted (sender and receiver sort the
-   same transfers the same way), cut along their first dim to fit a bucket, and packed in
-   order into buckets of at most ``bucket_bytes / 2`` (one send and one receive buffer are
-   live at a time; a piece is sent from, or received into, the tensor itself when its slice
-   is contiguous). Step ``s`` pairs rank ``r`` with ``r + s`` (send) and ``r - s`` (receive),
-   modulo the world; within a step, round ``j`` moves bucket ``j`` of both pairs with one
-   ``batch_isend_irecv``. Every rank walks the steps and rounds in the same order and every
-   operation of a round is matched within that round, so no set of ranks can wait on each
-   other in a cycle. The same code runs on gloo, NCCL and HCCL.
-4. **Agree on the outcome** at a second store barrier, so that a refit that failed anywhere
+2. **Exchange.** The transfers between two ranks are sorted (sender and receiver sort them the
+   same way), cut along their first dim to at most ``bucket_bytes / 2``, and made into messages:
+   a piece of 256 KiB or more travels alone, straight from the source tensor and into the
+   destination tensor wherever its slice is contiguous there; smaller pieces are packed in order
+   into one staged buffer per message. The cut depends on sizes only, so both ends agree on it.
+   Every message has a key, (index within its pair, src, dst), and every rank posts its messages
+   in increasing key, in rounds: each round is one ``batch_isend_irecv`` of its sends to and
+   receives from all peers at once, and holds as many messages as fit ``bucket_bytes`` of staged
+   bytes (in-place messages take none). The smallest unfinished message of the world is always in
+   the current round of both its ends, so no set of ranks can wait on each other in a cycle. The
+   same code runs on gloo, NCCL and HCCL. Local copies (pieces a rank holds in both layouts) run
+   while the first round is on the wire.
+3. **Agree on the outcome** at a second store barrier, so that a refit that failed anywhere
    fails everywhere, naming the rank at fault.
 
 Faults: gloo breaks a connection whose peer died, and a bounded wait (to the call's
-deadline) catches a peer that hangs; a rank that fails leaves the reason in the store, and
-the others read it there, so the error names the rank at fault, not merely the rank seen
-waiting. (A gloo wait that times out closes the pair, so waits are never sliced and retried.)
+deadline) catches a peer that hangs; a rank that fails leaves the reason in the store (which
+also wakes the ranks waiting at the end), and the others read it there, so the error names the
+rank at fault, not merely the rank seen waiting. (A gloo wait that times out closes the pair, so
+waits are never sliced and retried.)
+
+CPU worlds: run one intra-op thread per process (torchrun's default, ``OMP_NUM_THREADS=1``) when
+processes outnumber cores; with more, every pack and unpack copy fights the other processes'
+OpenMP threads and runs 10-100x slower (see BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
@@ -43,10 +50,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("shardcore.refit")
 
 DEFAULT_BUCKET_BYTES = 64 << 20
-"""Extra memory one rank may use for packing: half for the send buffer, half for the receive one."""
+"""Staging memory one rank may use at a time for packed or non-contiguous pieces, sends and receives together."""
 DEFAULT_TIMEOUT = 300.0
 _ALIGN = 16  # byte offset of each piece in a bucket: any dtype's view of it is aligned
+_SOLO_BYTES = 256 << 10  # a piece this big travels alone, from and into the tensors where contiguous
 _MAX_NAMED = 8
+_READ_GRACE = 2.0  # seconds rank 0 keeps the store up for the others after a barrier timed out
 _calls = 0
 _previous_prefix: str | None = None
 
@@ -95,15 +104,6 @@ class _Piece(NamedTuple):
     src_offset: tuple[int, ...]
     dst_offset: tuple[int, ...]
     nbytes: int
-
-
-@dataclass
-class _Bucket:
-    """Pieces packed back to back (aligned) into one buffer exchanged with one peer."""
-
-    peer: int
-    pieces: list[tuple[_Piece, int]] = field(default_factory=list)
-    nbytes: int = 0
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -187,21 +187,36 @@ def _pieces(transfer: Any, cap: int) -> Iterator[_Piece]:
         yield _Piece(transfer.tensor, cut, src, dst, slab * n)
 
 
-def _buckets(peer: int, transfers: Sequence[Any], cap: int) -> list[_Bucket]:
-    """The pieces for one peer, in the order both sides derive (sorted transfers), packed into buckets."""
-    buckets: list[_Bucket] = []
-    current = _Bucket(peer)
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _messages(transfers: Sequence[Any], cap: int) -> list[tuple[tuple[tuple[_Piece, int], ...], int]]:
+    """The messages between one ordered pair of ranks, as both of them derive them: (pieces with their
+    byte offsets, message bytes).
+
+    Transfers are sorted and cut to at most ``cap`` bytes; a piece of ``_SOLO_BYTES`` or more travels
+    alone (then it can go from and into the tensors themselves), smaller ones are packed in order into
+    messages of at most ``cap`` bytes. The cut depends on sizes alone, never on either side's strides,
+    so the sender and the receiver cut alike.
+    """
+    out: list[tuple[tuple[tuple[_Piece, int], ...], int]] = []
+    packed: list[tuple[_Piece, int]] = []
+    size = 0
     for transfer in sorted(transfers):
         for piece in _pieces(transfer, cap):
-            offset = -(-current.nbytes // _ALIGN) * _ALIGN
-            if current.pieces and offset + piece.nbytes > cap:
-                buckets.append(current)
-                current, offset = _Bucket(peer), 0
-            current.pieces.append((piece, offset))
-            current.nbytes = offset + piece.nbytes
-    if current.pieces:
-        buckets.append(current)
-    return buckets
+            if piece.nbytes >= _SOLO_BYTES:
+                out.append((((piece, 0),), piece.nbytes))
+                continue
+            offset = _aligned(size)
+            if packed and offset + piece.nbytes > cap:
+                out.append((tuple(packed), size))
+                packed, offset = [], 0
+            packed.append((piece, offset))
+            size = offset + piece.nbytes
+    if packed:
+        out.append((tuple(packed), size))
+    return out
 
 
 def _by_peer(transfers: Sequence[Any], attr: str) -> dict[int, list[Any]]:
@@ -209,6 +224,67 @@ def _by_peer(transfers: Sequence[Any], attr: str) -> dict[int, list[Any]]:
     for transfer in transfers:
         peers.setdefault(getattr(transfer, attr), []).append(transfer)
     return peers
+
+
+@dataclass
+class _Message:
+    """One send or receive of this rank: its place in the world-wide order, its pieces, and where its
+    bytes live here (the tensor slice itself, or ``staged`` bytes at ``slot`` of the staging buffer)."""
+
+    key: tuple[int, int, int]  # (index within its pair, src, dst): the order every rank agrees on
+    peer: int
+    send: bool
+    pieces: tuple[tuple[_Piece, int], ...]
+    nbytes: int
+    in_place: torch.Tensor | None
+    slot: int = 0
+
+    @property
+    def staged(self) -> int:
+        return 0 if self.in_place is not None else self.nbytes
+
+    @property
+    def payload(self) -> int:
+        return sum(piece.nbytes for piece, _ in self.pieces)
+
+
+def _schedule(
+    mine: Any, rank: int, sources: Mapping[str, Any], destinations: Mapping[str, Any], cap: int, budget: int
+) -> list[list[_Message]]:
+    """This rank's messages in the world-wide order, cut into rounds whose staged bytes fit ``budget``.
+
+    The order is (index within the pair, src, dst): both ends of a pair give each message the same key,
+    and every rank posts its messages in increasing key, one round (a prefix of what is left) at a
+    time. So the smallest unfinished message of the whole world is in the current round of both its
+    ends, and completes: no set of ranks can wait on each other in a cycle, however each rank cuts its
+    rounds. A message staged here takes its bytes of the round's budget; one sent from or received
+    into a contiguous tensor slice takes none, so rounds are few when the layouts line up.
+    """
+    messages = []
+    for send, transfers, tensors in ((True, mine.sends, sources), (False, mine.recvs, destinations)):
+        for peer, pair in _by_peer(transfers, "dst" if send else "src").items():
+            src, dst = (rank, peer) if send else (peer, rank)
+            for index, (pieces, nbytes) in enumerate(_messages(pair, cap)):
+                in_place = None
+                if len(pieces) == 1:
+                    piece = pieces[0][0]
+                    view = _view(tensors[piece.tensor], piece.src_offset if send else piece.dst_offset, piece.shape)
+                    in_place = _as_bytes(view) if view.is_contiguous() else None
+                messages.append(_Message((index, src, dst), peer, send, pieces, nbytes, in_place))
+    messages.sort(key=lambda message: message.key)
+    rounds: list[list[_Message]] = []
+    current: list[_Message] = []
+    used = 0
+    for message in messages:
+        if current and used + message.staged > budget:
+            rounds.append(current)
+            current, used = [], 0
+        message.slot = used
+        used = _aligned(used + message.staged)
+        current.append(message)
+    if current:
+        rounds.append(current)
+    return rounds
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -223,58 +299,6 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     import torch
 
     return tensor.reshape(-1).view(torch.uint8)
-
-
-class _Buffers:
-    """One reusable byte buffer per direction, grown to the largest bucket seen."""
-
-    def __init__(self, device: Any) -> None:
-        self.device, self.peak = device, 0
-        self.send: torch.Tensor | None = None
-        self.recv: torch.Tensor | None = None
-
-    def get(self, which: str, nbytes: int) -> torch.Tensor:
-        import torch
-
-        buffer: torch.Tensor | None = getattr(self, which)
-        if buffer is None or buffer.numel() < nbytes:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            setattr(self, which, buffer)
-            self.peak = max(self.peak, sum(b.numel() for b in (self.send, self.recv) if b is not None))
-        return buffer[:nbytes]
-
-
-def _send_tensor(bucket: _Bucket, sources: Mapping[str, torch.Tensor], buffers: _Buffers) -> torch.Tensor:
-    """The bytes to send: the source slice itself when it is one contiguous piece, else a packed buffer."""
-    if len(bucket.pieces) == 1:
-        piece = bucket.pieces[0][0]
-        view = _view(sources[piece.tensor], piece.src_offset, piece.shape)
-        if view.is_contiguous():
-            return _as_bytes(view)
-    buffer = buffers.get("send", bucket.nbytes)
-    for piece, offset in bucket.pieces:
-        view = _view(sources[piece.tensor], piece.src_offset, piece.shape)
-        buffer[offset : offset + piece.nbytes].view(view.dtype).view(piece.shape).copy_(view)
-    return buffer
-
-
-def _recv_tensor(
-    bucket: _Bucket, destinations: Mapping[str, torch.Tensor], buffers: _Buffers
-) -> tuple[torch.Tensor, bool]:
-    """Where to receive, and whether it must be unpacked: the destination slice itself when it is
-    one contiguous piece, else the receive buffer."""
-    if len(bucket.pieces) == 1:
-        piece = bucket.pieces[0][0]
-        view = _view(destinations[piece.tensor], piece.dst_offset, piece.shape)
-        if view.is_contiguous():
-            return _as_bytes(view), False
-    return buffers.get("recv", bucket.nbytes), True
-
-
-def _unpack(bucket: _Bucket, buffer: torch.Tensor, destinations: Mapping[str, torch.Tensor]) -> None:
-    for piece, offset in bucket.pieces:
-        target = _view(destinations[piece.tensor], piece.dst_offset, piece.shape)
-        target.copy_(buffer[offset : offset + piece.nbytes].view(target.dtype).view(piece.shape))
 
 
 def _copy_locally(copies: Sequence[Any], sources: Mapping[str, Any], destinations: Mapping[str, Any]) -> int:
@@ -326,6 +350,8 @@ class _World:
         record = f"{self.rank}\x1f{failure.kind}\x1f{blamed}\x1f{failure.message[:400]}\x1e"
         try:
             self.store.append(f"{self.prefix}/failed", record)
+            if failure.kind == "peer":  # wake the ranks already waiting at the end (inputs: all still arrive)
+                self.store.set(f"{self.prefix}/end/done", "1")
         except Exception:  # nothing more to do: the caller raises anyway
             log.debug("shardcore refit: could not report the failure to the store", exc_info=True)
 
@@ -344,7 +370,8 @@ class _World:
         return found
 
     def barrier(self, phase: str) -> None:
-        """Wait for every rank at ``phase`` until the deadline, polling the store (and failure reports).
+        """Wait for every rank at ``phase`` until the deadline: one store wait on a key that the last rank
+        to arrive sets, or a rank that failed in the exchange (so the others need not wait out the deadline).
 
         Raises naming the ranks at fault: those reported by others, else those that never arrived.
         """
@@ -353,14 +380,7 @@ class _World:
             self.store.set(f"{key}/at/{self.rank}", "1")
             if self.store.add(f"{key}/arrived", 1) == self.world:
                 self.store.set(f"{key}/done", "1")
-            pause = 0.001
-            while not self.store.check([f"{key}/done"]):  # polled: a store wait that times out logs warnings
-                if self.failures():
-                    raise RefitError("a rank reported a failure")
-                if time.monotonic() >= self.deadline:
-                    raise TimeoutError(f"refit {phase}")
-                time.sleep(pause)
-                pause = min(0.1, pause * 2)
+            self.store.wait([f"{key}/done"], self.remaining())  # times out (and c10d logs it) only on a fault
         except Exception as error:  # a timeout, a reported failure, or the store's host is gone
             failed = self.failures()
             if failed:
@@ -372,6 +392,7 @@ class _World:
                     f"has probably died",
                     [0],
                 ) from None
+            self._read_by_all(key, self.world - len(missing))
             raise RefitPeerError(
                 f"rank {self.rank}: ranks {_listed(missing)} did not reach refit {phase} within {self.timeout:g}s: "
                 f"every rank of the world must call refit execute (is one dead, slow, or running other code?)",
@@ -380,6 +401,20 @@ class _World:
         failed = self.failures()
         if failed:
             raise self.failed_error(failed)
+
+    def _read_by_all(self, key: str, arrived: int) -> None:
+        """After a barrier timed out: count this rank as done reading the store, and on rank 0 (the store's
+        host under torchrun) wait, a little, until every rank that arrived has read who is missing. All of
+        them time out at about the same moment; without this, rank 0 could raise and exit first, and take
+        the store with it before the others had learnt whom to name."""
+        try:
+            done = self.store.add(f"{key}/read", 1)
+            grace = time.monotonic() + _READ_GRACE
+            while self.rank == 0 and done < arrived and time.monotonic() < grace:
+                time.sleep(0.01)
+                done = self.store.add(f"{key}/read", 0)
+        except Exception:  # the store is gone: nothing left to wait for
+            log.debug("shardcore refit: the store went away after a barrier timed out", exc_info=True)
 
     def _missing(self, key: str) -> list[int] | None:
         try:
@@ -440,8 +475,10 @@ def execute(
         sources: tensor name -> this rank's local source tensor (the layout's ``src`` side).
         destinations: tensor name -> this rank's preallocated, contiguous local destination tensor.
         timeout: seconds (or a timedelta) for the whole call; default 300 s.
-        bucket_bytes: extra memory for packing (a send and a receive buffer of half each); a piece
-            larger than half is cut along its first dim.
+        bucket_bytes: staging memory for packed and non-contiguous pieces in flight at once (sends
+            and receives together); a piece larger than half is cut along its first dim, so the
+            staging buffer (``TransferStats.peak_buffer_bytes``) stays within ``bucket_bytes``
+            unless one slab of the first dim alone is larger.
 
     Returns:
         This rank's TransferStats.
@@ -485,8 +522,7 @@ def execute(
     world.cleanup_previous()
     mine = cast("RankRefit", mine)  # set on every rank: a rank without it reported, and the barrier raised
     try:
-        stats.bytes_copied = _copy_locally(mine.copies, sources, destinations)
-        _exchange(mine, rank, world_size, sources, destinations, bucket_bytes // 2, world, stats)
+        _exchange(mine, rank, sources, destinations, bucket_bytes, world, stats)
     except RefitPeerError as error:
         world.report(_Failure("peer", error.ranks, str(error)))
         failed = world.failures()
@@ -510,62 +546,71 @@ def execute(
 def _exchange(
     mine: Any,
     rank: int,
-    world_size: int,
     sources: Mapping[str, Any],
     destinations: Mapping[str, Any],
-    cap: int,
+    bucket_bytes: int,
     world: _World,
     stats: TransferStats,
 ) -> None:
-    """Pairwise-exchange steps, one batch of (at most) one send and one receive per round."""
+    """Post each round's sends and receives, to and from every peer, as one batch; copy locally while the
+    first round is on the wire; unpack each staged receive as soon as it has arrived."""
+    import torch
     import torch.distributed as dist
 
-    sends = {peer: _buckets(peer, ts, cap) for peer, ts in _by_peer(mine.sends, "dst").items()}
-    recvs = {peer: _buckets(peer, ts, cap) for peer, ts in _by_peer(mine.recvs, "src").items()}
-    stats.peers = len(set(sends) | set(recvs))
+    rounds = _schedule(mine, rank, sources, destinations, bucket_bytes // 2, bucket_bytes)
+    stats.peers = len({message.peer for round_ in rounds for message in round_})
+    stats.peak_buffer_bytes = max((m.slot + m.staged for round_ in rounds for m in round_ if m.staged), default=0)
     device = next((t.device for t in (*sources.values(), *destinations.values())), "cpu")
-    buffers = _Buffers(device)
-    steps = sorted({(peer - rank) % world_size for peer in sends} | {(rank - peer) % world_size for peer in recvs})
-    for step in steps:
-        out = sends.get((rank + step) % world_size, [])
-        into = recvs.get((rank - step) % world_size, [])
-        for round_ in range(max(len(out), len(into))):
-            ops, pending, unpack = [], [], None
-            if round_ < len(out):
-                bucket = out[round_]
-                ops.append(dist.P2POp(dist.isend, _send_tensor(bucket, sources, buffers), bucket.peer))
-                pending.append(("send to", bucket))
-            if round_ < len(into):
-                bucket = into[round_]
-                target, packed = _recv_tensor(bucket, destinations, buffers)
-                ops.append(dist.P2POp(dist.irecv, target, bucket.peer))
-                pending.append(("receive from", bucket))
-                unpack = (bucket, target) if packed else None
-            works = _start(ops, pending, rank, world)
-            _wait(works, pending, rank, world)
-            if unpack is not None:
-                _unpack(unpack[0], unpack[1], destinations)
-            for what, bucket in pending:
-                payload = sum(piece.nbytes for piece, _ in bucket.pieces)
-                if what == "send to":
-                    stats.bytes_sent += payload
+    staging = torch.empty(stats.peak_buffer_bytes, dtype=torch.uint8, device=device)
+    if not rounds:
+        stats.bytes_copied = _copy_locally(mine.copies, sources, destinations)
+    for number, round_ in enumerate(rounds):
+        ops = [dist.P2POp(dist.isend if m.send else dist.irecv, _wire(m, sources, staging), m.peer) for m in round_]
+        works = _start(ops, round_, rank, world)
+        if number == 0:
+            stats.bytes_copied = _copy_locally(mine.copies, sources, destinations)
+        for done in _completed(works, round_, rank, world):
+            for message in done:
+                if message.send:
+                    stats.bytes_sent += message.payload
                 else:
-                    stats.bytes_received += payload
-                stats.buckets += 1
+                    stats.bytes_received += message.payload
+                    if message.in_place is None:
+                        _unpack(message, staging, destinations)
                 log.debug(
-                    "shardcore refit: rank %d step %d round %d: %s rank %d, %d pieces, %d B",
+                    "shardcore refit: rank %d round %d: %s rank %d, %d pieces, %d B%s",
                     rank,
-                    step,
-                    round_,
-                    what,
-                    bucket.peer,
-                    len(bucket.pieces),
-                    bucket.nbytes,
+                    number,
+                    "send to" if message.send else "receive from",
+                    message.peer,
+                    len(message.pieces),
+                    message.nbytes,
+                    "" if message.in_place is not None else " (staged)",
                 )
-    stats.peak_buffer_bytes = buffers.peak
+        stats.buckets += len(round_)
 
 
-def _start(ops: list[Any], pending: list[tuple[str, _Bucket]], rank: int, world: _World) -> list[Any]:
+def _wire(message: _Message, sources: Mapping[str, torch.Tensor], staging: torch.Tensor) -> torch.Tensor:
+    """The bytes a message goes from or into: the tensor slice itself, or its slot of the staging buffer
+    (packed first, for a send)."""
+    if message.in_place is not None:
+        return message.in_place
+    buffer = staging[message.slot : message.slot + message.nbytes]
+    if message.send:
+        for piece, offset in message.pieces:
+            view = _view(sources[piece.tensor], piece.src_offset, piece.shape)
+            buffer[offset : offset + piece.nbytes].view(view.dtype).view(piece.shape).copy_(view)
+    return buffer
+
+
+def _unpack(message: _Message, staging: torch.Tensor, destinations: Mapping[str, torch.Tensor]) -> None:
+    for piece, offset in message.pieces:
+        target = _view(destinations[piece.tensor], piece.dst_offset, piece.shape)
+        start = message.slot + offset
+        target.copy_(staging[start : start + piece.nbytes].view(target.dtype).view(piece.shape))
+
+
+def _start(ops: list[Any], pending: list[_Message], rank: int, world: _World) -> list[Any]:
     import torch.distributed as dist
 
     try:
@@ -574,28 +619,33 @@ def _start(ops: list[Any], pending: list[tuple[str, _Bucket]], rank: int, world:
         raise _peer_failure(error, pending, rank, world) from None
 
 
-def _wait(works: list[Any], pending: list[tuple[str, _Bucket]], rank: int, world: _World) -> None:
-    """Wait for each work until the call's deadline; name the peer whose work failed."""
+def _completed(works: list[Any], pending: list[_Message], rank: int, world: _World) -> Iterator[list[_Message]]:
+    """Wait for each work until the call's deadline and yield the messages it completed: one by one
+    where the backend gives a work per op (gloo), so a staged receive is unpacked while later ones
+    are still on the wire; all at the end where it coalesces them. Names the peer whose work failed."""
+    per_op = len(works) == len(pending)
     for index, work in enumerate(works):
+        which = pending[index : index + 1] if per_op else pending
         try:
             work.wait(world.remaining())
         except Exception as error:  # gloo: RuntimeError on timeout or a closed connection
-            which = pending[index : index + 1] if len(works) == len(pending) else pending
             raise _peer_failure(error, which, rank, world) from None
+        if per_op or index == len(works) - 1:
+            yield which
 
 
 def _peer_failure(
-    error: BaseException, pending: list[tuple[str, _Bucket]], rank: int, world: _World
+    error: BaseException, pending: list[_Message], rank: int, world: _World
 ) -> RefitInputError | RefitPeerError:
     """Blame a failed wait on the rank that other ranks reported, else on this work's peer."""
-    peers = sorted({bucket.peer for _, bucket in pending})
+    peers = sorted({message.peer for message in pending})
     reported = world.failures()
     if reported:
         return world.failed_error(reported)
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
     timed_out = time.monotonic() >= world.deadline - 0.01 or "Timed out" in text
     why = f"did not answer within {world.timeout:g}s" if timed_out else "closed the connection (it has probably died)"
-    what = " and ".join(f"{kind} peer rank {bucket.peer}" for kind, bucket in pending)
+    what = " and ".join(sorted({f"{'send to' if m.send else 'receive from'} peer rank {m.peer}" for m in pending}))
     return RefitPeerError(f"rank {rank}: {what}: the peer {why}; {text[:200]}", peers)
 
 

@@ -117,3 +117,21 @@ def absent(rank: int, world: int, missing: int, timeout: float) -> tuple[str, st
     except ShardcoreError as error:
         return type(error).__name__, str(error), getattr(error, "ranks", ()), time.monotonic() - started
     return "ok", "", (), time.monotonic() - started
+
+
+def staging_peaks(rank: int, world: int, cases: list[tuple], bucket_bytes: int) -> list[tuple[int, int, bool]]:
+    """Per case: this rank's staging peak, its messages and whether every destination matched (check_rank)."""
+    from shardcore.engine import refit as engine
+
+    seen: list[Any] = []
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    real, engine.execute = engine.execute, recording
+    try:
+        reports = [check_rank(_plan(world, case), rank, bucket_bytes=bucket_bytes, timeout=120) for case in cases]
+    finally:
+        engine.execute = real
+    return [(stats.peak_buffer_bytes, stats.buckets, not report.mismatches) for stats, report in zip(seen, reports)]
