@@ -30,8 +30,10 @@ def _bootstrap(
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
     )
+    import torch
     import torch.distributed as dist
 
+    torch.set_num_threads(1)  # as torchrun does: many ranks share few cores, extra threads only contend
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
         value = fn(rank, world_size, *args)

@@ -112,7 +112,10 @@ def _local_worker(
 
     try:
         send("started", rank, time.time() - started)
+        import torch
         import torch.distributed as dist
+
+        torch.set_num_threads(1)  # as torchrun does: many ranks share few cores, extra threads only contend
 
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

@@ -392,24 +392,26 @@ class _World:
                     f"has probably died",
                     [0],
                 ) from None
-            self._read_by_all(key, self.world - len(missing))
+            self._read_by_all(key, self.world - len(missing), _READ_GRACE)
             raise RefitPeerError(
                 f"rank {self.rank}: ranks {_listed(missing)} did not reach refit {phase} within {self.timeout:g}s: "
                 f"every rank of the world must call refit execute (is one dead, slow, or running other code?)",
                 missing,
             ) from None
         failed = self.failures()
+        if phase == "end":  # the last store reads of the call: rank 0 must not leave (and may take the store) first
+            self._read_by_all(key, self.world, _READ_GRACE if failed else self.remaining().total_seconds())
         if failed:
             raise self.failed_error(failed)
 
-    def _read_by_all(self, key: str, arrived: int) -> None:
-        """After a barrier timed out: count this rank as done reading the store, and on rank 0 (the store's
-        host under torchrun) wait, a little, until every rank that arrived has read who is missing. All of
-        them time out at about the same moment; without this, rank 0 could raise and exit first, and take
-        the store with it before the others had learnt whom to name."""
+    def _read_by_all(self, key: str, arrived: int, seconds: float) -> None:
+        """Count this rank as done reading the store at ``key``, and on rank 0 (the store's host under
+        torchrun) wait, up to ``seconds``, until the ``arrived`` ranks have read it too. After the end
+        barrier, or when every rank times out at about the same moment, rank 0 could otherwise return
+        and exit first, and take the store with it before the others had read what they need."""
         try:
             done = self.store.add(f"{key}/read", 1)
-            grace = time.monotonic() + _READ_GRACE
+            grace = time.monotonic() + seconds
             while self.rank == 0 and done < arrived and time.monotonic() < grace:
                 time.sleep(0.01)
                 done = self.store.add(f"{key}/read", 0)
@@ -448,7 +450,7 @@ class _World:
         keys = [f"{previous}/{phase}/at/{self.rank}" for phase in ("start", "end")]
         if self.rank == 0:
             keys += [f"{previous}/failed"]
-            keys += [f"{previous}/{phase}/{key}" for phase in ("start", "end") for key in ("arrived", "done")]
+            keys += [f"{previous}/{phase}/{key}" for phase in ("start", "end") for key in ("arrived", "done", "read")]
         for key in keys:
             try:
                 self.store.delete_key(key)
