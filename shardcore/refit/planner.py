@@ -240,30 +240,21 @@ class RefitPlan:
             position, shard, box, src_offset, dst_offset, sources, needers, seed, box[0][1] - box[0][0], row_bytes
         )
 
-    def _tiles_of_destination_slice(self, position: int, tensor: TensorSpec, shard: int, u: int) -> Iterator[Tile]:
-        """Every tile of destination slice u of ``tensor`` in destination ``shard``."""
+    def _tiles_of_slice(
+        self, position: int, tensor: TensorSpec, shard: int, index: int, *, destination: bool
+    ) -> Iterator[Tile]:
+        """Every tile of one tp slice of ``tensor`` toward destination ``shard``: destination slice u
+        (``destination``) or source slice v, cut where the other side's slices meet it."""
         if tensor.tp_dim is None:
             yield self._tile(position, tensor, shard, 0, 0, 0)  # type: ignore[misc]
             return
         src_tp, dst_tp = tp_size(tensor, self.source), tp_size(tensor, self.destinations[shard])
-        for piece in tp_slices(tensor.blocks, dst_tp, u):
-            part = (piece.stop - piece.start) * dst_tp // src_tp  # the source slice's size in this block
-            block_start = piece.start - u * (piece.stop - piece.start)
-            for v in range((piece.start - block_start) // part, (piece.stop - 1 - block_start) // part + 1):
-                tile = self._tile(position, tensor, shard, piece.block, u, v)
-                if tile is not None:
-                    yield tile
-
-    def _tiles_of_source_slice(self, position: int, tensor: TensorSpec, shard: int, v: int) -> Iterator[Tile]:
-        """Every tile of source slice v of ``tensor`` toward destination ``shard``."""
-        if tensor.tp_dim is None:
-            yield self._tile(position, tensor, shard, 0, 0, 0)  # type: ignore[misc]
-            return
-        src_tp, dst_tp = tp_size(tensor, self.source), tp_size(tensor, self.destinations[shard])
-        for piece in tp_slices(tensor.blocks, src_tp, v):
-            part = (piece.stop - piece.start) * src_tp // dst_tp  # the destination slice's size in this block
-            block_start = piece.start - v * (piece.stop - piece.start)
-            for u in range((piece.start - block_start) // part, (piece.stop - 1 - block_start) // part + 1):
+        ways, other = (dst_tp, src_tp) if destination else (src_tp, dst_tp)
+        for piece in tp_slices(tensor.blocks, ways, index):
+            part = (piece.stop - piece.start) * ways // other  # the other side's slice size in this block
+            block_start = piece.start - index * (piece.stop - piece.start)
+            for k in range((piece.start - block_start) // part, (piece.stop - 1 - block_start) // part + 1):
+                u, v = (index, k) if destination else (k, index)
                 tile = self._tile(position, tensor, shard, piece.block, u, v)
                 if tile is not None:
                     yield tile
@@ -273,7 +264,7 @@ class RefitPlan:
         for shard, plan in enumerate(self.destinations):
             for position, tensor in enumerate(self.manifest.tensors):
                 for u in range(tp_size(tensor, plan)):
-                    yield from self._tiles_of_destination_slice(position, tensor, shard, u)
+                    yield from self._tiles_of_slice(position, tensor, shard, u, destination=True)
 
     # -- pieces ------------------------------------------------------------------------------
 
@@ -408,7 +399,7 @@ class RefitPlan:
                 tensor = tensors[position]
                 destination_shapes[tensor.name] = local_shape_on(tensor, plan)
                 u = tp_rank_of(tensor, plan, rank)
-                for tile in self._tiles_of_destination_slice(position, tensor, shard, u):  # type: ignore[arg-type]
+                for tile in self._tiles_of_slice(position, tensor, shard, u, destination=True):  # type: ignore[arg-type]
                     mine = self._pieces(tile, dst=rank)
                     keyed += ((t.src, t.dst, position, t.box, t) for t in self._transfers(tile, mine))
         source_shapes: dict[str, tuple[int, ...]] = {}
@@ -418,7 +409,7 @@ class RefitPlan:
                 source_shapes[tensor.name] = local_shape_on(tensor, self.source)
                 v = tp_rank_of(tensor, self.source, rank)
                 for shard in range(len(self.destinations)):
-                    for tile in self._tiles_of_source_slice(position, tensor, shard, v):  # type: ignore[arg-type]
+                    for tile in self._tiles_of_slice(position, tensor, shard, v, destination=False):  # type: ignore[arg-type]
                         mine = self._pieces(tile, src=rank)
                         keyed += ((t.src, t.dst, position, t.box, t) for t in self._transfers(tile, mine))
         keyed.sort(key=lambda item: item[:4])

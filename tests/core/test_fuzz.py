@@ -14,7 +14,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.fuzz_long import STRESS, TOKENS
+from benchmarks.fuzz_long import FLAGS, STRESS, TOKENS
 from benchmarks.measure import measure_input
 from shardcore.cli import main
 from shardcore.engine.shards import build_shards
@@ -98,27 +98,7 @@ def test_plan_layout(world: Any, spec: Any, order: Any, offset: int, idle: bool)
     st.one_of(st.integers(-2, 4096), st.sampled_from([2**24, 2**24 + 7])).map(str) | junk,
     spec_strings | big,
     st.lists(
-        st.sampled_from(
-            [
-                "--json",
-                "--allow-idle",
-                "--order=tp-pp-dp",
-                "--order=bad",
-                "--strict",
-                "--rank=0",
-                "--rank=5",
-                "--rank=16777215",
-                "--rank=-1",
-                "--rank=x",
-                "--rank-offset=3",
-                "--ranks-per-node=8",
-                "--ranks-per-node=0",
-                "--bogus",
-                "--rank=" + "9" * 5000,
-                "--rank-offset=" + "9" * 4400,
-                "--ranks-per-node=" + "9" * 4000,
-            ]
-        ),
+        st.sampled_from(FLAGS),
         max_size=4,
     ),
 )
