@@ -63,17 +63,7 @@ class WindowMesh(DeviceMesh):
         """
         order = self.mesh_dim_names or ()
         dims = tuple(sorted(dims, key=order.index))
-        layout = _MeshLayout([self[dims]._layout.collapse()])
-        flat = self._adopt(
-            DeviceMesh(
-                self._device_type,
-                _layout=layout,
-                _rank_map=self._rank_map,
-                mesh_dim_names=(name,),
-                _root_mesh=self,
-                _init_backend=False,
-            )
-        )
+        flat = self._flat_mesh(self, _MeshLayout([self[dims]._layout.collapse()]), name)
         flat._dim_group_names = [group.group_name]
         self._pg_registry[group.group_name] = group
         self._flatten_mapping[name] = flat
@@ -100,6 +90,20 @@ class WindowMesh(DeviceMesh):
         mesh.__class__ = WindowMesh
         return mesh  # type: ignore[return-value]  # the class was just set
 
+    @classmethod
+    def _flat_mesh(cls, root: DeviceMesh, layout: _MeshLayout, name: str) -> WindowMesh:
+        """A 1-D window mesh named ``name`` over ``layout`` of ``root``'s ranks, its group not yet set."""
+        return cls._adopt(
+            DeviceMesh(
+                root._device_type,
+                _layout=layout,
+                _rank_map=root._rank_map,
+                mesh_dim_names=(name,),
+                _root_mesh=root,
+                _init_backend=False,
+            )
+        )
+
     def _create_sub_mesh(self, layout: _MeshLayout, submesh_dim_names: tuple[str, ...]) -> DeviceMesh:
         return self._adopt(super()._create_sub_mesh(layout, submesh_dim_names))
 
@@ -118,16 +122,7 @@ class WindowMesh(DeviceMesh):
             super()._create_flatten_mesh(mesh_dim_name, backend_override)  # a repeat, or torch's own ValueError
             return
         layout = _MeshLayout([self._layout.collapse()])
-        flat = self._adopt(
-            DeviceMesh(
-                root._device_type,
-                _layout=layout,
-                _rank_map=root._rank_map,
-                mesh_dim_names=(mesh_dim_name,),
-                _root_mesh=root,
-                _init_backend=False,
-            )
-        )
+        flat = self._flat_mesh(root, layout, mesh_dim_name)
         flat._dim_group_names = self._init_process_groups(layout, root._rank_map, (mesh_dim_name,), (backend_override,))
         root._flatten_mapping[mesh_dim_name] = flat
 
