@@ -24,6 +24,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from dataclasses import replace
+
 from shardcore import Layout, format_shards, plan_layout
 from shardcore.plan.spec import ShardSpec
 
@@ -44,9 +46,10 @@ def shard_mix(size: int) -> list[ShardSpec]:
 
 
 def spec_for(world: int, shards: int) -> str:
-    """The spec string of ``shards`` equal windows over ``world`` ranks, cycling the mix."""
+    """The spec string of ``shards`` equal windows over ``world`` ranks, cycling the mix (names are unique)."""
     mix = shard_mix(world // shards)
-    return format_shards([mix[i % len(mix)] for i in range(shards)])
+    specs = [mix[i % len(mix)] for i in range(shards)]
+    return format_shards([replace(spec, name=f"{spec.name}{i}") if spec.name else spec for i, spec in enumerate(specs)])
 
 
 def best_of(repeat: int, call: Callable[[], Any]) -> float:

@@ -31,6 +31,63 @@ from shardcore.engine.window import Window
 from shardcore.errors import GroupCreationError
 
 
+class _DeclaredFlattens(dict[str, DeviceMesh]):
+    """A root mesh's ``_flatten_mapping`` whose declared flattenings are built on first use.
+
+    Building one walks the window's whole rank map in torch (tens of milliseconds for a
+    window of 262,144 ranks), so a flattening nobody asks for is never built; to torch, which
+    reads the mapping with ``in``, ``[]``, ``len`` and ``items``, every declared name is there.
+    """
+
+    def __init__(self, root: WindowMesh) -> None:
+        super().__init__()
+        self.root = root
+        self.pending: dict[str, tuple[tuple[str, ...], Any]] = {}
+
+    def _build(self, name: str) -> None:
+        declared = self.pending.pop(name, None)
+        if declared is not None:
+            dims, group = declared
+            flat = self.root._flat_mesh(self.root, _MeshLayout([self.root[dims]._layout.collapse()]), name)
+            flat._dim_group_names = [group.group_name]
+            self.root._pg_registry[group.group_name] = group
+            super().__setitem__(name, flat)
+
+    def _build_all(self) -> None:
+        for name in list(self.pending):
+            self._build(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.pending or super().__contains__(name)
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        self._build(name)
+        return super().__getitem__(name)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        self._build(name)
+        return super().get(name, default)
+
+    def __len__(self) -> int:
+        return super().__len__() + len(self.pending)
+
+    def __iter__(self) -> Any:
+        self._build_all()
+        return super().__iter__()
+
+    def items(self) -> Any:
+        self._build_all()
+        return super().items()
+
+    def keys(self) -> Any:
+        self._build_all()
+        return super().keys()
+
+    def values(self) -> Any:
+        self._build_all()
+        return super().values()
+
+
 class WindowMesh(DeviceMesh):
     """A DeviceMesh over a shard's window that creates groups only with the window's agreement."""
 
@@ -54,19 +111,17 @@ class WindowMesh(DeviceMesh):
         mesh._dim_group_names = [group.group_name for group in groups]
         mesh._pg_registry.update({group.group_name: group for group in groups})
         mesh._window = window
+        mesh._flatten_mapping = _DeclaredFlattens(mesh)
         return mesh
 
     def register_flatten(self, name: str, dims: Sequence[str], group: Any) -> None:
         """Record an existing group as the flattening of ``dims`` named ``name`` (on the root mesh).
 
-        Afterwards ``mesh[dims]._flatten(name)`` and ``mesh[name]`` return it, creating nothing.
+        Afterwards ``mesh[dims]._flatten(name)`` and ``mesh[name]`` return it, creating nothing
+        (the mesh object itself is built on first use).
         """
         order = self.mesh_dim_names or ()
-        dims = tuple(sorted(dims, key=order.index))
-        flat = self._flat_mesh(self, _MeshLayout([self[dims]._layout.collapse()]), name)
-        flat._dim_group_names = [group.group_name]
-        self._pg_registry[group.group_name] = group
-        self._flatten_mapping[name] = flat
+        self._flatten_mapping.pending[name] = (tuple(sorted(dims, key=order.index)), group)  # type: ignore[attr-defined]
 
     def _hash_key(self) -> tuple[Any, ...]:
         return (*super()._hash_key(), tuple(getattr(self, "_dim_group_names", ())))
