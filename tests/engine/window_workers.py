@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from shardcore import ShardcoreError, build_shards
+from shardcore.engine.launch import all_gather_objects
 from shardcore.engine.shards import destroy_shards, my_shard
 from shardcore.engine.torch_state import group_counter
 
@@ -20,10 +21,8 @@ def summed(group: Any) -> int:
 
 
 def gathered(value: Any) -> list[Any]:
-    """``value`` from every rank of the world."""
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
+    """``value`` from every rank of the world (no numpy: the dtensor env has none)."""
+    return all_gather_objects(value)
 
 
 def error(call: Any) -> str:

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
 from shardcore import ShardcoreError, build_shards
+from shardcore.engine.launch import all_gather_objects
 from shardcore.engine.shards import destroy_shards, my_shard
 from shardcore.engine.torch_state import group_counter, live_group_count
 from shardcore_dtensor.backend import window_mesh
@@ -137,6 +138,4 @@ def refusals(rank: int, world: int) -> dict[str, Any]:
 
 
 def _gathered(value: int) -> list[int]:
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
+    return all_gather_objects(value)

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from shardcore import build_shards
+from shardcore.engine.launch import all_gather_objects
 from shardcore.engine.shards import destroy_shards, my_shard
 from shardcore.engine.torch_state import group_counter
 from shardcore_megatron import add_group
@@ -25,8 +26,7 @@ def extra_groups(rank: int, world: int, spec: str, dims_by_window: dict[int, tup
     mine = my_shard(shards)
     assert mine is not None
     group = add_group(mine, "extra", dims_by_window[mine.index])
-    counters: list[Any] = [None] * world
-    dist.all_gather_object(counters, group_counter())
+    counters = all_gather_objects(group_counter())
     world_group = dist.new_group(list(range(world)))
     result = {
         "extra_sum": summed(mine.handle.extra),
