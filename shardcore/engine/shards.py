@@ -32,6 +32,8 @@ class Shard:
     size: int
     """Ranks in the shard's window."""
     plan: ShardPlan = field(repr=False)
+    layout: Layout = field(repr=False)
+    """The whole layout the shard belongs to (what refit plans over)."""
     groups: dict[str, Any] = field(default_factory=dict, repr=False)
     """Group name -> this rank's ProcessGroup (None where not created or not a member)."""
     group_ranks: RankGroups = field(default_factory=dict, repr=False)
@@ -232,7 +234,7 @@ def build_shards(
         ranks_by_name, process_groups, created = create_groups(layout, rank, extras, strategy, wait, names)
         result = []
         for plan in layout.shards:
-            shard = Shard(plan.index, plan.spec, plan.rank_offset, plan.size, plan, dict.fromkeys(GROUP_NAMES))
+            shard = Shard(plan.index, plan.spec, plan.rank_offset, plan.size, plan, layout, dict.fromkeys(GROUP_NAMES))
             if rank in plan:
                 shard.is_member, shard.group_ranks, shard._created = True, ranks_by_name, created
                 shard.window = open_window(plan.rank_offset, plan.size, epoch, wait, created)

@@ -27,7 +27,7 @@ from typing import Any
 
 from shardcore.engine.launch import all_gather_objects
 from shardcore.engine.refit import DEFAULT_BUCKET_BYTES, RefitInputError, TransferStats, execute
-from shardcore.plan.layout import GRID_DIMS, Layout, ShardPlan
+from shardcore.plan.layout import Layout, ShardPlan
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _SEQUENTIAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
@@ -178,13 +178,8 @@ def _layout(shards: Any) -> Layout:
     """The Layout behind shardcore's shards (a Layout, ``build_shards``' list, or InferenceShards)."""
     if isinstance(shards, Layout):
         return shards
-    plans = tuple(getattr(s, "plan", None) or s.shard.plan for s in shards)
-    import torch.distributed as dist
-
-    order = next(name for name, (dims, _) in GRID_DIMS.items() if dims == plans[0].decoder_grid.dim_names)
-    world, covered = dist.get_world_size(), {r for p in plans for r in p.ranks}
-    idle = tuple(range(r, r + 1) for r in range(world) if r not in covered)
-    return Layout(world, order, plans[0].rank_offset, plans, idle)
+    first = shards[0]
+    return (first.shard if hasattr(first, "shard") else first).layout
 
 
 def _shard_plan(layout: Layout, which: Any) -> ShardPlan:
