@@ -2,7 +2,7 @@
 
 Three ways to move a ~0.5 GB bf16 model from a training shard to an inference shard:
 
-* ``shardcore``: ``plan_refit`` + ``shardcore.refit.execute`` (p2p rounds over all peers at once,
+* ``shardcore``: ``plan_refit`` + ``shardcore.execute_refit`` (p2p rounds over all peers at once,
   contiguous pieces in place, small ones packed);
 * ``gather+bcast``: every tensor gathered to rank 0 from its source shards, then broadcast to
   the destination ranks, tensor by tensor (the OpenRLHF / AReaL way); each destination slices;
@@ -109,7 +109,7 @@ def _matrix_floor(plan: Any, rank: int) -> float:
 
 def _sources(plan: Any, rank: int) -> dict[str, Any]:
 
-    from shardcore.engine.refit_check import cut, known_tensor
+    from shardcore.engine.live.refit_check import cut, known_tensor
 
     manifest, out = plan.manifest, {}
     for name in plan.for_rank(rank).source_shapes:
@@ -128,7 +128,7 @@ def _empty(plan: Any, rank: int) -> dict[str, Any]:
 
 
 def _local(full: Any, spec: Any, shard: Any, rank: int, manifest: Any) -> Any:
-    from shardcore.engine.refit_check import cut
+    from shardcore.engine.live.refit_check import cut
 
     return cut(full, spec, shard, rank, manifest)
 
@@ -219,8 +219,9 @@ def bench_rank(rank: int, world: int, layers: int, repeat: int, threads: int) ->
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    from shardcore import execute_refit
     from shardcore.plan.layout import plan_layout
-    from shardcore.refit import execute, plan_refit
+    from shardcore.refit import plan_refit
 
     layout = plan_layout(world, SPECS[world])
     started = time.perf_counter()
@@ -249,7 +250,7 @@ def bench_rank(rank: int, world: int, layers: int, repeat: int, threads: int) ->
             rss_before = _rss_peak_mib()
             started = time.perf_counter()
             if method == "shardcore":
-                stats = execute(plan, sources, destinations, timeout=600)
+                stats = execute_refit(plan, sources, destinations, timeout=600)
                 out["peak_buffer"] = stats.peak_buffer_bytes
             elif method == "gather+bcast":
                 _gather_broadcast(plan, rank, sources, destinations, bcast_group)
@@ -270,7 +271,7 @@ def bench_rank(rank: int, world: int, layers: int, repeat: int, threads: int) ->
 
 
 def main() -> None:
-    from shardcore.engine.refit import DEFAULT_BUCKET_BYTES
+    from shardcore.engine import DEFAULT_BUCKET_BYTES
     from shardcore.plan.layout import plan_layout
     from shardcore.refit import plan_refit
     from shardcore.testing import run_world

@@ -21,7 +21,7 @@ from typing import Any
 
 from benchmarks.measure import measure_input
 from shardcore.cli import main
-from shardcore.engine.shards import build_shards
+from shardcore.engine.build.shards import build_shards
 from shardcore.plan.arguments import shown
 from shardcore.plan.layout import plan_layout
 from shardcore.plan.spec import parse_shards

@@ -37,9 +37,9 @@ def main() -> int:
     import torch.distributed as dist
 
     from shardcore import GroupCreationError, build_shards
-    from shardcore.engine.check import CheckOptions, check_rank
-    from shardcore.engine.groups import choose_strategy
-    from shardcore.engine.shards import destroy_shards, my_shard
+    from shardcore.engine.build.shards import destroy_shards, my_shard
+    from shardcore.engine.groups.strategy import choose_strategy
+    from shardcore.engine.live.check import CheckOptions, check_rank
     from shardcore_dtensor import ensure_distributed_initialized
 
     ensure_distributed_initialized()

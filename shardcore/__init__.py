@@ -1,34 +1,67 @@
-"""shardcore: lay out heterogeneous parallel jobs and build each rank's process groups.
+"""shardcore: lay out heterogeneous parallel jobs, build each rank's process groups, move weights between layouts.
 
-Subpackages, imported one way only (cli -> engine -> plan; views and refit -> plan):
+Subpackages, imported one way only (``cli`` -> ``engine`` -> ``refit`` -> ``plan``; ``views`` -> ``plan``;
+everything -> ``errors``); the README's design section states the rule, and
+``tests/core/test_architecture.py`` checks it:
 
 * ``plan``: shard specs, grids and layouts, pure index math (no torch, no numpy);
 * ``views``: topology findings, tables and pictures of a plan (no torch);
-* ``engine``: backend discovery, group creation, live checks (torch imported on use);
+* ``refit``: manifests and the refit planner (no torch);
+* ``engine``: group creation, builds, refit execution, live checks (torch imported on use);
 * ``cli``: the ``shardcore`` command.
+
+This module and each subpackage's ``__init__`` are the public API, the one a backend plugin uses.
 """
 
 from __future__ import annotations
 
-from .engine.backend import Backend, NamedGrids
-from .engine.groups import Strategy
-from .engine.hookspecs import hookimpl
-from .engine.plugins import BackendInfo, get_backend, list_backends, register_backend, unregister_backend
-from .engine.shards import Shard, build_shards, destroy_shards, my_shard
+from .engine import (
+    Backend,
+    BackendInfo,
+    Shard,
+    Strategy,
+    TransferStats,
+    build_shards,
+    destroy_shards,
+    execute_refit,
+    get_backend,
+    hookimpl,
+    list_backends,
+    my_shard,
+    register_backend,
+    unregister_backend,
+)
 from .errors import (
     BackendNotFoundError,
     BackendUnavailableError,
     GroupCreationError,
     LayoutError,
     LayoutMismatchError,
+    ManifestError,
+    RefitError,
+    RefitInputError,
+    RefitPeerError,
     ShardcoreError,
     ShardSpecError,
     ShardSpecWarning,
 )
-from .plan.grid import Grid
-from .plan.layout import DEFAULT_ORDER, GROUP_NAMES, DistinctGroup, GroupName, Layout, Order, ShardPlan, plan_layout
-from .plan.protocols import GridLike, ShardPlanLike
-from .plan.spec import ShardSpec, format_shards, parse_shards
+from .plan import (
+    DEFAULT_ORDER,
+    GROUP_NAMES,
+    DistinctGroup,
+    Grid,
+    GridLike,
+    GroupName,
+    Layout,
+    NamedGrids,
+    Order,
+    ShardPlan,
+    ShardPlanLike,
+    ShardSpec,
+    format_shards,
+    parse_shards,
+    plan_layout,
+)
 
 __version__ = "0.1.0"
 
@@ -47,8 +80,12 @@ __all__ = [
     "Layout",
     "LayoutError",
     "LayoutMismatchError",
+    "ManifestError",
     "NamedGrids",
     "Order",
+    "RefitError",
+    "RefitInputError",
+    "RefitPeerError",
     "Shard",
     "ShardPlan",
     "ShardPlanLike",
@@ -57,8 +94,10 @@ __all__ = [
     "ShardSpecWarning",
     "ShardcoreError",
     "Strategy",
+    "TransferStats",
     "build_shards",
     "destroy_shards",
+    "execute_refit",
     "format_shards",
     "get_backend",
     "hookimpl",

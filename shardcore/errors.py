@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class ShardcoreError(Exception):
     """Base class of every error shardcore raises on purpose."""
@@ -37,6 +39,18 @@ class RefitError(ShardcoreError, ValueError):
 
 class ManifestError(RefitError):
     """A model manifest is malformed, or a tensor does not fit a shard (split dim, layers, experts)."""
+
+
+class RefitInputError(RefitError):
+    """A rank's refit arguments or tensors do not match the plan (missing, shape, dtype, device); no byte moved."""
+
+
+class RefitPeerError(ShardcoreError, RuntimeError):
+    """A rank died, never arrived or failed during the refit; ``ranks`` names the ones at fault."""
+
+    def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
 
 
 class ShardSpecWarning(UserWarning):

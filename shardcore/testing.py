@@ -16,7 +16,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from .engine.ports import free_port
+from .engine.live.ports import free_port
 from .errors import ShardcoreError
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from shardcore.engine.torch_state import live_group_count
+from shardcore.engine import live_group_count
 
 DECODER = {
     "tp": "tp",

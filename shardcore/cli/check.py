@@ -19,7 +19,7 @@ from ..errors import ShardcoreError
 from ..views.tables import counted, format_table
 
 if TYPE_CHECKING:
-    from ..engine.check import CheckOptions, Prepared, RankReport
+    from ..engine.live.check import CheckOptions, Prepared, RankReport
     from ..plan.layout import Layout
 
 TORCH_HINT = (
@@ -143,7 +143,7 @@ class JoinedProgress(Progress):
 
 
 def _options(args: argparse.Namespace) -> CheckOptions:
-    from ..engine.check import CheckOptions
+    from ..engine.live.check import CheckOptions
 
     return CheckOptions(
         shards=args.shards,
@@ -170,7 +170,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     """Check in this process what can be checked, then run the check and print it."""
     if importlib.util.find_spec("torch") is None:
         raise CheckError(TORCH_HINT)
-    from ..engine import check
+    from ..engine.live import check
 
     options = _options(args)
     joined = "RANK" in os.environ and "WORLD_SIZE" in os.environ

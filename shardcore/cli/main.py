@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import __version__
-from ..engine.groups import Strategy
+from ..engine.groups.strategy import Strategy
 from ..errors import ShardcoreError
 from ..plan.layout import DEFAULT_ORDER, ORDER_ALIASES, Order, plan_layout
 from ..views.picture import DEFAULT_RANKS_PER_NODE, draws_ranks, render_svg
@@ -100,7 +100,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_backends(args: argparse.Namespace) -> int:
-    from ..engine.plugins import list_backends
+    from ..engine.build.plugins import list_backends
 
     rows = [
         (

@@ -10,13 +10,14 @@ from typing import TYPE_CHECKING, Any
 from ..errors import RefitError
 from ..plan.layout import DEFAULT_ORDER, ORDER_ALIASES, Layout, Order, plan_layout
 from ..refit.cost import DEFAULT_INTER_GBPS, DEFAULT_INTRA_GBPS, RefitStats
-from ..refit.models import PRESETS, model_manifest
+from ..refit.documents import model_manifest
+from ..refit.models import PRESETS
 from ..refit.planner import RankRefit, RefitPlan, plan_refit
 from ..views.tables import format_table
 from .arguments import NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_SECONDS
 
 if TYPE_CHECKING:
-    from ..engine.refit_check import RefitReport
+    from ..engine.live.refit_check import RefitReport
 
 
 def format_bytes(size: float) -> str:
@@ -123,8 +124,8 @@ def _plan(args: argparse.Namespace) -> tuple[Layout, RefitPlan]:
 
 
 def _check(args: argparse.Namespace) -> int:
-    """``--check``: execute the plan on a live world (shardcore.engine.refit_check)."""
-    from ..engine import refit_check
+    """``--check``: execute the plan on a live world (shardcore.engine.live.refit_check)."""
+    from ..engine.live import refit_check
 
     joined = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     options = refit_check.RefitCheckOptions(

@@ -1,1 +1,64 @@
-"""The engine: backend discovery, group creation, refit execution and the live checks (torch imported on use)."""
+"""The engine: needs torch, imported on use. Group creation, builds, refit execution and the live checks.
+
+Folders by concept (see the README's design section):
+
+* ``agreement``: the one protocol by which ranks agree before they act (store epochs, failures);
+* ``groups/``: creating process groups (``strategy``, ``create``) and window-local groups (``window``);
+* ``build/``: the backend contract and its discovery, and ``build_shards``;
+* ``transfer/``: executing a refit plan with point-to-point messages;
+* ``live/``: worlds for live checks (``shardcore check``, ``shardcore refit --check``).
+
+What a backend plugin may use is exported here and by ``shardcore``; the modules are private.
+"""
+
+from __future__ import annotations
+
+from .build.backend import Backend
+from .build.hookspecs import hookimpl
+from .build.plugins import (
+    BACKEND_ENV,
+    DEFAULT_BACKEND,
+    ENTRY_POINT_GROUP,
+    SHIPPED_BACKENDS,
+    BackendInfo,
+    get_backend,
+    list_backends,
+    register_backend,
+    unregister_backend,
+)
+from .build.shards import Shard, build_shards, destroy_shards, my_shard
+from .device import comm_backend, device_type, npu_status
+from .groups.strategy import Strategy
+from .groups.window import Window, window_of
+from .live.launch import all_gather_objects
+from .torch_state import live_group_count
+from .transfer.execute import DEFAULT_BUCKET_BYTES, TransferStats, execute_refit
+
+__all__ = [
+    "BACKEND_ENV",
+    "DEFAULT_BACKEND",
+    "DEFAULT_BUCKET_BYTES",
+    "ENTRY_POINT_GROUP",
+    "SHIPPED_BACKENDS",
+    "Backend",
+    "BackendInfo",
+    "Shard",
+    "Strategy",
+    "TransferStats",
+    "Window",
+    "all_gather_objects",
+    "build_shards",
+    "comm_backend",
+    "destroy_shards",
+    "device_type",
+    "execute_refit",
+    "get_backend",
+    "hookimpl",
+    "list_backends",
+    "live_group_count",
+    "my_shard",
+    "npu_status",
+    "register_backend",
+    "unregister_backend",
+    "window_of",
+]

@@ -12,7 +12,7 @@ connect-full-mesh address); ``group_keys`` names them so the group's destroyer c
 delete them.
 
 ``strategy="local"`` names each group by setting torch's world-wide default-mode group
-counter (``_world.group_count``) before creating it; see ``shardcore.engine.groups``.
+counter (``_world.group_count``) before creating it; see ``shardcore.engine.groups.create``.
 That counter, the live group names (``_world.pg_names``), the default group's bound
 device and the default store are private to torch, so one probe checks, on first use,
 that this torch still has them in the shape relied on.
@@ -32,6 +32,18 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Store
 
 T = TypeVar("T")
+
+
+def dist() -> Any:
+    """``torch.distributed`` (imported on first use, so that importing shardcore never imports torch)."""
+    import torch.distributed
+
+    return torch.distributed
+
+
+def is_fake_world() -> bool:
+    """True under torch's fake backend, where no rank can see another."""
+    return str(dist().get_backend()) == "fake"
 
 
 def c10d() -> Any:
@@ -206,8 +218,10 @@ __all__ = [
     "bound_device",
     "c10d",
     "default_store",
+    "dist",
     "group_counter",
     "group_keys",
+    "is_fake_world",
     "live_group_count",
     "probe",
     "set_group_counter",

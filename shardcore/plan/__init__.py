@@ -1,11 +1,29 @@
-"""The plan: shard specs, grids and layouts, by pure index math (no torch, no numpy)."""
+"""The plan: shard specs, grids and layouts, by pure index math (no torch, no numpy).
+
+Also the checks every public argument goes through (``check_count``, ``as_timedelta``, ...), which
+backends use for their own options so that a bad value reads alike everywhere.
+"""
 
 from __future__ import annotations
 
+from .arguments import (
+    DEFAULT_TIMEOUT,
+    MAX_TIMEOUT,
+    MAX_WORLD_SIZE,
+    as_timedelta,
+    check_choice,
+    check_count,
+    check_flag,
+    check_names,
+    shown,
+)
 from .grid import Dims, Grid
 from .layout import (
+    DECODER_GROUPS,
     DEFAULT_ORDER,
+    EXPERT_GROUPS,
     GROUP_NAMES,
+    ORDER_ALIASES,
     DistinctGroup,
     GroupName,
     Layout,
@@ -15,26 +33,41 @@ from .layout import (
     distinct_groups,
     plan_layout,
 )
-from .protocols import GridLike, ShardPlanLike
-from .spec import ShardsInput, ShardSpec, format_shards, parse_shards
+from .protocols import GridLike, NamedGrids, ShardPlanLike
+from .spec import INT_KEYS, ROLES, ShardsInput, ShardSpec, format_shards, parse_shards
 
 __all__ = [
+    "DECODER_GROUPS",
     "DEFAULT_ORDER",
+    "DEFAULT_TIMEOUT",
+    "EXPERT_GROUPS",
     "GROUP_NAMES",
+    "INT_KEYS",
+    "MAX_TIMEOUT",
+    "MAX_WORLD_SIZE",
+    "ORDER_ALIASES",
+    "ROLES",
     "Dims",
     "DistinctGroup",
     "Grid",
     "GridLike",
     "GroupName",
     "Layout",
+    "NamedGrids",
     "Order",
     "RankGroups",
     "ShardPlan",
     "ShardPlanLike",
     "ShardSpec",
     "ShardsInput",
+    "as_timedelta",
+    "check_choice",
+    "check_count",
+    "check_flag",
+    "check_names",
     "distinct_groups",
     "format_shards",
     "parse_shards",
     "plan_layout",
+    "shown",
 ]

@@ -5,7 +5,7 @@ Backends and third parties type-check against these rather than the concrete cla
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from typing import Protocol, runtime_checkable
 
 from .grid import Dims
@@ -71,4 +71,8 @@ class ShardPlanLike(Protocol):
     def iter_groups(self, name: str) -> Iterator[tuple[int, ...]]: ...
 
 
-__all__ = ["GridLike", "ShardPlanLike"]
+NamedGrids = Mapping[str, "tuple[GridLike, Dims]"]
+"""Named groups a backend adds beyond the standard ones: name -> (a grid over the shard's ranks, its dims)."""
+
+
+__all__ = ["GridLike", "NamedGrids", "ShardPlanLike"]

@@ -10,31 +10,18 @@ The manifest and planner are pure Python (no torch); only execution imports torc
 - ``plan_refit(layout, src, dst, manifest, ranks_per_node=None)`` -> ``RefitPlan``:
   ``.for_rank(r)`` -> ``RankRefit`` (sends, recvs, copies, shapes), ``.transfers()`` -> every
   ``Transfer`` in the global order; ``RefitStats.of(plan)``: what it costs.
-- ``execute(plan, sources, destinations, *, timeout=None, bucket_bytes=...)``: move the bytes on a
-  live world (``shardcore.engine.refit``, imported with torch on first use).
+
+Executing a plan needs torch and lives in the engine: ``shardcore.execute_refit``.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from .cost import RefitStats, ShardCost
-from .manifest import Manifest, TensorSpec, load_manifest, manifest_from_dict
-from .models import PRESETS, TransformerConfig, manifest_from_config, model_manifest, preset
+from .documents import load_manifest, manifest_from_dict, model_manifest
+from .manifest import Manifest, TensorSpec
+from .models import PRESETS, TransformerConfig, manifest_from_config, preset
 from .placement import holdings, local_shape
 from .planner import RankRefit, RefitPlan, Transfer, plan_refit
-
-_ENGINE = ("execute", "RefitInputError", "RefitPeerError", "TransferStats")
-
-
-def __getattr__(name: str) -> Any:
-    """The executor and its errors and stats, from the torch engine on first use (no torch at import)."""
-    if name in _ENGINE:
-        from ..engine import refit as engine
-
-        return getattr(engine, name)
-    raise AttributeError(f"module 'shardcore.refit' has no attribute {name!r}")
-
 
 __all__ = [
     "PRESETS",

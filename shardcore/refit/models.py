@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..errors import ManifestError
-from .manifest import ITEMSIZES, Manifest, TensorSpec, load_manifest
+from .manifest import ITEMSIZES, Manifest, TensorSpec
 
 
 @dataclass(frozen=True)
@@ -270,18 +270,4 @@ def preset(name: str) -> Manifest:
     return manifest_from_config(PRESET_CONFIGS[name], name=name)
 
 
-def model_manifest(model: str) -> Manifest:
-    """``--model FILE|PRESET``: a preset by name, else a JSON/YAML manifest file.
-
-    Raises:
-        ManifestError: neither a preset nor a readable manifest (the message lists the presets).
-    """
-    if model in PRESET_CONFIGS:
-        return preset(model)
-    try:
-        return load_manifest(model)
-    except ManifestError as error:
-        raise ManifestError(f"{error} (or name a preset: {', '.join(PRESETS)})") from None
-
-
-__all__ = ["PRESETS", "PRESET_CONFIGS", "TransformerConfig", "manifest_from_config", "model_manifest", "preset"]
+__all__ = ["PRESETS", "PRESET_CONFIGS", "TransformerConfig", "manifest_from_config", "preset"]

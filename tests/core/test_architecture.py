@@ -1,7 +1,12 @@
-"""The one-way import rule: cli -> engine -> refit -> plan, views -> plan; the torch-free parts never import torch.
+"""The one-way import rule, read from the source: every import statement, those inside functions too.
 
-Read from the source (every import statement, including those inside functions), so a lazy
-``import torch`` in the plan would fail here even where torch is installed.
+The rule (stated once more in the README's design section and in ``shardcore/__init__.py``):
+
+* ``cli`` -> ``engine`` -> ``refit`` -> ``plan``, and ``views`` -> ``plan``; every part may use ``errors``;
+* ``plan``, ``views`` and ``refit`` never import torch or numpy, not even lazily;
+* the shipped plugins import only the public API: ``shardcore`` and its subpackages' ``__init__``,
+  never a module inside them (``shardcore.engine.build.shards``);
+* no module imports one that imports it back (no cycles).
 """
 
 from __future__ import annotations
@@ -11,40 +16,50 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[2] / "shardcore"
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "shardcore"
+PLUGINS = sorted(ROOT.glob("plugins/*/shardcore_*"))
 TORCH_FREE = ("plan", "views", "refit")
 """Subpackages that must run without torch or numpy."""
 MAY_IMPORT = {
     "plan": {"plan", "errors"},
     "views": {"plan", "views", "errors"},
-    "refit": {"plan", "refit", "errors", "engine"},
+    "refit": {"plan", "refit", "errors"},
     "engine": {"plan", "refit", "engine", "errors"},
     "cli": {"plan", "views", "refit", "engine", "cli", "errors"},
 }
-"""For each subpackage, the shardcore parts it may import. ``refit`` reaches the engine only for
-``shardcore.refit.execute``, imported on first use (the torch-free rule below still holds)."""
+"""For each subpackage, the shardcore parts it may import."""
 
 
-def _imports(path: Path) -> list[tuple[int, str]]:
-    """(line, absolute module name) of every import in one module of the package."""
-    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-    package = module.rsplit(".", 1)[0] if path.name != "__init__.py" else module.removesuffix(".__init__")
+def _module_name(path: Path, base: Path) -> str:
+    return ".".join(path.relative_to(base.parent).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _imports(path: Path, base: Path = PACKAGE) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every import in one module: ``from a import b`` yields a and a.b."""
+    module = _module_name(path, base)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                name = ".".join(base + ([node.module] if node.module else []))
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                name = ".".join(parts + ([node.module] if node.module else []))
             else:
                 name = node.module or ""
             found.append((node.lineno, name))
+            found += [(node.lineno, f"{name}.{alias.name}") for alias in node.names]
     return found
 
 
 def _modules(part: str) -> list[Path]:
     return sorted((PACKAGE / part).rglob("*.py"))
+
+
+def _all_modules() -> dict[str, Path]:
+    return {_module_name(path, PACKAGE): path for path in sorted(PACKAGE.rglob("*.py"))}
 
 
 @pytest.mark.parametrize("part", TORCH_FREE)
@@ -64,13 +79,54 @@ def test_imports_go_one_way(part: str) -> None:
     for path in _modules(part):
         for line, name in _imports(path):
             parts = name.split(".")
-            if parts[0] == "shardcore" and len(parts) > 1 and parts[1] not in MAY_IMPORT[part]:
+            if (
+                parts[0] == "shardcore"
+                and len(parts) > 1
+                and not parts[1].startswith("__")
+                and parts[1] not in MAY_IMPORT[part]
+            ):
                 bad.append(f"{path.relative_to(PACKAGE)}:{line} imports {name}")
     assert not bad, bad
+
+
+@pytest.mark.parametrize("plugin", PLUGINS, ids=lambda path: path.name)
+def test_plugins_use_only_the_public_api(plugin: Path) -> None:
+    public = {"shardcore", *(f"shardcore.{path.parent.name}" for path in PACKAGE.glob("*/__init__.py"))}
+    modules = _all_modules()
+    bad = []
+    for path in sorted(plugin.rglob("*.py")):
+        for line, name in _imports(path, plugin):
+            if name.startswith("shardcore.") and name not in public and name in modules:
+                bad.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    assert not bad, bad
+
+
+def test_no_module_imports_itself_back() -> None:
+    """No cycle among the package's modules (a package's ``__init__`` re-exporting its children is not one)."""
+    modules = _all_modules()
+    edges = {
+        name: {target for _, target in _imports(path) if target in modules and target != name}
+        for name, path in modules.items()
+    }
+    edges = {name: {t for t in targets if not t.startswith(f"{name}.")} for name, targets in edges.items()}
+    cycles = []
+    for start in modules:
+        stack, seen = [(start, (start,))], set()
+        while stack:
+            node, trail = stack.pop()
+            for target in edges[node]:
+                if target == start:
+                    cycles.append(" -> ".join((*trail, start)))
+                elif target not in seen:
+                    seen.add(target)
+                    stack.append((target, (*trail, target)))
+    assert not cycles, sorted(cycles)[:5]
 
 
 def test_relative_imports_resolve_to_absolute_names() -> None:
     """Without this the rules above could pass vacuously: ``from ..errors`` must read as shardcore.errors."""
     names = [name for _, name in _imports(PACKAGE / "plan" / "layout.py")]
     assert "shardcore.plan.grid" in names and "shardcore.errors" in names
-    assert "shardcore.engine.backend" in [name for _, name in _imports(PACKAGE / "engine" / "shards.py")]
+    assert "shardcore.engine.build.backend" in [
+        name for _, name in _imports(PACKAGE / "engine" / "build" / "shards.py")
+    ]

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from benchmarks.fuzz_long import FLAGS, STRESS, TOKENS
 from benchmarks.measure import measure_input
 from shardcore.cli import main
-from shardcore.engine.shards import build_shards
+from shardcore.engine.build.shards import build_shards
 from shardcore.errors import LayoutError, ShardcoreError
 from shardcore.plan.arguments import MAX_TIMEOUT, as_timedelta
 from shardcore.plan.layout import plan_layout

@@ -21,7 +21,8 @@ from shardcore.refit import (
     plan_refit,
     preset,
 )
-from shardcore.refit.manifest import manifest_from_dict, split_layers
+from shardcore.refit.documents import manifest_from_dict
+from shardcore.refit.manifest import split_layers
 
 LLAMA = TransformerConfig(layers=4, hidden=64, ffn=96, heads=8, kv_heads=2, vocab=256)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from shardcore import build_shards
 from shardcore.engine import shards as shards_module
-from shardcore.engine.shards import Shard, destroy_shards, my_shard
+from shardcore.engine.build.shards import Shard, destroy_shards, my_shard
 from shardcore.errors import BackendUnavailableError, GroupCreationError, ShardcoreError
 from shardcore.plan.layout import distinct_groups
 
@@ -69,7 +69,7 @@ def _failing_backend(real: Any) -> Any:
 def _failing_after_groups(real: Any) -> Any:
     def create_groups(*args: Any, **kwargs: Any) -> Any:
         _, _, created = real(*args, **kwargs)
-        from shardcore.engine.groups import destroy_groups
+        from shardcore.engine.groups.create import destroy_groups
 
         destroy_groups(created)
         raise GroupCreationError("injected: failed after creating its groups")

@@ -7,8 +7,8 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from shardcore.engine.refit import execute
-from shardcore.engine.refit_check import check_rank
+from shardcore import execute_refit
+from shardcore.engine.live.refit_check import check_rank
 from shardcore.errors import ShardcoreError
 from shardcore.plan.layout import plan_layout
 from shardcore.refit.models import PRESET_CONFIGS, manifest_from_config, preset
@@ -74,7 +74,7 @@ def bad_inputs(rank: int, world: int) -> dict[str, str]:
             culprit_change(sources, destinations)
         before = {name: t.clone() for name, t in destinations.items()}
         try:
-            execute(plan, sources, destinations, timeout=30)
+            execute_refit(plan, sources, destinations, timeout=30)
             out[label] = "no error"
         except ShardcoreError as error:
             out[label] = f"{type(error).__name__}: {error}"
@@ -121,7 +121,7 @@ def absent(rank: int, world: int, missing: int, timeout: float) -> tuple[str, st
 
 def staging_peaks(rank: int, world: int, cases: list[tuple], bucket_bytes: int) -> list[tuple[int, int, bool]]:
     """Per case: this rank's staging peak, its messages and whether every destination matched (check_rank)."""
-    from shardcore.engine import refit as engine
+    from shardcore.engine.transfer import execute as engine
 
     seen: list[Any] = []
 
@@ -129,9 +129,9 @@ def staging_peaks(rank: int, world: int, cases: list[tuple], bucket_bytes: int) 
         seen.append(real(*args, **kwargs))
         return seen[-1]
 
-    real, engine.execute = engine.execute, recording
+    real, engine.execute_refit = engine.execute_refit, recording
     try:
         reports = [check_rank(_plan(world, case), rank, bucket_bytes=bucket_bytes, timeout=120) for case in cases]
     finally:
-        engine.execute = real
+        engine.execute_refit = real
     return [(stats.peak_buffer_bytes, stats.buckets, not report.mismatches) for stats, report in zip(seen, reports)]

@@ -18,7 +18,7 @@ pytest.importorskip("torch")
 
 from shardcore import plan_layout
 from shardcore.cli import main
-from shardcore.engine.launch import distinct_errors, rank_ranges
+from shardcore.engine.live.launch import distinct_errors, rank_ranges
 from shardcore.plan.layout import distinct_groups
 from shardcore_dtensor import DTensorBackend
 
@@ -229,7 +229,7 @@ def test_distinct_errors_group_ranks_and_ignore_the_rank_prefix() -> None:
 
 def test_the_header_names_the_backend_actually_used(monkeypatch: pytest.MonkeyPatch) -> None:
     from shardcore.cli.check import _header
-    from shardcore.engine.check import CheckOptions, prepare
+    from shardcore.engine.live.check import CheckOptions, prepare
 
     monkeypatch.setenv("SHARDCORE_BACKEND", "toy")
     options = CheckOptions(shards="tp=2")

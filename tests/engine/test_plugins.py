@@ -12,7 +12,7 @@ pytest.importorskip("torch")
 
 import shardcore
 from shardcore.engine import hookspecs
-from shardcore.engine.plugins import BACKEND_ENV, get_backend, list_backends, register_backend, unregister_backend
+from shardcore.engine.build.plugins import BACKEND_ENV, get_backend, list_backends, register_backend, unregister_backend
 from shardcore.errors import BackendNotFoundError, BackendUnavailableError
 
 

@@ -78,7 +78,7 @@ def _slab(transfer: object) -> int:
 def test_both_ends_derive_the_same_messages_in_one_world_order_within_the_staging_bound(bucket_bytes: int) -> None:
     import torch
 
-    from shardcore.engine.refit import _schedule
+    from shardcore.engine.transfer.execute import _schedule
 
     moved = 0
     for case in workers.CASES_8:

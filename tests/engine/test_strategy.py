@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from shardcore.engine.groups import Strategy, check_strategy_early, choose_strategy, init_barrier_enabled
+from shardcore.engine.groups.strategy import Strategy, check_strategy_early, choose_strategy, init_barrier_enabled
 from shardcore.errors import GroupCreationError
 from shardcore.testing import run_world
 from shardcore_dtensor.helpers import local_device_index

@@ -17,16 +17,12 @@ from collections.abc import Callable, Mapping
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
-from shardcore.engine.backend import Backend, NamedGrids
-from shardcore.engine.device import device_type
-from shardcore.engine.hookspecs import hookimpl
-from shardcore.engine.window import Window, window_of
-from shardcore.errors import LayoutError
-from shardcore.plan.layout import DECODER_GROUPS, EXPERT_GROUPS
-from shardcore.plan.protocols import GridLike, ShardPlanLike
+from shardcore import Backend, GridLike, LayoutError, NamedGrids, ShardPlanLike, hookimpl
+from shardcore.engine import Window, device_type, window_of
+from shardcore.plan import DECODER_GROUPS, EXPERT_GROUPS
 
 if TYPE_CHECKING:
-    from shardcore.plan.layout import Layout
+    from shardcore import Layout
 
 MESHES: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
     "flatten": ("decoder_grid", DECODER_GROUPS),

@@ -10,9 +10,9 @@ import os
 from math import prod
 from typing import Any
 
-from shardcore.engine.device import comm_backend, device_type
-from shardcore.errors import GroupCreationError, LayoutError
-from shardcore.plan.arguments import MAX_WORLD_SIZE, check_count, check_flag, shown
+from shardcore import GroupCreationError, LayoutError
+from shardcore.engine import comm_backend, device_type
+from shardcore.plan import MAX_WORLD_SIZE, check_count, check_flag, shown
 
 
 def _check_optional_text(name: str, value: object) -> None:

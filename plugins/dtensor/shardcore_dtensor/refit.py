@@ -6,7 +6,7 @@ yet!"). Here each rank reads its own holdings off its DTensors' placements (``Sh
 needs no numpy), and every rank derives the same plan from them: each destination box is cut
 along the source shards it overlaps, and each cut comes from the destination rank itself when
 it holds a source replica (a local copy), else from the least loaded replica so far.
-shardcore's engine then moves the bytes (:func:`shardcore.engine.refit.execute`).
+shardcore's engine then moves the bytes (:func:`shardcore.execute_refit`).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from datetime import timedelta
 from math import prod
 from typing import Any, NamedTuple
 
-from shardcore.engine.launch import all_gather_objects
-from shardcore.engine.refit import DEFAULT_BUCKET_BYTES, RefitInputError, TransferStats, execute
-from shardcore.refit.planner import Transfer
+from shardcore import RefitInputError, TransferStats, execute_refit
+from shardcore.engine import DEFAULT_BUCKET_BYTES, all_gather_objects
+from shardcore.refit import Transfer
 
 Box = tuple[tuple[int, int], ...]
 
@@ -216,8 +216,8 @@ def refit(
     Args:
         src_state: name -> source DTensor (any mesh, Shard/Replicate placements).
         dst_state: name -> destination DTensor, written in place.
-        timeout: seconds for the whole transfer, as in ``shardcore.refit.execute``.
-        bucket_bytes: extra memory for packing, as in ``shardcore.refit.execute``.
+        timeout: seconds for the whole transfer, as in ``shardcore.execute_refit``.
+        bucket_bytes: extra memory for packing, as in ``shardcore.execute_refit``.
 
     Returns:
         This rank's TransferStats.
@@ -225,7 +225,7 @@ def refit(
     Raises:
         RefitInputError: on every rank, before any byte moves, when a placement is not Shard/Replicate,
             the two sides disagree on a tensor's global shape or dtype, or a destination has no source.
-        RefitPeerError: when a rank dies or never arrives (see ``shardcore.refit.execute``).
+        RefitPeerError: when a rank dies or never arrives (see ``shardcore.execute_refit``).
     """
     import torch
     import torch.distributed as dist
@@ -236,7 +236,7 @@ def refit(
     with torch.no_grad():
         sources = {n: t.to_local() for n, t in (src_state or {}).items() if ("src", n, rank) in plan.holdings}
         targets = {n: t.to_local() for n, t in (dst_state or {}).items() if ("dst", n, rank) in plan.holdings}
-        return execute(plan, sources, targets, timeout=timeout, bucket_bytes=bucket_bytes)
+        return execute_refit(plan, sources, targets, timeout=timeout, bucket_bytes=bucket_bytes)
 
 
 __all__ = ["DTensorManifest", "DTensorRefitPlan", "TensorInfo", "local_box", "plan_from_holdings", "refit"]

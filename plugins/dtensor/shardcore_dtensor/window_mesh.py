@@ -2,7 +2,7 @@
 
 A plain DeviceMesh creates the groups of a ``_flatten`` or ``_unflatten`` with default-mode
 ``new_group``, whose torch name comes from a world-wide counter; two windows doing it at
-once pick the same names and gloo mixes their ranks (see ``shardcore.engine.window``).
+once pick the same names and gloo mixes their ranks (see ``shardcore.engine.groups.window``).
 ``WindowMesh`` is a DeviceMesh whose every derived mesh (slice, flatten, unflatten) is again
 a ``WindowMesh``, and which creates new groups through the window's agreement instead:
 
@@ -27,8 +27,8 @@ import torch
 from torch.distributed._mesh_layout import _MeshLayout
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardcore.engine.window import Window
-from shardcore.errors import GroupCreationError
+from shardcore import GroupCreationError
+from shardcore.engine import Window
 
 
 class _DeclaredFlattens(dict[str, DeviceMesh]):

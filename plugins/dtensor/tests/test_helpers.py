@@ -12,7 +12,7 @@ pytest.importorskip("torch")
 
 from plugins.dtensor.tests import dtensor_workers as workers
 from shardcore import LayoutError
-from shardcore.engine.ports import free_port
+from shardcore.engine.live.ports import free_port
 from shardcore.testing import run_world
 
 

@@ -10,12 +10,7 @@ import importlib.util
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from shardcore.engine.backend import Backend, NamedGrids
-from shardcore.engine.hookspecs import hookimpl
-from shardcore.errors import LayoutError
-from shardcore.plan.grid import Grid
-from shardcore.plan.layout import Layout, Order
-from shardcore.plan.protocols import ShardPlanLike
+from shardcore import Backend, Grid, Layout, LayoutError, NamedGrids, Order, ShardPlanLike, hookimpl
 
 from .context import mesh_classes, wrap_mesh, wrap_ranks
 from .device import device_note, select_device

@@ -11,7 +11,7 @@ from functools import cache
 from math import prod
 from typing import Any
 
-from shardcore.errors import GroupCreationError
+from shardcore import GroupCreationError
 
 from .topology import resolve_sizes
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardcore.engine.device import npu_status
+from shardcore.engine import npu_status
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shardcore.errors import LayoutError
+from shardcore import LayoutError
 
 MeshShape = tuple[tuple[int, ...], tuple[str, ...]]
 

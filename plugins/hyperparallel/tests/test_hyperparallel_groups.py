@@ -8,7 +8,7 @@ import pytest
 
 from plugins.hyperparallel.tests.hp_expected import group_along, hp_meshes, stage_window
 from shardcore import plan_layout
-from shardcore.engine.groups import requested_groups
+from shardcore.engine.groups.create import requested_groups
 from shardcore_hyperparallel import HyperParallelBackend, resolve_sizes, shard_sizes
 from shardcore_hyperparallel.backend import MESH_GROUPS
 

@@ -9,15 +9,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
-from shardcore.engine.backend import Backend
-from shardcore.engine.hookspecs import hookimpl
-from shardcore.errors import BackendUnavailableError
-from shardcore.plan.grid import Dims
-from shardcore.plan.layout import GROUP_NAMES
-from shardcore.plan.protocols import ShardPlanLike
+from shardcore import GROUP_NAMES, Backend, BackendUnavailableError, ShardPlanLike, hookimpl
+from shardcore.plan import Dims
 
 if TYPE_CHECKING:
-    from shardcore.engine.shards import Shard
+    from shardcore import Shard
 
 INSTALL_HINT = "pip install megatron-core==0.16.1 einops"
 
@@ -91,7 +87,7 @@ def add_group(shard: Shard, name: str, dims: Dims, *, expert: bool = False, **op
 
     Megatron creates extra groups by enumerating a grid's groups on every rank of the world
     (``HyperCommGrid.create_pg``); on a shard's window that is unsafe beside other windows
-    (see ``shardcore.engine.window``). Here only the shard's window takes part: every rank of
+    (see ``shardcore.engine.groups.window``). Here only the shard's window takes part: every rank of
     the window calls it, with the same arguments, in the same order.
 
     Args:

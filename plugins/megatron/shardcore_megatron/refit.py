@@ -25,9 +25,8 @@ from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
-from shardcore.engine.launch import all_gather_objects
-from shardcore.engine.refit import DEFAULT_BUCKET_BYTES, RefitInputError, TransferStats, execute
-from shardcore.plan.layout import Layout, ShardPlan
+from shardcore import Layout, RefitInputError, ShardPlan, TransferStats, execute_refit
+from shardcore.engine import DEFAULT_BUCKET_BYTES, all_gather_objects
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _SEQUENTIAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
@@ -128,7 +127,7 @@ def manifest_from_records(records: Sequence[dict[str, Any]], facts: Sequence[dic
         RefitInputError: two ranks (of one model or of the two models) disagree on a tensor or on the
             model-wide facts, or a destination tensor has no source.
     """
-    from shardcore.refit.manifest import Manifest, TensorSpec
+    from shardcore.refit import Manifest, TensorSpec
 
     first_facts = facts[0]
     for other in facts[1:]:
@@ -210,8 +209,8 @@ def refit(
         src: The source shard: an index into ``shards``, or a Shard / ShardPlan (e.g. of another layout
             over the same ranks, for a collocated refit).
         dst: The destination shard, given the same way.
-        timeout: Seconds for the whole transfer (``shardcore.refit.execute``).
-        bucket_bytes: Extra memory for packing (``shardcore.refit.execute``).
+        timeout: Seconds for the whole transfer (``shardcore.execute_refit``).
+        bucket_bytes: Extra memory for packing (``shardcore.execute_refit``).
 
     Returns:
         This rank's TransferStats.
@@ -223,8 +222,8 @@ def refit(
     import torch
     import torch.distributed as dist
 
-    from shardcore.errors import ShardcoreError
-    from shardcore.refit.planner import plan_refit
+    from shardcore import ShardcoreError
+    from shardcore.refit import plan_refit
 
     layout = _layout(shards)
     source, target = _shard_plan(layout, src), _shard_plan(layout, dst)
@@ -242,7 +241,7 @@ def refit(
         return {name: parameter.data for name, parameter, _ in parameters(model)}
 
     with torch.no_grad():
-        return execute(
+        return execute_refit(
             refit_plan,
             tensors(src_model, source),
             tensors(dst_model, target),

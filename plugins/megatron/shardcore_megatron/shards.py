@@ -23,12 +23,21 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from shardcore.engine.groups import Strategy
-from shardcore.engine.shards import Shard, build_shards, destroy_shards
-from shardcore.errors import GroupCreationError, LayoutError, ShardSpecError
-from shardcore.plan.arguments import as_timedelta, check_choice, check_count, check_flag, shown
-from shardcore.plan.layout import Layout, Order, plan_layout
-from shardcore.plan.spec import INT_KEYS, ShardSpec, parse_shards
+from shardcore import (
+    GroupCreationError,
+    Layout,
+    LayoutError,
+    Order,
+    Shard,
+    ShardSpec,
+    ShardSpecError,
+    Strategy,
+    build_shards,
+    destroy_shards,
+    parse_shards,
+    plan_layout,
+)
+from shardcore.plan import INT_KEYS, as_timedelta, check_choice, check_count, check_flag, shown
 
 from .backend import make_collection, require_available
 

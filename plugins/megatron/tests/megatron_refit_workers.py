@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from shardcore import build_shards, destroy_shards
-from shardcore.engine.refit_check import cut, known_tensor
+from shardcore.engine.live.refit_check import cut, known_tensor
 
 
 def gpt(shard: Any, experts: int | None) -> Any:

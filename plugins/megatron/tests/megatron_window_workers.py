@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from shardcore import build_shards
-from shardcore.engine.launch import all_gather_objects
-from shardcore.engine.shards import destroy_shards, my_shard
+from shardcore.engine.build.shards import destroy_shards, my_shard
+from shardcore.engine.live.launch import all_gather_objects
 from shardcore.engine.torch_state import group_counter
 from shardcore_megatron import add_group
 

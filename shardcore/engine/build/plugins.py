@@ -10,8 +10,8 @@ from importlib.metadata import entry_points
 
 import pluggy
 
-from ..errors import BackendNotFoundError, BackendUnavailableError, LayoutError
-from ..plan.arguments import shown
+from ...errors import BackendNotFoundError, BackendUnavailableError, LayoutError
+from ...plan.arguments import shown
 from . import hookspecs
 from .backend import Backend
 

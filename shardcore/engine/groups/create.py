@@ -7,9 +7,7 @@ then first rank), so no two ranks wait on each other in a cycle. Two strategies:
 * ``world``: every rank calls ``new_group`` for every group of every shard, Megatron's
   pattern: O(world) calls per rank.
 
-``auto`` (the default) picks one for the world it finds (``choose_strategy``): ``world``
-where torch makes every group creation world-collective (a device-bound default group,
-``TORCH_DIST_INIT_BARRIER=1``, TorchComms), else ``local``.
+Which one a build uses is ``strategy``'s choice.
 
 Why ``local`` does not use ``use_local_synchronization=True``: torch names such a group
 ``sha1(ranks, number of live groups)``, and destroying groups lowers that number, so a
@@ -21,158 +19,32 @@ to ``start + slot * world_size + first rank``: a number every member computes al
 unique among all groups of the build, and above every earlier name. Afterwards every
 rank, member or not, leaves the counter at ``start + slots * world_size``, so later
 world-collective group creation (Megatron, ``init_device_mesh``) still agrees on names.
-Ranks check before starting that they hold the same counter (``rendezvous``); torch's
+Ranks check before starting that they hold the same counter (``agreement``); torch's
 private state is touched only through ``torch_state``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from datetime import timedelta
-from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
-from ..errors import GroupCreationError
-from ..plan.layout import GROUP_NAMES, Layout, RankGroups, ShardPlan, distinct_groups
-from .backend import NamedGrids
-from .rendezvous import listed
-from .torch_state import (
-    bound_device,
-    group_counter,
-    group_keys,
-    set_group_counter,
-    store_call,
-    torchcomms_enabled,
-)
+from ...errors import GroupCreationError
+from ...plan.layout import GROUP_NAMES, Layout, RankGroups, ShardPlan, distinct_groups
+from ...plan.protocols import NamedGrids
+from ..agreement import listed
+from ..torch_state import dist, group_counter, group_keys, is_fake_world, set_group_counter, store_call
+from .strategy import Strategy
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 
-class Strategy(StrEnum):
-    """Who calls ``new_group`` for a group: its members only, or every rank of the world."""
-
-    AUTO = "auto"
-    """Choose for the world found: ``world`` where torch creates groups with every rank, else ``local``."""
-    LOCAL = "local"
-    WORLD = "world"
-
-
 KEY_DELETION_TIMEOUT = 10.0
 """Seconds destroy_groups waits for the store to delete a destroyed group's keys."""
 log = logging.getLogger("shardcore")
-
-
-def _dist() -> Any:
-    import torch.distributed as dist
-
-    return dist
-
-
-def init_barrier_enabled() -> bool:
-    """Whether torch adds a world barrier to every group creation: ``int($TORCH_DIST_INIT_BARRIER) == 1``.
-
-    torch 2.13 reads the variable as ``int(os.getenv("TORCH_DIST_INIT_BARRIER", "0")) == 1``,
-    so ``" 1"`` and ``"01"`` turn the barrier on and ``"true"`` or ``"2"`` do not.
-
-    Raises:
-        GroupCreationError: the value is not an integer (torch's own ``new_group`` would fail on it).
-    """
-    value = os.environ.get("TORCH_DIST_INIT_BARRIER", "0")
-    try:
-        return int(value) == 1
-    except ValueError:
-        raise GroupCreationError(
-            f"TORCH_DIST_INIT_BARRIER={value!r}: torch reads it as an integer (1 turns on a barrier after every "
-            "group creation, 0 or unset turns it off): set it to 0 or 1"
-        ) from None
-
-
-def _environment_reason() -> str | None:
-    """Why torch's settings (not its default group) make every rank take part in each group creation."""
-    if torchcomms_enabled():
-        return "TorchComms is enabled (TORCH_DISTRIBUTED_USE_TORCHCOMMS=1): new_group splits the whole world"
-    if init_barrier_enabled():
-        return "TORCH_DIST_INIT_BARRIER=1 makes every group creation a world barrier"
-    return None
-
-
-def world_collective_reason() -> str | None:
-    """Why torch makes every rank take part in each group creation here, or None when it does not."""
-    reason = _environment_reason()
-    if reason is not None:
-        return reason
-    device = bound_device()
-    if device is not None:
-        return (
-            f"the default group is bound to {device} (init_process_group(device_id=...)), so torch splits "
-            "communicators with every rank taking part"
-        )
-    return None
-
-
-def _parse(requested: str | Strategy) -> Strategy:
-    try:
-        return Strategy(requested)
-    except ValueError:
-        raise GroupCreationError(f"strategy={requested!r}: expected one of {', '.join(Strategy)}") from None
-
-
-def _refuse_local(reason: str) -> GroupCreationError:
-    return GroupCreationError(
-        f"strategy='local' cannot work here: {reason}, so members-only creation would hang; "
-        "use strategy='world' or 'auto' (the default), which picks 'world' here"
-    )
-
-
-def check_strategy_early(requested: str | Strategy) -> None:
-    """What can be decided before any process joins a world: the name, ``TORCH_DIST_INIT_BARRIER``'s
-    value, and an explicit ``local`` where torch's settings make it hang (``shardcore check`` calls
-    it before starting workers).
-
-    Raises:
-        GroupCreationError: as ``choose_strategy`` would on every rank.
-    """
-    if _parse(requested) == Strategy.LOCAL:
-        reason = _environment_reason()
-        if reason is not None:
-            raise _refuse_local(reason)
-    else:
-        init_barrier_enabled()
-
-
-def choose_strategy(requested: str | Strategy) -> tuple[Strategy, str]:
-    """The strategy to build with and why; ``auto`` resolves to ``world`` or ``local`` here.
-
-    Args:
-        requested: ``auto``, ``local`` or ``world``.
-
-    Returns:
-        (``local`` or ``world``, a sentence saying why).
-
-    Raises:
-        GroupCreationError: an unknown strategy, or ``local`` asked for explicitly in a world where
-            members-only creation would hang (naming the reason and ``strategy='world'`` or ``'auto'``).
-    """
-    strategy = _parse(requested)
-    if strategy == Strategy.WORLD:
-        return strategy, "asked for: every rank creates every group"
-    reason = world_collective_reason()
-    if strategy == Strategy.LOCAL:
-        if reason is not None:
-            raise _refuse_local(reason)
-        return strategy, "asked for: members create their own groups"
-    if reason is not None:
-        return Strategy.WORLD, f"{reason}: every rank creates every group (Megatron's pattern)"
-    return Strategy.LOCAL, "groups are created lazily here: members create only their own groups"
-
-
-def is_fake_world() -> bool:
-    """True under torch's fake backend, where no rank can see another."""
-    return str(_dist().get_backend()) == "fake"
 
 
 def requested_groups(plan: ShardPlan, rank: int, extra: NamedGrids, names: Collection[str] = GROUP_NAMES) -> RankGroups:
@@ -195,13 +67,12 @@ def _all_groups(plan: ShardPlan, extra: NamedGrids, names: Collection[str]) -> I
 
 
 def _new_group(ranks: tuple[int, ...], names: Sequence[str], plan: ShardPlan, timeout: timedelta) -> Any:
-    dist = _dist()
     started = time.monotonic()
     try:
-        return dist.new_group(list(ranks), timeout=timeout)
+        return dist().new_group(list(ranks), timeout=timeout)
     except Exception as error:
         raise GroupCreationError(
-            f"rank {dist.get_rank()}: creating group {'/'.join(names) or '?'} of shard {plan.index} with ranks "
+            f"rank {dist().get_rank()}: creating group {'/'.join(names) or '?'} of shard {plan.index} with ranks "
             f"{listed(ranks)} failed after {time.monotonic() - started:.1f}s: {error}. {_likely_cause()}"
         ) from error
 
@@ -269,14 +140,13 @@ def destroy_groups(groups: Sequence[ProcessGroup]) -> None:
     its members have connected, so no later group reads them. Deleting is best effort: a
     store that does not answer within ``KEY_DELETION_TIMEOUT`` leaves them (logged).
     """
-    dist = _dist()
     seen: set[int] = set()
     keys: list[str] = []
     for pg in groups:
         if pg is not None and id(pg) not in seen:
             seen.add(id(pg))
             keys += group_keys(pg)
-            dist.destroy_process_group(pg)
+            dist().destroy_process_group(pg)
     if keys and not is_fake_world():
         try:
             store_call(lambda store: [store.delete_key(key) for key in keys], KEY_DELETION_TIMEOUT, "deleting keys")
@@ -284,14 +154,4 @@ def destroy_groups(groups: Sequence[ProcessGroup]) -> None:
             log.warning("shardcore: the destroyed groups' store keys stay: %s", error)
 
 
-__all__ = [
-    "Strategy",
-    "check_strategy_early",
-    "choose_strategy",
-    "create_groups",
-    "destroy_groups",
-    "init_barrier_enabled",
-    "is_fake_world",
-    "requested_groups",
-    "world_collective_reason",
-]
+__all__ = ["KEY_DELETION_TIMEOUT", "create_groups", "destroy_groups", "requested_groups"]

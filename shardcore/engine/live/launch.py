@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
-from ..errors import GroupCreationError, ShardcoreError
+from ...errors import GroupCreationError, ShardcoreError
 
 OnEvent = Callable[[str, int, float], None]
 """Progress callback: (stage, rank, seconds since the job started)."""
@@ -70,7 +70,7 @@ def collective_device() -> str:
     """Where collective tensors live: cpu under gloo, else the accelerator."""
     import torch.distributed as dist
 
-    from .device import device_type
+    from ..device import device_type
 
     return "cpu" if str(dist.get_backend()) == "gloo" else device_type()
 
@@ -246,7 +246,7 @@ def init_from_env() -> None:
     import torch
     import torch.distributed as dist
 
-    from .device import comm_backend, device_type
+    from ..device import comm_backend, device_type
 
     device = device_type()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

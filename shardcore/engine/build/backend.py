@@ -5,13 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from ..plan.grid import Dims
-from ..plan.protocols import GridLike, ShardPlanLike
+from ...plan.grid import Dims
+from ...plan.protocols import NamedGrids, ShardPlanLike
 
 if TYPE_CHECKING:
-    from ..plan.layout import Layout
+    from ...plan.layout import Layout
 
-NamedGrids = Mapping[str, "tuple[GridLike, Dims]"]
 
 
 @runtime_checkable
@@ -89,4 +88,4 @@ class Backend(Protocol):
         ...
 
 
-__all__ = ["Backend", "NamedGrids"]
+__all__ = ["Backend"]

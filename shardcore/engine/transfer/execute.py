@@ -1,6 +1,6 @@
 """Execute a refit plan: move every planned slice of every weight with point-to-point sends.
 
-Every rank of the world calls :func:`execute`, idle ranks too. The steps:
+Every rank of the world calls :func:`execute_refit`, idle ranks too. The steps:
 
 1. **Check inputs, then agree.** Each rank checks its source and destination tensors
    against the plan (names, local shapes, dtypes) and the world meets at a store barrier
@@ -40,12 +40,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
-from ..errors import RefitError, ShardcoreError
+from ...errors import RefitInputError, RefitPeerError, ShardcoreError
 
 if TYPE_CHECKING:
     import torch
 
-    from ..refit.planner import RankRefit
+    from ...refit.planner import RankRefit
 
 log = logging.getLogger("shardcore.refit")
 
@@ -58,18 +58,6 @@ _MAX_NAMED = 8
 _READ_GRACE = 2.0  # seconds rank 0 keeps the store up for the others after a barrier timed out
 _calls = 0
 _previous_prefix: str | None = None
-
-
-class RefitInputError(RefitError):
-    """A rank's source or destination tensors do not match the plan (missing, shape, dtype)."""
-
-
-class RefitPeerError(ShardcoreError, RuntimeError):
-    """A rank died, never arrived or failed during the refit; ``ranks`` names the ones at fault."""
-
-    def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
-        super().__init__(message)
-        self.ranks = tuple(ranks)
 
 
 @dataclass
@@ -461,7 +449,7 @@ class _World:
 # ----------------------------------------------------------------------------- execute
 
 
-def execute(
+def execute_refit(
     plan: Any,
     sources: Mapping[str, Any],
     destinations: Mapping[str, Any],
@@ -653,8 +641,6 @@ def _peer_failure(
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
-    "RefitInputError",
-    "RefitPeerError",
     "TransferStats",
-    "execute",
+    "execute_refit",
 ]

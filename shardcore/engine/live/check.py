@@ -1,6 +1,6 @@
 """The live side of ``shardcore check``: build a layout on a world, verify every group with a collective.
 
-The world comes from ``shardcore.engine.launch``: N local gloo processes, or the world
+The world comes from ``shardcore.engine.live.launch``: N local gloo processes, or the world
 torchrun set up.
 
 ``prepare`` checks in the calling process what can be checked before any worker starts:
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..plan.layout import DEFAULT_ORDER, Layout, plan_layout
+from ...plan.layout import DEFAULT_ORDER, Layout, plan_layout
 from .launch import OnEvent, collective_device, run_joined_job, run_local_job
 
 STAGES = ("started", "joined", "imported", "built", "verified")
@@ -78,10 +78,10 @@ def prepare(options: CheckOptions, world_size: int) -> Prepared:
     Raises:
         ShardcoreError: a subclass naming the bad timeout, strategy, backend, option or layout.
     """
-    from ..plan.arguments import as_timedelta
-    from .groups import check_strategy_early
-    from .plugins import BACKEND_ENV, get_backend
-    from .shards import check_options
+    from ...plan.arguments import as_timedelta
+    from ..build.plugins import BACKEND_ENV, get_backend
+    from ..build.shards import check_options
+    from ..groups.strategy import check_strategy_early
 
     as_timedelta(options.timeout)
     check_strategy_early(options.strategy)
@@ -98,7 +98,7 @@ def _verify(shard: Any, rank: int, device: str) -> tuple[int, list[str]]:
     import torch
     import torch.distributed as dist
 
-    from ..plan.layout import distinct_groups
+    from ...plan.layout import distinct_groups
 
     verified, failures = 0, []
     for ranks, names in distinct_groups(shard.group_ranks):
@@ -127,9 +127,9 @@ def check_rank(options: CheckOptions, on_stage: Callable[[str], None] = lambda s
     """
     import torch.distributed as dist
 
-    from .groups import choose_strategy
-    from .plugins import get_backend
-    from .shards import build_shards, destroy_shards, my_shard
+    from ..build.plugins import get_backend
+    from ..build.shards import build_shards, destroy_shards, my_shard
+    from ..groups.strategy import choose_strategy
 
     rank, world = dist.get_rank(), dist.get_world_size()
     backend = get_backend(options.backend)

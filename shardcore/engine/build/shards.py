@@ -8,16 +8,18 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from ..errors import GroupCreationError, LayoutError
-from ..plan.arguments import as_timedelta, check_choice, check_count, check_flag, check_names, shown
-from ..plan.layout import DEFAULT_ORDER, GROUP_NAMES, Layout, RankGroups, ShardPlan, plan_layout, resolve_order
-from ..plan.spec import ShardsInput, ShardSpec, format_shards
+from ...errors import GroupCreationError, LayoutError
+from ...plan.arguments import as_timedelta, check_choice, check_count, check_flag, check_names, shown
+from ...plan.layout import DEFAULT_ORDER, GROUP_NAMES, Layout, RankGroups, ShardPlan, plan_layout, resolve_order
+from ...plan.spec import ShardsInput, ShardSpec, format_shards
 from .backend import Backend
-from .groups import Strategy, choose_strategy, create_groups, destroy_groups, is_fake_world
+from ..groups.create import create_groups, destroy_groups
+from ..groups.strategy import Strategy, choose_strategy
+from ..torch_state import is_fake_world
 from .plugins import get_backend
-from .rendezvous import Agreement, agree, meet, report_failure
-from .torch_state import group_counter, set_group_counter
-from .window import Window, open_window
+from ..agreement import Agreement, agree, meet, report_failure
+from ..torch_state import group_counter, set_group_counter
+from ..groups.window import Window, open_window
 
 log = logging.getLogger("shardcore")
 

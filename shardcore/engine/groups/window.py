@@ -41,11 +41,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from ..errors import GroupCreationError
-from ..plan.arguments import as_timedelta
-from .groups import is_fake_world, world_collective_reason
-from .rendezvous import listed
-from .torch_state import default_store, group_counter, set_group_counter
+from ...errors import GroupCreationError
+from ...plan.arguments import as_timedelta
+from ..agreement import listed
+from ..torch_state import default_store, group_counter, is_fake_world, set_group_counter
+from .strategy import world_collective_reason
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Store

@@ -12,15 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..plan.layout import DEFAULT_ORDER, ShardPlan, plan_layout
-from ..refit.models import model_manifest
-from ..refit.planner import RefitPlan, plan_refit
+from ...plan.layout import DEFAULT_ORDER, ShardPlan, plan_layout
+from ...refit.documents import model_manifest
+from ...refit.planner import RefitPlan, plan_refit
 from .launch import OnEvent, run_joined_job, run_local_job
 
 if TYPE_CHECKING:
     import torch
 
-    from ..refit.manifest import Manifest, TensorSpec
+    from ...refit.manifest import Manifest, TensorSpec
 
 
 @dataclass
@@ -49,7 +49,7 @@ def cut(full: torch.Tensor, tensor: TensorSpec, plan: ShardPlan, rank: int, mani
     """``rank``'s local shard of ``full`` under ``plan`` (each held box copied to its local offset)."""
     import torch
 
-    from ..refit.placement import holdings, local_shape_on
+    from ...refit.placement import holdings, local_shape_on
 
     local = torch.empty(local_shape_on(tensor, plan), dtype=full.dtype)
     for box, offset in holdings(tensor, plan, rank, manifest):
@@ -68,7 +68,7 @@ def check_rank(plan: Any, rank: int, *, bucket_bytes: int | None = None, timeout
     """Fill this rank's sources, execute ``plan``, and compare its destinations bitwise."""
     import torch
 
-    from .refit import DEFAULT_BUCKET_BYTES, execute
+    from ..transfer.execute import DEFAULT_BUCKET_BYTES, execute_refit
 
     manifest = plan.manifest
     mine = plan.for_rank(rank)
@@ -85,7 +85,9 @@ def check_rank(plan: Any, rank: int, *, bucket_bytes: int | None = None, timeout
         name: torch.full(shape, -1.0, dtype=getattr(torch, manifest.tensor(name).dtype))
         for name, shape in mine.destination_shapes.items()
     }
-    stats = execute(plan, sources, destinations, timeout=timeout, bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES)
+    stats = execute_refit(
+        plan, sources, destinations, timeout=timeout, bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES
+    )
     report = RefitReport(
         rank,
         None if target_plan is None else target_plan.index,
