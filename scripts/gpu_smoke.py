@@ -10,7 +10,7 @@ What it checks, in that world:
    GPU current on every rank and binds the default group to it;
 2. ``build_shards`` with the default strategy (``auto``) chooses ``world`` there, and an
    explicit ``strategy="local"`` is refused before any rank communicates;
-3. ``shardcore check``'s verification (``check_rank``): every group all-gathers its planned
+3. ``shardcore check``'s verification (``check_groups``): every group all-gathers its planned
    ranks, on the GPU;
 4. a DTensor op on a shard's mesh: a tensor sharded over the shard's tp dim and gathered back.
 
@@ -39,7 +39,7 @@ def main() -> int:
     from shardcore import GroupCreationError, build_shards
     from shardcore.engine.build.shards import destroy_shards, my_shard
     from shardcore.engine.groups.strategy import choose_strategy
-    from shardcore.engine.live.check import CheckOptions, check_rank
+    from shardcore.engine.live.check import CheckOptions, check_groups
     from shardcore_dtensor import ensure_distributed_initialized
 
     ensure_distributed_initialized()
@@ -66,7 +66,7 @@ def main() -> int:
         else:
             raise SystemExit("explicit strategy='local' was not refused on a device-bound world")
     spec = spec_for(world)
-    report = check_rank(CheckOptions(shards=spec, timeout=300))
+    report = check_groups(CheckOptions(shards=spec, timeout=300))
     if report.failures:
         raise SystemExit(f"rank {rank}: {report.failures}")
     say(f"3. check {spec!r}: every group verified ({report.strategy})")

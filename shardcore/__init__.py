@@ -25,6 +25,7 @@ from .engine import (
     destroy_shards,
     execute_refit,
     get_backend,
+    held_version,
     hookimpl,
     list_backends,
     my_shard,
@@ -40,6 +41,8 @@ from .errors import (
     ManifestError,
     RefitError,
     RefitInputError,
+    RefitIntegrityError,
+    RefitMismatchError,
     RefitPeerError,
     ShardcoreError,
     ShardSpecError,
@@ -62,8 +65,7 @@ from .plan import (
     parse_shards,
     plan_layout,
 )
-
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
     "DEFAULT_ORDER",
@@ -85,6 +87,8 @@ __all__ = [
     "Order",
     "RefitError",
     "RefitInputError",
+    "RefitIntegrityError",
+    "RefitMismatchError",
     "RefitPeerError",
     "Shard",
     "ShardPlan",
@@ -95,11 +99,13 @@ __all__ = [
     "ShardcoreError",
     "Strategy",
     "TransferStats",
+    "__version__",
     "build_shards",
     "destroy_shards",
     "execute_refit",
     "format_shards",
     "get_backend",
+    "held_version",
     "hookimpl",
     "list_backends",
     "my_shard",

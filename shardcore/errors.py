@@ -26,7 +26,11 @@ class BackendUnavailableError(ShardcoreError, RuntimeError):
 
 
 class GroupCreationError(ShardcoreError, RuntimeError):
-    """Process-group creation failed, timed out, or ranks disagree on how to do it."""
+    """Process-group creation failed, timed out, or ranks disagree on how to do it; ``ranks`` names those at fault."""
+
+    def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
 
 
 class LayoutMismatchError(GroupCreationError):
@@ -44,6 +48,14 @@ class ManifestError(RefitError):
 class RefitInputError(RefitError):
     """A rank's refit arguments or tensors do not match the plan (missing, shape, dtype, device); no byte moved."""
 
+    def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+
+
+class RefitMismatchError(RefitInputError):
+    """Ranks brought different terms to a refit (another plan, manifest, option or version); no byte moved."""
+
 
 class RefitPeerError(ShardcoreError, RuntimeError):
     """A rank died, never arrived or failed during the refit; ``ranks`` names the ones at fault."""
@@ -51,6 +63,10 @@ class RefitPeerError(ShardcoreError, RuntimeError):
     def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
         super().__init__(message)
         self.ranks = tuple(ranks)
+
+
+class RefitIntegrityError(RefitPeerError):
+    """A received message was short or corrupt: ``ranks`` names its senders."""
 
 
 class ShardSpecWarning(UserWarning):

@@ -32,19 +32,30 @@ from .groups.strategy import Strategy
 from .groups.window import Window, window_of
 from .live.launch import all_gather_objects
 from .torch_state import live_group_count
-from .transfer.execute import DEFAULT_BUCKET_BYTES, TransferStats, execute_refit
+from .transfer.execute import (
+    DEFAULT_BUCKET_BYTES,
+    DEFAULT_MAX_OPS,
+    HeldVersion,
+    TransferStats,
+    Verify,
+    execute_refit,
+    held_version,
+)
 
 __all__ = [
     "BACKEND_ENV",
     "DEFAULT_BACKEND",
     "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_MAX_OPS",
     "ENTRY_POINT_GROUP",
     "SHIPPED_BACKENDS",
     "Backend",
     "BackendInfo",
+    "HeldVersion",
     "Shard",
     "Strategy",
     "TransferStats",
+    "Verify",
     "Window",
     "all_gather_objects",
     "build_shards",
@@ -53,6 +64,7 @@ __all__ = [
     "device_type",
     "execute_refit",
     "get_backend",
+    "held_version",
     "hookimpl",
     "list_backends",
     "live_group_count",

@@ -1,306 +1,437 @@
-"""Store-based rendezvous: every rank of the world meets at a named phase of a build, bringing what it agreed to.
+"""The one agreement protocol: the ranks of a party agree on what they are about to do before any of them acts.
 
-It runs on any backend (the default group's store is all it needs), so it can check, before
-a single group is created, that the ranks planned the same layout, and it names the ranks
-that are missing or differ instead of hanging.
+Builds (``build_shards``), window-local group creation, refits and the live checks all use it. It
+runs on any backend (the default group's store is all it needs), so it can check, before a single
+group is created or a single byte is sent, that every rank planned the same thing, and it names the
+ranks that are missing, failed or differ instead of hanging.
 
-Builds are numbered by an epoch kept in the store, not by a count each process keeps, so
-ranks stay in step however differently a build failed on each:
+**Parties and sessions.** A *party* is the whole world or one window of it; its keys live under
+``shardcore/<scope>/``. A *session* (one build, one refit, one window-local creation) is a series of
+meetings of one party. Its first meeting, ``convene``, reads the party's *epoch* from the store; the
+session's later meetings (``meet``) use the epoch its ranks met at. Every first meeting has the same
+name, whatever the session, so a rank in a build and a rank in a refit at the same epoch meet, and
+see that they disagree, instead of waiting at different keys.
 
-* A rank joins its build's first meeting (``agree``) at the epoch it reads from the store
-  at that moment. Whoever decides that meeting (the last to arrive, or the first to give
-  up waiting) moves the epoch on, once, with a compare-and-set; the build's later meetings
-  use the epoch its ranks met at.
-* A rank that fails on its own (a bad spec, a backend that does not import, a failed group)
-  still arrives, with its error instead of a value (``report_failure``): the others stop at
-  once and name it, instead of waiting out the timeout.
-* A meeting ends with one outcome, written once (compare-and-set) by its decider:
-  ``complete`` or ``timeout``. A rank that arrives after a timeout sees it and fails at
-  once; a rank that never arrives reads the next epoch when it next builds.
+**Numbered by the store, never by a process.** Whoever decides a session's first meeting (the last to
+arrive, or the first to give up waiting) moves the epoch on, once, with a compare-and-set. A rank that
+failed before touching the store, skipped a session, or was replaced by a new process therefore reads
+the same epoch as every other rank at its next session: no counter in any process can drift.
 
-So a rank that failed before touching the store, a mismatch, a timeout or a failed group
-all leave every rank's next build at the same epoch. Each rank deletes what it wrote in a
-meeting (the decider the shared keys too) once a later meeting completes, when no rank
-can still read it: the store holds about one build's keys at a time.
+**Failures reach everyone at once.** A rank that fails on its own still arrives, with its error
+instead of a value (``arrive_failed``): the others stop at once and name it. During a session, a rank
+can also publish a failure (``publish_failure``) that the others poll (``published_failures``), and
+declare a peer it lost (``declare_absent``) so that the next meeting does not wait for it.
+
+**Bounded.** Every store call runs through ``torch_state.store_call``, on a connection of its own,
+bounded by the caller's timeout: a frozen store host is named, not waited on.
+
+**Clean.** A meeting ends with one outcome, written once (compare-and-set) by its decider:
+``complete`` or ``timeout``. Each rank deletes what it wrote in a meeting (the decider the shared keys
+too) once a later meeting of the same party completes, when no rank can still read it: the store holds
+about one session's keys per party at a time. ``linger`` keeps the store's host (rank 0) at a final
+meeting until every rank has read its outcome, so a job that ends right after it loses no one's answer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
-from ..errors import GroupCreationError, LayoutMismatchError, ShardcoreError
-from .torch_state import store_call
+from ..errors import ShardcoreError
+from ..plan.arguments import shown_ranks
+from .torch_state import dist, store_call, world_token
 
 if TYPE_CHECKING:
     from torch.distributed import Store
 
-log = logging.getLogger("shardcore")
-
-_MAX_LISTED = 16
-_SHOWN_CHARS = 120
-"""Longer specs are shown by their first differing shard."""
 GRACE = 2.0
 """Seconds allowed past the deadline for the store to answer before its host is called unresponsive."""
-EPOCH_KEY = "shardcore/epoch"
+OPEN = "open"
+"""The name of every session's first meeting."""
 COMPLETE = "complete"
-_ARRIVED = "arrived"
-"""What a rank brings to a meeting with nothing to compare; never empty: compare-and-set treats "" as unset."""
+_SAME = "="
+"""What a rank stores when it brought the reference value (never empty: compare-and-set treats "" as unset)."""
 _FAILED = "!"
 """A value starting with it is a rank's error, not what it agreed to."""
+_ARRIVED = "arrived"
+"""What a rank brings to a meeting with nothing to compare."""
+_SHOWN_ERROR = 500
+"""Characters of one rank's error kept for the others."""
+
+ErrorType = Callable[[str, Sequence[int]], ShardcoreError]
+"""How a caller's error is made: (message, the ranks at fault)."""
 
 
 @dataclass(frozen=True)
-class Agreement:
-    """What every rank must bring to a build: the same layout, backend, groups and strategy."""
+class Party:
+    """The ranks that meet, and where their meetings live in the store.
 
-    layout: str
-    """The layout's fingerprint: equal layouts, equal fingerprints."""
-    spec: str
-    """The layout's shards as a spec string, to show a person what differs."""
-    order: str
-    rank_offset: int
-    backend: str
-    group_names: tuple[str, ...]
-    strategy: str
-    group_counter: int
-    """torch's default-mode group counter: ranks start the build from the highest one brought."""
+    Attributes:
+        scope: The store namespace: ``world``, or ``window/<build>/<first>+<size>``.
+        ranks: The global ranks taking part.
+        host: The rank that hosts the store and lingers at final meetings (None: none of them).
+    """
 
-    def encode(self) -> str:
-        """The one text form stored for other ranks to compare."""
-        return json.dumps(asdict(self), sort_keys=True)
+    scope: str
+    ranks: range
+    host: int | None = 0
 
     @classmethod
-    def decode(cls, text: str) -> Agreement:
-        """Inverse of ``encode``."""
-        data = json.loads(text)
-        return cls(**{**data, "group_names": tuple(data["group_names"])})
+    def world(cls) -> Party:
+        """Every rank of the default group (rank 0 hosts the store, unless torchrun's agent does)."""
+        from .torch_state import agent_hosts_store
 
-    def same_plan(self, other: Agreement) -> bool:
-        """True when only the strategy or counter differ (not a layout mismatch)."""
-        return (self.layout, self.backend, self.group_names) == (other.layout, other.backend, other.group_names)
+        return cls("world", range(dist().get_world_size()), None if agent_hosts_store() else 0)
 
-    def same_build(self, other: Agreement) -> bool:
-        """True when only the group counter differs: the ranks can build, from the highest counter."""
-        return self.same_plan(other) and self.strategy == other.strategy
+    @classmethod
+    def window(cls, build: int, ranks: range) -> Party:
+        """The ranks of one shard's window, in the build ``build`` (so a rebuilt window meets afresh)."""
+        return cls(f"window/{build}/{ranks.start}+{len(ranks)}", ranks, None)
 
-    def shown_fields(self, others: Sequence[Agreement]) -> list[str]:
-        """The fields to show for a disagreement: those that differ, the fingerprint only if nothing else does."""
-        names = [f.name for f in fields(self) if f.name not in ("layout", "group_counter")]
-        differing = [name for name in names if any(getattr(o, name) != getattr(self, name) for o in others)]
-        if not differing and any(o.layout != self.layout for o in others):
-            differing = ["layout"]
-        return differing
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
 
-    def show(self, names: Sequence[str], against: Agreement | None = None) -> str:
-        """``names`` of this agreement for a message; a long spec as its first difference from ``against``."""
-        parts = []
-        for name in names:
-            value = getattr(self, name)
-            if name == "spec" and against is not None and len(value) > _SHOWN_CHARS:
-                value = _first_difference(value, against.spec)
-            elif name == "group_names":
-                value = ",".join(value)
-            parts.append(f"{name} {value!r}" if isinstance(value, str) else f"{name} {value}")
-        return ", ".join(parts)
-
-
-def _first_difference(theirs: str, ours: str) -> str:
-    """A long spec shown by its first shard that differs from ``ours``."""
-    mine, other = theirs.split("+"), ours.split("+")
-    index = next((i for i, (a, b) in enumerate(zip(mine, other, strict=False)) if a != b), min(len(mine), len(other)))
-    shard = mine[index] if index < len(mine) else "nothing"
-    return f"{len(mine)} shards, shard {index}: {shard} (where the others have {len(other)} shards)"
-
-
-def _dist() -> Any:
-    import torch.distributed as dist
-
-    return dist
-
-
-def listed(ranks: Sequence[int]) -> str:
-    """Ranks for a message: the first few, then the count."""
-    shown = ", ".join(map(str, ranks[:_MAX_LISTED]))
-    return f"[{shown}{', ...' if len(ranks) > _MAX_LISTED else ''}] ({len(ranks)} ranks)"
+    def describe(self) -> str:
+        return "of the world" if self.scope == "world" else f"of the window {shown_ranks(self.ranks)}"
 
 
 @dataclass(frozen=True)
-class _Meeting:
+class Purpose:
+    """What a session is for, so that its errors say what every rank must do and carry the caller's type."""
+
+    noun: str
+    """``build``, ``refit``, ``window-local creation``, ``check``."""
+    call: str
+    """What every rank of the party must call: ``build_shards``, ``execute_refit``, ..."""
+    error: ErrorType
+    """The error of a meeting some rank did not reach."""
+    failed: ErrorType | None = None
+    """The error of a meeting some rank reached with an error of its own (default: ``error``)."""
+
+
+@dataclass(frozen=True)
+class Meeting:
+    """One meeting of one session, as this rank took part in it."""
+
+    party: Party
     epoch: int
     phase: str
-    decided: bool
+    decided: bool = False
     """This rank wrote the outcome: it deletes the shared keys."""
 
     @property
-    def prefix(self) -> str:
-        return f"shardcore/{self.epoch}/{self.phase}/"
+    def session(self) -> str:
+        return f"shardcore/{self.party.scope}/{self.epoch}/"
 
     @property
-    def where(self) -> str:
-        return f"at '{self.phase}' of build {self.epoch}"
+    def prefix(self) -> str:
+        return f"{self.session}{self.phase}/"
 
 
-_pending: list[_Meeting] = []
-"""Meetings this rank took part in whose keys it has not deleted yet."""
+class Outcome(NamedTuple):
+    """What a completed meeting says: its epoch, and the ranks grouped by value when the values differ."""
+
+    epoch: int
+    groups: list[tuple[list[int], str]] | None
+    """(ranks, value) groups, the largest first; None when every rank brought the same value."""
+    payload: str
+    """What the meeting's decider attached (``convene(..., decide=...)``); "" otherwise."""
 
 
-def agree(agreement: Agreement, timeout: timedelta) -> tuple[int, int]:
-    """The first meeting of a build: every rank of the world must bring the same ``agreement``.
+_pending: dict[tuple[Any, str], list[Meeting]] = {}
+"""Per world and party: meetings this rank took part in whose keys it has not deleted yet."""
+
+
+def convene(
+    party: Party,
+    purpose: Purpose,
+    value: str,
+    timeout: timedelta,
+    *,
+    decide: Callable[[Store], str] | None = None,
+) -> Outcome:
+    """The first meeting of a session: every rank of ``party`` brings ``value``; the epoch comes from the store.
 
     Args:
-        agreement: what this rank planned.
+        party: who meets.
+        purpose: what the session is for (its errors' wording and type).
+        value: what this rank is about to do, as text (compared as is; ``Terms.encode`` makes one).
         timeout: how long to wait for the last rank.
+        decide: run once, by the meeting's decider, when every rank has arrived; what it returns
+            reaches every rank as ``Outcome.payload`` (a window draws its group names so).
 
     Returns:
-        (the build's epoch, for its later meetings; the group counter to build from, the
-        highest any rank brought).
+        The session's epoch, for its later meetings, and the ranks grouped by value if values differ.
 
     Raises:
-        GroupCreationError: a rank did not arrive in time, failed (naming it and why), the
-            store's host died or stopped answering, or ranks agree on the layout but not on
-            the strategy.
-        LayoutMismatchError: ranks planned different layouts, backends or groups; every
-            group of ranks outside the majority is named with what it planned.
+        The purpose's error: a rank did not arrive in time or arrived with an error (naming it and
+        why), or the store's host died or stopped answering.
     """
-    meeting, groups = _meet(None, "agree", agreement.encode(), timeout)
-    if groups is None:
-        return meeting.epoch, agreement.group_counter
-    values = [Agreement.decode(value) for _, value in groups]
-    if all(values[0].same_build(value) for value in values):
-        return meeting.epoch, max(value.group_counter for value in values)
-    raise _mismatch(meeting, groups, values)
+    return _meet(party, purpose, None, OPEN, value, timeout, decide=decide)
 
 
-def meet(epoch: int, phase: str, timeout: timedelta) -> None:
-    """A later meeting of the build at ``epoch``: wait until every rank reaches ``phase``.
+def barrier(party: Party, purpose: Purpose, timeout: timedelta, *, linger: bool = False) -> int:
+    """A session of one meeting with nothing to agree on but being there: every rank arrives, or arrives with its
+    error (``arrive_failed(party, purpose, None, OPEN, ...)``); returns the session's epoch.
 
     Raises:
-        GroupCreationError: a rank did not arrive in time or failed on the way (naming it
-            and why), or the store's host died or stopped answering.
+        The purpose's error: a rank missing, failed, or in another kind of session.
     """
-    _meet(epoch, phase, _ARRIVED, timeout)
+    outcome = _meet(party, purpose, None, OPEN, f"{purpose.noun}:", timeout, linger=linger)
+    if outcome.groups is not None:
+        described = "; ".join(
+            f"ranks {shown_ranks(ranks)} are in a {value.partition(':')[0]!r} session"
+            for ranks, value in outcome.groups
+        )
+        raise purpose.error(f"rank {dist().get_rank()}: the ranks are not all at {purpose.noun}: {described}", [])
+    return outcome.epoch
 
 
-def report_failure(epoch: int | None, phase: str, error: BaseException, timeout: timedelta) -> None:
+def meet(
+    party: Party,
+    purpose: Purpose,
+    epoch: int,
+    phase: str,
+    timeout: timedelta,
+    *,
+    value: str = _ARRIVED,
+    linger: bool = False,
+) -> Outcome:
+    """A later meeting of the session at ``epoch``: wait until every rank of the party reaches ``phase``.
+
+    Args:
+        linger: the session's final meeting before the job may end: the store's host stays until every
+            rank has read the outcome (at most ``GRACE`` seconds once they have).
+
+    Raises:
+        The purpose's error: a rank did not arrive in time, arrived with an error or was declared
+        absent (naming it and why), or the store's host died or stopped answering.
+    """
+    return _meet(party, purpose, epoch, phase, value, timeout, linger=linger)
+
+
+def arrive_failed(
+    party: Party, purpose: Purpose, epoch: int | None, phase: str, error: BaseException, timeout: timedelta
+) -> None:
     """Arrive at ``phase`` with ``error`` instead of a value: the others stop at once and name it.
 
-    ``epoch`` None is a failure before the build's first meeting (``agree``): then it waits,
-    like every rank, for the meeting's outcome, so that this rank's next build cannot read
-    the epoch before it has moved on. At a later meeting the build's epoch is already past,
-    so it leaves at once. Best effort: whatever the meeting says, or a store that cannot be
-    reached, the caller raises its own error.
+    ``epoch`` None is a failure before the session's first meeting: then it waits, like every rank,
+    for the meeting's outcome, so that this rank's next session cannot read the epoch before it has
+    moved on. At a later meeting the session's epoch is already past, so it leaves at once. Best
+    effort: whatever the meeting says, or a store that cannot be reached, the caller raises its own error.
     """
-    text = f"{_FAILED}{type(error).__name__}: {error}"[:500]
+    text = f"{_FAILED}{type(error).__name__}: {error}"[:_SHOWN_ERROR]
     try:
         if epoch is None:
-            _meet(epoch, phase, text, timeout)
+            _meet(party, purpose, None, OPEN, text, timeout)
         else:
-            dist = _dist()
-            rank, world = dist.get_rank(), dist.get_world_size()
-            where = f"at '{phase}' of build {epoch}"
-            _pending.append(store_call(lambda store: _join(store, epoch, phase, text, rank, world), GRACE, where))
+            rank = dist().get_rank()
+            meeting = store_call(
+                lambda store: _join(store, party, epoch, phase, text, rank, None), GRACE, _where(party, epoch, phase)
+            )
+            _remember(meeting)
     except ShardcoreError:
-        log.debug("shardcore: reported a failure at %r", phase, exc_info=True)
+        pass
 
 
-def _join(store: Store, epoch: int | None, phase: str, value: str, rank: int, world: int) -> _Meeting:
-    """Arrive: read the epoch if needed, leave the value, count in; the last to arrive decides ``complete``."""
+def publish_failure(party: Party, epoch: int, error: BaseException | str) -> None:
+    """Leave this rank's failure where the session's ranks look (``published_failures``); best effort."""
+    rank = dist().get_rank()
+    text = (error if isinstance(error, str) else f"{type(error).__name__}: {error}")[:_SHOWN_ERROR]
+    record = json.dumps([rank, text]) + "\n"
+    key = f"shardcore/{party.scope}/{epoch}/failed"
+
+    def append(store: Store) -> None:
+        store.append(key, record)  # type: ignore[attr-defined]  # not in torch's stubs
+
+    with contextlib.suppress(ShardcoreError):
+        store_call(append, GRACE, "publishing a failure")
+
+
+def published_failures(party: Party, epoch: int) -> dict[int, str]:
+    """The failures ranks published during the session at ``epoch``, by rank ({} if none or unreadable)."""
+    key = f"shardcore/{party.scope}/{epoch}/failed"
+
+    def read(store: Store) -> str:
+        return store.get(key).decode(errors="replace") if store.check([key]) else ""
+
+    try:
+        text = store_call(read, GRACE, "reading published failures")
+    except ShardcoreError:
+        return {}
+    found: dict[int, str] = {}
+    for line in filter(None, text.split("\n")):
+        rank, message = json.loads(line)
+        found.setdefault(int(rank), str(message))
+    return found
+
+
+def declare_absent(party: Party, epoch: int, phase: str, ranks: Sequence[int], reason: str) -> None:
+    """Arrive at ``phase`` for ``ranks`` that this rank lost (a closed connection): the meeting does not wait
+    for them, and every rank names them with ``reason``. The first declaration of a rank counts; best effort."""
+    text = f"{_FAILED}{reason}"[:_SHOWN_ERROR]
+
+    def declare(store: Store) -> None:
+        for lost in ranks:
+            _join(store, party, epoch, phase, text, lost, None)
+
+    with contextlib.suppress(ShardcoreError):
+        store_call(declare, GRACE, _where(party, epoch, phase))
+
+
+# ----------------------------------------------------------------------------- the meeting
+
+
+def _where(party: Party, epoch: int | None, phase: str) -> str:
+    session = "" if epoch is None else f" {epoch}"
+    return f"at '{phase}' of {party.scope} session{session}"
+
+
+def _remember(meeting: Meeting) -> None:
+    _pending.setdefault((world_token(), meeting.party.scope), []).append(meeting)
+
+
+def _meet(
+    party: Party,
+    purpose: Purpose,
+    epoch: int | None,
+    phase: str,
+    value: str,
+    timeout: timedelta,
+    *,
+    decide: Callable[[Store], str] | None = None,
+    linger: bool = False,
+) -> Outcome:
+    """Meet every rank of ``party`` at ``phase``; raise the purpose's error unless the meeting completed cleanly."""
+    rank = dist().get_rank()
+    seconds = timeout.total_seconds()
+    meeting = store_call(
+        lambda store: _join(store, party, epoch, phase, value, rank, decide), seconds, _where(party, epoch, phase)
+    )
+    _remember(meeting)
+    where = f"at '{phase}' of {purpose.noun} {meeting.epoch}"
+    outcome, groups, payload = store_call(
+        lambda store: _outcome(store, meeting, rank, seconds, linger), seconds + GRACE, where
+    )
+    if outcome == f"timeout:{rank}":  # this rank decided it: it deletes the shared keys
+        pending = _pending[(world_token(), party.scope)]
+        pending[pending.index(meeting)] = replace(meeting, decided=True)
+    if outcome != COMPLETE:
+        missing, arrived = store_call(lambda store: _arrivals(store, meeting), GRACE, where)
+        failures = _failures(arrived or [])
+        raise purpose.error(
+            f"rank {rank}: ranks {shown_ranks(missing)} did not reach '{phase}' of {purpose.noun} {meeting.epoch} "
+            f"within {seconds:g}s{f'; {failures}' if failures else ''}; every rank {party.describe()} must call "
+            f"{purpose.call} (is one dead, slow, or running other code?)",
+            missing,
+        )
+    failed = [ranks for ranks, value in groups or [] if value.startswith(_FAILED)]
+    if failed:
+        raise (purpose.failed or purpose.error)(
+            f"rank {rank}: {_failures(groups or [])} ({where}: no rank can go on)",
+            sorted(r for ranks in failed for r in ranks),
+        )
+    return Outcome(meeting.epoch, groups, payload)
+
+
+def _join(
+    store: Store,
+    party: Party,
+    epoch: int | None,
+    phase: str,
+    value: str,
+    rank: int,
+    decide: Callable[[Store], str] | None,
+) -> Meeting:
+    """Arrive (for ``rank``): read the epoch if needed, leave the value, count in; the last to arrive decides."""
+    base = f"shardcore/{party.scope}/"
     if epoch is None:
-        epoch = store.add(EPOCH_KEY, 0)
-        while store.check([f"shardcore/{epoch}/{phase}/result"]):  # decided, but its decider has not moved on yet
-            store.compare_set(EPOCH_KEY, str(epoch), str(epoch + 1))
+        epoch = store.add(f"{base}epoch", 0)
+        while store.check([f"{base}{epoch}/{OPEN}/result"]):  # decided, but its decider has not moved on yet
+            store.compare_set(f"{base}epoch", str(epoch), str(epoch + 1))
             epoch += 1
-    meeting = _Meeting(epoch, phase, decided=False)
+    meeting = Meeting(party, epoch, phase)
     prefix = meeting.prefix
     reference = store.compare_set(f"{prefix}reference", "", value).decode()
-    store.set(f"{prefix}value/{rank}", "" if reference == value else value)  # its presence says "arrived"
+    stored = _SAME if reference == value else value
+    if store.compare_set(f"{prefix}value/{rank}", "", stored).decode() != stored:
+        return meeting  # already there: declared absent before it came (it reads the outcome and fails)
     if reference != value:
         store.append(f"{prefix}differ", f"{rank}:{_digest(value)},")  # type: ignore[attr-defined]  # not in stubs
-    if store.add(f"{prefix}arrived", 1) == world:
-        return _Meeting(epoch, phase, _decide(store, meeting, COMPLETE) == COMPLETE)
+    if store.add(f"{prefix}arrived", 1) == party.size:
+        payload = decide(store) if decide is not None and not store.check([f"{prefix}differ"]) else ""
+        return replace(meeting, decided=_decide(store, meeting, COMPLETE + payload) == COMPLETE + payload)
     return meeting
 
 
-def _decide(store: Store, meeting: _Meeting, outcome: str) -> str:
-    """Write the meeting's outcome unless someone did; the one who writes it moves the epoch on."""
+def _decide(store: Store, meeting: Meeting, outcome: str) -> str:
+    """Write the meeting's outcome unless someone did; whoever writes a first meeting's outcome moves the epoch on."""
     written = store.compare_set(f"{meeting.prefix}result", "", outcome).decode()
-    if written == outcome:
-        store.compare_set(EPOCH_KEY, str(meeting.epoch), str(meeting.epoch + 1))
+    if written == outcome and meeting.phase == OPEN:
+        base = f"shardcore/{meeting.party.scope}/epoch"
+        store.compare_set(base, str(meeting.epoch), str(meeting.epoch + 1))
     return written
 
 
 def _digest(value: str) -> str:
-    return hashlib.sha256(value.encode()).hexdigest()[:12]
-
-
-def _meet(
-    epoch: int | None, phase: str, value: str, timeout: timedelta
-) -> tuple[_Meeting, list[tuple[list[int], str]] | None]:
-    """Meet every rank at ``phase``; return the meeting and, where values differ, the groups of ranks by value."""
-    dist = _dist()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    seconds = timeout.total_seconds()
-    where = f"at '{phase}'" if epoch is None else f"at '{phase}' of build {epoch}"
-    meeting = store_call(lambda store: _join(store, epoch, phase, value, rank, world), seconds, where)
-    _pending.append(meeting)
-    outcome, groups = store_call(
-        lambda store: _outcome(store, meeting, rank, world, seconds), seconds + GRACE, meeting.where
-    )
-    if outcome == f"timeout:{rank}":  # this rank decided it: it deletes the shared keys
-        _pending[_pending.index(meeting)] = replace(meeting, decided=True)
-    if outcome != COMPLETE:
-        missing, groups = store_call(lambda store: _arrivals(store, meeting, world), GRACE, meeting.where)
-        failures = _failures(groups or [])
-        raise GroupCreationError(
-            f"rank {rank}: ranks {listed(missing)} did not reach '{phase}' within {seconds:g}s"
-            f"{f'; {failures}' if failures else ''}; every rank of the world must call build_shards "
-            f"(is one dead, slow, or running other code?)"
-        )
-    if groups is not None and any(value.startswith(_FAILED) for _, value in groups):
-        raise GroupCreationError(f"rank {rank}: {_failures(groups)} {meeting.where}, so no rank can build")
-    return meeting, groups
+    return hashlib.sha256(value.encode()).hexdigest()[:16]
 
 
 def _outcome(
-    store: Store, meeting: _Meeting, rank: int, world: int, seconds: float
-) -> tuple[str, list[tuple[list[int], str]] | None]:
-    """Wait for the meeting's outcome (deciding ``timeout`` if none came in time); on ``complete``,
-    delete the keys of earlier meetings and read the groups of ranks by value if they differ."""
-    dist = _dist()
+    store: Store, meeting: Meeting, rank: int, seconds: float, linger: bool
+) -> tuple[str, list[tuple[list[int], str]] | None, str]:
+    """Wait for the meeting's outcome (deciding ``timeout`` if none came in time); on ``complete``, delete the
+    keys of the party's earlier meetings and read the groups of ranks by value if they differ."""
     prefix = meeting.prefix
     try:
         store.wait([f"{prefix}result"], timedelta(seconds=seconds))
         outcome = store.get(f"{prefix}result").decode()
-    except dist.DistStoreError:  # a wait timeout: the store answers, a rank did not
+    except dist().DistStoreError:  # a wait timeout: the store answers, a rank did not
         outcome = _decide(store, meeting, f"timeout:{rank}")
-        if outcome != COMPLETE:
-            return outcome, None
-    for earlier in [m for m in _pending if m != meeting]:
+    if not outcome.startswith(COMPLETE):
+        return outcome, None, ""
+    pending = _pending.get((world_token(), meeting.party.scope), [])
+    for earlier in [m for m in pending if m.epoch != meeting.epoch or m.phase != meeting.phase]:
         _forget(store, earlier, rank)
-        _pending.remove(earlier)
-    return outcome, _groups(store, meeting, range(world)) if store.check([f"{prefix}differ"]) else None
+        pending.remove(earlier)
+    groups = _groups(store, meeting, meeting.party.ranks) if store.check([f"{prefix}differ"]) else None
+    if linger:
+        _linger(store, meeting, rank)
+    return COMPLETE, groups, outcome[len(COMPLETE) :]
 
 
-def _forget(store: Store, meeting: _Meeting, rank: int) -> None:
-    """Delete what this rank wrote in a finished meeting; its decider deletes the shared keys."""
+def _linger(store: Store, meeting: Meeting, rank: int) -> None:
+    """Count this rank as having read the outcome; the store's host waits (up to GRACE) for everyone to."""
+    read = store.add(f"{meeting.prefix}read", 1)
+    deadline = time.monotonic() + GRACE
+    while rank == meeting.party.host and read < meeting.party.size and time.monotonic() < deadline:
+        time.sleep(0.005)
+        read = store.add(f"{meeting.prefix}read", 0)
+
+
+def _forget(store: Store, meeting: Meeting, rank: int) -> None:
+    """Delete what this rank wrote in a finished meeting; its decider deletes the shared keys (and the session's)."""
     prefix = meeting.prefix
     store.delete_key(f"{prefix}value/{rank}")
     if meeting.decided:
-        for key in ("reference", "differ", "arrived", "result"):
+        for key in ("reference", "differ", "arrived", "result", "read"):
             store.delete_key(f"{prefix}{key}")
+        if meeting.phase == OPEN:
+            store.delete_key(f"{meeting.session}failed")
 
 
-def _groups(store: Store, meeting: _Meeting, arrived: Sequence[int]) -> list[tuple[list[int], str]]:
+def _groups(store: Store, meeting: Meeting, arrived: Sequence[int]) -> list[tuple[list[int], str]]:
     """The arrived ranks grouped by the value they brought, the largest group first."""
     prefix = meeting.prefix
     entries = store.get(f"{prefix}differ").decode() if store.check([f"{prefix}differ"]) else ""
-    digest_of = {int(rank): digest for rank, digest in (entry.split(":") for entry in entries.split(",") if entry)}
+    digest_of = {int(r): digest for r, digest in (entry.split(":") for entry in entries.split(",") if entry)}
     by_digest: dict[str, list[int]] = {}
     for rank in arrived:
         by_digest.setdefault(digest_of.get(rank, ""), []).append(rank)
@@ -311,35 +442,136 @@ def _groups(store: Store, meeting: _Meeting, arrived: Sequence[int]) -> list[tup
     return sorted(groups, key=lambda group: (-len(group[0]), group[0][0]))
 
 
-def _arrivals(store: Store, meeting: _Meeting, world: int) -> tuple[list[int], list[tuple[list[int], str]] | None]:
+def _arrivals(store: Store, meeting: Meeting) -> tuple[list[int], list[tuple[list[int], str]] | None]:
     """After a timeout: the ranks that never arrived, and the others grouped by value."""
-    arrived = [rank for rank in range(world) if store.check([f"{meeting.prefix}value/{rank}"])]
-    missing = sorted(set(range(world)) - set(arrived))
+    ranks = meeting.party.ranks
+    arrived = [rank for rank in ranks if store.check([f"{meeting.prefix}value/{rank}"])]
+    missing = sorted(set(ranks) - set(arrived))
     return missing, _groups(store, meeting, arrived) if arrived else None
 
 
 def _failures(groups: Sequence[tuple[Sequence[int], str]]) -> str:
     """The ranks that arrived with an error, and each distinct error."""
-    failed = [(ranks, value[len(_FAILED) :]) for ranks, value in groups if value.startswith(_FAILED)]
-    return "; ".join(f"ranks {listed(ranks)} failed (rank {ranks[0]}: {error})" for ranks, error in failed)
+    parts = []
+    for ranks, value in groups:
+        if value.startswith(_FAILED):
+            error = value[len(_FAILED) :]
+            who = (
+                f"rank {ranks[0]} failed: "
+                if len(ranks) == 1
+                else f"ranks {shown_ranks(ranks)} failed (rank {ranks[0]}): "
+            )
+            parts.append(who + error)
+    return "; ".join(parts)
 
 
-def _mismatch(meeting: _Meeting, groups: Sequence[tuple[list[int], str]], values: Sequence[Agreement]) -> Exception:
-    """Every group of ranks outside the majority, with what it planned, against what the majority planned."""
-    rank, world = _dist().get_rank(), _dist().get_world_size()
-    majority, others = values[0], values[1:]
-    names = majority.shown_fields(others)
-    described = [
-        f"ranks {listed(ranks)} have {value.show(names, majority)}"
-        for (ranks, _), value in zip(groups[1:], others, strict=True)
-    ]
-    outside = sum(len(ranks) for ranks, _ in groups[1:])
-    error_type = GroupCreationError if all(majority.same_plan(value) for value in others) else LayoutMismatchError
-    return error_type(
-        f"rank {rank}: {outside} of {world} ranks disagree with the majority {meeting.where}: "
-        f"{'; '.join(described)}; the majority, ranks {listed(groups[0][0])}, have {majority.show(names)}. "
-        f"Every rank must call build_shards with the same spec, order, backend, groups and strategy"
-    )
+# ----------------------------------------------------------------------------- what ranks agree on
+
+T = TypeVar("T", bound="Terms")
+
+_SHOWN_CHARS = 120
+"""Longer texts are shown by their first difference."""
 
 
-__all__ = ["COMPLETE", "EPOCH_KEY", "GRACE", "Agreement", "agree", "listed", "meet", "report_failure"]
+@dataclass(frozen=True)
+class Terms:
+    """What every rank of a session must bring alike: a frozen dataclass of text and numbers.
+
+    Subclasses name their kind (``KIND``); ``encode`` is the text compared at ``convene``, and
+    ``disagreement`` turns the groups of a meeting whose values differ into one message that names
+    every group of ranks outside the majority with the fields in which it differs.
+    """
+
+    KIND: ClassVar[str] = "terms"
+    HIDDEN: ClassVar[tuple[str, ...]] = ()
+    """Fields compared but not shown (fingerprints: shown only when nothing else differs)."""
+
+    def encode(self) -> str:
+        """The one text form stored for other ranks to compare: the kind, then the fields as JSON."""
+        return f"{self.KIND}:{json.dumps(asdict(self), sort_keys=True)}"
+
+    @classmethod
+    def decode(cls: type[T], text: str) -> T | None:
+        """Inverse of ``encode``; None for another kind (a rank in another kind of session)."""
+        kind, _, body = text.partition(":")
+        if kind != cls.KIND:
+            return None
+        data = json.loads(body)
+        types = {f.name: f.type for f in fields(cls)}
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in types})
+
+    def differing(self, others: Sequence[Terms]) -> list[str]:
+        """The fields to show: those that differ, a hidden one only if nothing else does."""
+        names = [f.name for f in fields(self)]
+        differ = [n for n in names if any(getattr(o, n) != getattr(self, n) for o in others)]
+        shown = [n for n in differ if n not in self.HIDDEN]
+        return shown or differ
+
+    def show(self, names: Sequence[str], against: Terms | None = None) -> str:
+        """``names`` of these terms for a message; a long text as its first difference from ``against``."""
+        parts = []
+        for name in names:
+            value = getattr(self, name)
+            if isinstance(value, str) and against is not None and len(value) > _SHOWN_CHARS:
+                value = first_difference(value, str(getattr(against, name)))
+            elif isinstance(value, tuple):
+                value = ",".join(map(str, value))
+            parts.append(f"{name} {value!r}" if isinstance(value, str) else f"{name} {value}")
+        return ", ".join(parts)
+
+    @classmethod
+    def disagreement(cls, rank: int, groups: Sequence[tuple[list[int], str]], where: str, fix: str) -> str:
+        """One message for a meeting whose values differ: every group outside the majority, and the majority."""
+        decoded = [cls.decode(value) for _, value in groups]
+        majority_ranks, majority = groups[0][0], decoded[0]
+        others = [(ranks, terms, value) for (ranks, value), terms in zip(groups[1:], decoded[1:])]
+        known = [terms for _, terms, _ in others if terms is not None]
+        names = majority.differing(known) if majority is not None else []
+        described = []
+        for ranks, terms, value in others:
+            if terms is None or majority is None:
+                kind = value.partition(":")[0] if terms is None else cls.KIND
+                described.append(f"ranks {shown_ranks(ranks)} are in a {kind!r} session")
+            else:
+                described.append(f"ranks {shown_ranks(ranks)} have {terms.show(names, majority)}")
+        outside = sum(len(ranks) for ranks, _, _ in others)
+        total = outside + len(majority_ranks)
+        mine = (
+            f"have {majority.show(names)}"
+            if majority is not None
+            else f"are in a {groups[0][1].partition(':')[0]!r} session"
+        )
+        return (
+            f"rank {rank}: {outside} of {total} ranks disagree with the majority {where}: {'; '.join(described)}; "
+            f"the majority, ranks {shown_ranks(majority_ranks)}, {mine}. {fix}"
+        )
+
+
+def first_difference(theirs: str, ours: str) -> str:
+    """A long ``+``-joined text (a spec) shown by its first part that differs from ``ours``."""
+    mine, other = theirs.split("+"), ours.split("+")
+    index = next((i for i, (a, b) in enumerate(zip(mine, other, strict=False)) if a != b), min(len(mine), len(other)))
+    part = mine[index][:_SHOWN_CHARS] if index < len(mine) else "nothing"
+    if len(mine) == 1 and len(other) == 1:
+        return f"{theirs[:_SHOWN_CHARS]}... ({len(theirs)} characters)"
+    return f"{len(mine)} shards, shard {index}: {part} (where the others have {len(other)} shards)"
+
+
+__all__ = [
+    "COMPLETE",
+    "GRACE",
+    "OPEN",
+    "Meeting",
+    "Outcome",
+    "Party",
+    "Purpose",
+    "Terms",
+    "arrive_failed",
+    "barrier",
+    "convene",
+    "declare_absent",
+    "first_difference",
+    "meet",
+    "publish_failure",
+    "published_failures",
+]

@@ -111,15 +111,24 @@ def default_store() -> Store:
     return c10d()._get_default_store()
 
 
+def agent_hosts_store() -> bool:
+    """Whether torchrun's agent, not rank 0, hosts the default store (then no rank needs to stay up for it)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
 def store_host() -> str:
     """Who hosts the default store, for messages: rank 0, or torchrun's agent, and its address."""
     store: Any = default_store()
     while hasattr(store, "underlying_store"):
         store = store.underlying_store
     where = f" at {store.host}:{store.port}" if hasattr(store, "host") else ""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return f"torchrun's agent{where}"
-    return f"rank 0{where}"
+    return f"torchrun's agent{where}" if agent_hosts_store() else f"rank 0{where}"
+
+
+def world_token() -> tuple[int, int]:
+    """Tells this world from an earlier one in the same process (after destroy and init_process_group):
+    what a rank remembers about store keys belongs to the world that wrote them."""
+    return id(c10d()._get_default_group()), id(default_store())
 
 
 class _Client:
@@ -215,6 +224,7 @@ def group_keys(pg: ProcessGroup) -> list[str]:
 
 
 __all__ = [
+    "agent_hosts_store",
     "bound_device",
     "c10d",
     "default_store",
@@ -228,4 +238,5 @@ __all__ = [
     "store_call",
     "store_host",
     "torchcomms_enabled",
+    "world_token",
 ]

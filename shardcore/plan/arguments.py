@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import reprlib
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from datetime import timedelta
 from enum import StrEnum
 from numbers import Real
@@ -115,6 +115,29 @@ def shown(value: object) -> str:
     return _short.repr(value)
 
 
+_SHOWN_RUNS = 16
+"""Runs of consecutive ranks shown in a message; the rest are counted."""
+
+
+def shown_ranks(ranks: Iterable[int]) -> str:
+    """Ranks for a message, bounded whatever their number: ``[0-3, 6, 8, 9] (7 ranks)``.
+
+    Runs of three or more consecutive ranks are written ``a-b``; after 16 runs, ``...`` and the count.
+    """
+    ordered = sorted(set(ranks))
+    runs: list[list[int]] = []
+    for rank in ordered:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    parts = []
+    for first, last in runs[:_SHOWN_RUNS]:
+        parts += [f"{first}-{last}"] if last - first >= 2 else [str(r) for r in range(first, last + 1)]
+    more = ", ..." if len(runs) > _SHOWN_RUNS else ""
+    return f"[{', '.join(parts)}{more}] ({len(ordered)} rank{'' if len(ordered) == 1 else 's'})"
+
+
 def check_count(
     name: str,
     value: object,
@@ -213,4 +236,5 @@ __all__ = [
     "check_names",
     "number_or_long",
     "shown",
+    "shown_ranks",
 ]

@@ -8,6 +8,8 @@ row-parallel dim 1, SwiGLU's gate+up as two packed blocks, experts spread over e
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -266,6 +268,10 @@ class Manifest:
             for expert in experts:
                 placed += self._by_expert.get((layer, expert), ())
         return iter(sorted(set(placed)))
+
+    def digest(self) -> str:
+        """A short digest that equal manifests share: ranks compare it before a refit moves a byte."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest-file form (see README, "Refit"); ``manifest_from_dict`` inverts it."""

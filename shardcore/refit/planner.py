@@ -382,6 +382,22 @@ class RefitPlan:
         experts = expert_range(plan, self.manifest, plan.expert_grid.coords(rank)["ep"])
         return self.manifest.on_stage(stage, plan.spec.pp, experts)
 
+    def fingerprint(self) -> dict[str, str]:
+        """What every rank executing this plan must agree on, part by part, as short readable texts:
+        equal plans give equal parts (the executor compares them before a byte moves)."""
+
+        def shard(plan: ShardPlan) -> str:
+            return f"shard {plan.index} '{plan.spec}' [{plan.rank_offset}, {plan.ranks.stop})"
+
+        manifest = self.manifest
+        return {
+            "layout": self.layout.fingerprint(),
+            "source": shard(self.source),
+            "destinations": " + ".join(shard(plan) for plan in self.destinations),
+            "manifest": f"{manifest.name}: {len(manifest)} tensors, {manifest.nbytes} B, digest {manifest.digest()}",
+            "options": f"ranks_per_node={self.ranks_per_node}, min_piece_bytes={self.min_piece_bytes}",
+        }
+
     def for_rank(self, rank: int) -> RankRefit:
         """Rank ``rank``'s sends, receives, local copies and local shapes, computed from its own tiles only.
 

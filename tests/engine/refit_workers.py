@@ -8,7 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from shardcore import execute_refit
-from shardcore.engine.live.refit_check import check_rank
+from shardcore.engine.live.refit_check import check_refit
 from shardcore.errors import ShardcoreError
 from shardcore.plan.layout import plan_layout
 from shardcore.refit.models import PRESET_CONFIGS, manifest_from_config, preset
@@ -51,7 +51,7 @@ def _plan(world: int, case: tuple) -> Any:
 
 def run_cases(rank: int, world: int, cases: list[tuple], bucket_bytes: int) -> list[dict[str, Any]]:
     """Check every case on this world: per case, this rank's report as a dict."""
-    return [asdict(check_rank(_plan(world, case), rank, bucket_bytes=bucket_bytes, timeout=120)) for case in cases]
+    return [asdict(check_refit(_plan(world, case), rank, bucket_bytes=bucket_bytes, timeout=120)) for case in cases]
 
 
 def bad_inputs(rank: int, world: int) -> dict[str, str]:
@@ -99,7 +99,7 @@ def killed_mid_transfer(rank: int, world: int, victim: int, timeout: float) -> t
         dist.batch_isend_irecv = dying
     started = time.monotonic()
     try:
-        check_rank(plan, rank, bucket_bytes=64 << 10, timeout=timeout)
+        check_refit(plan, rank, bucket_bytes=64 << 10, timeout=timeout)
     except ShardcoreError as error:
         return type(error).__name__, str(error), getattr(error, "ranks", ()), time.monotonic() - started
     return "ok", "", (), time.monotonic() - started
@@ -113,7 +113,7 @@ def absent(rank: int, world: int, missing: int, timeout: float) -> tuple[str, st
     plan = plan_refit(plan_layout(world, "tp=2 + tp=2"), 0, [1], preset("tiny-dense"))
     started = time.monotonic()
     try:
-        check_rank(plan, rank, timeout=timeout)
+        check_refit(plan, rank, timeout=timeout)
     except ShardcoreError as error:
         return type(error).__name__, str(error), getattr(error, "ranks", ()), time.monotonic() - started
     return "ok", "", (), time.monotonic() - started
@@ -131,7 +131,7 @@ def staging_peaks(rank: int, world: int, cases: list[tuple], bucket_bytes: int) 
 
     real, engine.execute_refit = engine.execute_refit, recording
     try:
-        reports = [check_rank(_plan(world, case), rank, bucket_bytes=bucket_bytes, timeout=120) for case in cases]
+        reports = [check_refit(_plan(world, case), rank, bucket_bytes=bucket_bytes, timeout=120) for case in cases]
     finally:
         engine.execute_refit = real
-    return [(stats.peak_buffer_bytes, stats.buckets, not report.mismatches) for stats, report in zip(seen, reports)]
+    return [(stats.peak_buffer_bytes, stats.messages, not report.mismatches) for stats, report in zip(seen, reports)]

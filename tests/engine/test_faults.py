@@ -36,7 +36,7 @@ def test_rank_with_a_different_spec_is_named_on_every_rank() -> None:
     for rank, (outcome, kind, message, elapsed) in enumerate(results):
         assert (outcome, kind) == ("error", "LayoutMismatchError"), (rank, message)
         assert "1 of 4 ranks disagree with the majority" in message
-        assert "ranks [3] (1 ranks) have spec 'tp=4'" in message and "have spec 'tp=2+tp=2'" in message
+        assert "ranks [3] (1 rank) have spec 'tp=4'" in message and "have spec 'tp=2+tp=2'" in message
         assert elapsed < MARGIN  # no waiting: everyone arrived, the values differ
 
 
@@ -44,7 +44,7 @@ def test_rank_given_a_different_spec_first_in_line_is_still_the_one_named() -> N
     results = run_world(WORLD, workers.different_spec, 0, TIMEOUT, allow_failures=True, timeout=120)
     for rank, (_, kind, message, _) in enumerate(results):
         assert kind == "LayoutMismatchError", (rank, message)
-        assert "ranks [0] (1 ranks) have spec 'tp=4'" in message
+        assert "ranks [0] (1 rank) have spec 'tp=4'" in message
 
 
 @pytest.mark.parametrize("strategy", ["local", "world"])
@@ -52,7 +52,7 @@ def test_rank_that_never_calls_build_shards_is_named(strategy: str) -> None:
     results = run_world(WORLD, workers.never_calls, 2, TIMEOUT, strategy, allow_failures=True, timeout=120)
     for rank, (outcome, kind, message, elapsed) in _errors(results, skip=2).items():
         assert (outcome, kind) == ("error", "GroupCreationError"), (rank, message)
-        assert "ranks [2] (1 ranks) did not reach" in message and f"within {TIMEOUT:g}s" in message
+        assert "ranks [2] (1 rank) did not reach" in message and f"within {TIMEOUT:g}s" in message
         _within(elapsed)
 
 
@@ -66,7 +66,7 @@ def test_rank_killed_during_group_creation(strategy: str, victim: int, call: int
     for rank, (outcome, kind, message, elapsed) in _errors(results, skip=victim).items():
         assert (outcome, kind) == ("error", "GroupCreationError"), (rank, message)
         named = re.search(r"ranks \[([\d, ]+)\]", message)
-        # Rank 0 hosts the store: survivors see it vanish, in the rendezvous ("lost the store ... rank 0") or
+        # Rank 0 hosts the store: survivors see it vanish, in the agreement ("lost the store ... rank 0") or
         # inside gloo's own connect, where the store's host is then named as the likely cause.
         store_gone = victim == 0 and ("lost the store" in message or "its host (rank 0" in message)
         assert store_gone or (named and str(victim) in named.group(1).split(", ")), (rank, message)

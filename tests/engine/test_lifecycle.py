@@ -51,8 +51,8 @@ def test_three_ways_of_disagreement_name_every_rank_outside_the_majority() -> No
     for rank, (kind, message) in enumerate(results):
         assert kind == "LayoutMismatchError", (rank, message)
         assert "2 of 4 ranks disagree with the majority" in message
-        assert "ranks [2] (1 ranks) have spec 'tp=4'" in message, message
-        assert "ranks [3] (1 ranks) have spec 'tp=1,dp=4'" in message, message
+        assert "ranks [2] (1 rank) have spec 'tp=4'" in message, message
+        assert "ranks [3] (1 rank) have spec 'tp=1,dp=4'" in message, message
         assert "the majority, ranks [0, 1] (2 ranks), have spec 'tp=2+tp=2'" in message, message
         assert "fingerprint" not in message and "layout '" not in message  # specs, not hashes
 
@@ -65,14 +65,14 @@ def test_a_long_spec_is_shown_by_its_first_difference() -> None:
     results = run_world(WORLD, workers.three_way, specs, TIMEOUT, timeout=120)
     for rank, (kind, message) in enumerate(results):
         assert kind == "LayoutMismatchError", (rank, message)
-        assert "ranks [3] (1 ranks) have spec '4 shards, shard 2: tp=1,name=rollout-worker-2-zz" in message, message
+        assert "ranks [3] (1 rank) have spec '4 shards, shard 2: tp=1,name=rollout-worker-2-zz" in message, message
 
 
 def test_strategy_disagreement_is_a_group_creation_error_naming_the_strategies() -> None:
     results = run_world(WORLD, workers.strategies, ["local", "local", "world", "local"], TIMEOUT, timeout=120)
     for rank, (kind, message) in enumerate(results):
         assert kind == "GroupCreationError", (rank, message)
-        assert "ranks [2] (1 ranks) have strategy 'world'" in message, message
+        assert "ranks [2] (1 rank) have strategy 'world'" in message, message
 
 
 def test_frozen_store_host_is_named_within_the_timeout() -> None:

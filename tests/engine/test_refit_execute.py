@@ -64,7 +64,7 @@ def test_rank_that_never_calls_execute_is_named() -> None:
     for rank in (0, 2, 3):
         kind, message, ranks, elapsed = results[rank]
         assert kind == "RefitPeerError" and ranks == (1,), (rank, results[rank])
-        assert "ranks [1] did not reach refit start" in message
+        assert "ranks [1] (1 rank) did not reach 'open' of refit" in message, message
         _within(elapsed)
 
 
@@ -72,44 +72,6 @@ def _slab(transfer: object) -> int:
     """Bytes of one step along a transfer's first dim with extent > 1: the least a cut piece can be."""
     shape = [stop - start for start, stop in transfer.box]  # type: ignore[attr-defined]
     return transfer.bytes // next((n for n in shape if n > 1), 1)  # type: ignore[attr-defined]
-
-
-@pytest.mark.parametrize("bucket_bytes", [1 << 12, 1 << 16, 64 << 20])
-def test_both_ends_derive_the_same_messages_in_one_world_order_within_the_staging_bound(bucket_bytes: int) -> None:
-    import torch
-
-    from shardcore.engine.transfer.execute import _schedule
-
-    moved = 0
-    for case in workers.CASES_8:
-        plan = workers._plan(8, case)
-        dtypes = {spec.name: getattr(torch, spec.dtype) for spec in plan.manifest}
-        sends, recvs = {}, {}
-        for rank in range(8):
-            mine = plan.for_rank(rank)
-
-            def meta(shapes: dict) -> dict:
-                return {name: torch.empty(shape, dtype=dtypes[name], device="meta") for name, shape in shapes.items()}
-
-            rounds = _schedule(
-                mine, rank, meta(mine.source_shapes), meta(mine.destination_shapes), bucket_bytes // 2, bucket_bytes
-            )
-            keys = [message.key for round_ in rounds for message in round_]
-            assert keys == sorted(keys) and len(set(keys)) == len(keys), case[0]
-            largest = max((_slab(t) for t in (*mine.sends, *mine.recvs)), default=0)
-            for round_ in rounds:
-                staged = max((m.slot + m.staged for m in round_), default=0)
-                assert staged <= bucket_bytes or (len(round_) == 1 and staged <= largest), (case[0], rank, staged)
-            for message in (m for round_ in rounds for m in round_):
-                shape = [
-                    (piece.tensor, piece.shape, piece.src_offset, piece.dst_offset, at) for piece, at in message.pieces
-                ]
-                (sends if message.send else recvs)[message.key] = (message.nbytes, shape)
-            payload = sum(m.payload for round_ in rounds for m in round_)
-            assert payload == mine.bytes_sent + mine.bytes_received, case[0]
-        assert sends == recvs, case[0]
-        moved += len(sends)
-    assert moved > 0
 
 
 def test_staging_stays_within_bucket_bytes_on_a_live_world() -> None:

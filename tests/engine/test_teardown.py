@@ -18,6 +18,6 @@ def test_hundred_build_destroy_cycles_leave_nothing_behind(strategy: str) -> Non
         assert after["groups"] == before["groups"], (rank, report)
         assert after["fds"] <= before["fds"], (rank, report)
         # The store returns to its size after the first cycle: torch's gloo keys of every destroyed group
-        # are deleted, and shardcore's rendezvous holds one build's keys (the last 'built' meeting) at a time.
+        # are deleted, and the agreement holds one build's keys (the last 'built' meeting) at a time.
         assert after["keys"] <= before["keys"] + 4 + 2, (rank, report)
         assert report["shardcore_keys"] <= 1 + 4 + 2 * 4, (rank, report)  # epoch; last meetings' keys

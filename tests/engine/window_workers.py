@@ -51,9 +51,12 @@ def window_groups(rank: int, world: int, spec: str, extra: Any = None) -> dict[s
         "counter_kept": group_counter() == built,
         "overlap": error(lambda: mine.new_groups([[mine.ranks[0]], [mine.ranks[0]]])),
     }
-    if mine.index == 0:  # rank 0 asks for another group than the rest of its window
+    if mine.index == 0:  # rank 0 asks for another group than the rest of its window, then fails on its own
         asked = [0] if rank == 0 else list(mine.ranks)
         result["disagree"] = error(lambda: mine.new_group(asked, timeout=10))
+        outside = [world - 1] if rank == 1 else list(mine.ranks)
+        result["failed_alone"] = error(lambda: mine.new_group(outside, timeout=10))
+        result["recovered"] = summed(mine.new_group(list(mine.ranks), timeout=10))
     result["counters"] = gathered(group_counter())
     world_group = dist.new_group(list(range(world)))
     result["world_sum"] = summed(world_group)

@@ -103,7 +103,7 @@ def test_refusals_name_the_safe_way_and_the_absent_rank() -> None:
         assert "cannot flatten" in result["unknown_dim"]
         assert len(set(result["counters"])) == 1
     assert results[3]["skipped"] == "skipped"
-    assert "ranks [3] (1 ranks)" in results[2]["skipped"] and "did not reach" in results[2]["skipped"]
+    assert "ranks [3] (1 rank)" in results[2]["skipped"] and "did not reach" in results[2]["skipped"]
     assert results[0]["skipped"] == results[1]["skipped"] == "no error"
 
 

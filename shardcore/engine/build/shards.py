@@ -8,18 +8,17 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from ...errors import GroupCreationError, LayoutError
+from ...errors import GroupCreationError, LayoutError, LayoutMismatchError
 from ...plan.arguments import as_timedelta, check_choice, check_count, check_flag, check_names, shown
 from ...plan.layout import DEFAULT_ORDER, GROUP_NAMES, Layout, RankGroups, ShardPlan, plan_layout, resolve_order
 from ...plan.spec import ShardsInput, ShardSpec, format_shards
-from .backend import Backend
+from ..agreement import Party, Purpose, Terms, arrive_failed, convene, meet
 from ..groups.create import create_groups, destroy_groups
 from ..groups.strategy import Strategy, choose_strategy
-from ..torch_state import is_fake_world
-from .plugins import get_backend
-from ..agreement import Agreement, agree, meet, report_failure
-from ..torch_state import group_counter, set_group_counter
 from ..groups.window import Window, open_window
+from ..torch_state import dist, group_counter, is_fake_world, set_group_counter
+from .backend import Backend
+from .plugins import get_backend
 
 log = logging.getLogger("shardcore")
 
@@ -85,6 +84,37 @@ class Shard:
                 f"only the shard's ranks create its groups (use my_shard(shards))"
             )
         return self.window
+
+
+BUILD = Purpose("build", "build_shards", GroupCreationError)
+
+
+@dataclass(frozen=True)
+class BuildTerms(Terms):
+    """What every rank must bring to a build: the same layout, backend, groups and strategy."""
+
+    KIND = "build"
+    HIDDEN = ("layout", "group_counter")
+
+    layout: str
+    """The layout's fingerprint: equal layouts, equal fingerprints."""
+    spec: str
+    """The layout's shards as a spec string, to show a person what differs."""
+    order: str
+    rank_offset: int
+    backend: str
+    group_names: tuple[str, ...]
+    strategy: str
+    group_counter: int
+    """torch's default-mode group counter: ranks start the build from the highest one brought."""
+
+    def same_plan(self, other: BuildTerms) -> bool:
+        """True when only the strategy or counter differ (not a layout mismatch)."""
+        return (self.layout, self.backend, self.group_names) == (other.layout, other.backend, other.group_names)
+
+    def same_build(self, other: BuildTerms) -> bool:
+        """True when only the group counter differs: the ranks can build, from the highest counter."""
+        return self.same_plan(other) and self.strategy == other.strategy
 
 
 def _require_initialized() -> None:
@@ -196,40 +226,77 @@ def build_shards(
     names = None if groups is None else _group_names(groups)
     _require_initialized()
     fake = is_fake_world()
+    party = None if fake else Party.world()
     try:  # a rank that fails here still arrives, with its error, so the others stop and name it
         rank = _require_world(total_world_size)
-        chosen, layout, names, strategy = _plan(
-            total_world_size,
-            shards,
-            backend,
-            order,
-            rank_offset,
-            allow_idle,
-            asked,
-            names,
-            backend_options,
+        chosen, layout, names, chosen_strategy = _plan(
+            total_world_size, shards, backend, order, rank_offset, allow_idle, asked, names, backend_options
         )
     except BaseException as error:
-        if not fake:
-            report_failure(None, "agree", error, wait)
+        if party is not None:
+            arrive_failed(party, BUILD, None, "planned", error, wait)
         raise
     epoch = 0
-    if fake:
+    if party is None:
         log.info("shardcore: fake backend, ranks cannot see each other: agreement checks skipped")
     else:
-        agreement = Agreement(
-            layout.fingerprint(),
-            format_shards([plan.spec for plan in layout.shards]),
-            str(layout.order),
-            layout.rank_offset,
-            chosen.name,
-            names,
-            strategy,
-            group_counter(),
-        )
-        epoch, counter = agree(agreement, wait)
-        if counter != agreement.group_counter:  # a failed build left this rank behind: catch up
+        epoch = _agree(party, layout, chosen.name, names, chosen_strategy, wait)
+    built, created = _create(layout, rank, chosen, names, chosen_strategy, epoch, wait, backend_options, party)
+    if party is not None:
+        try:
+            meet(party, BUILD, epoch, "built", wait)
+        except BaseException:
+            destroy_groups(created)
+            raise
+    return built
+
+
+def _agree(party: Party, layout: Layout, backend: str, names: tuple[str, ...], strategy: Strategy, wait: timedelta) -> int:
+    """The build's first meeting: every rank brings the same terms; returns the build's epoch.
+
+    Ranks that differ only in torch's group counter (a failed build left one behind) all go on from
+    the highest counter brought.
+
+    Raises:
+        LayoutMismatchError: ranks planned different layouts, backends or groups.
+        GroupCreationError: ranks agree on the layout but not the strategy; or a rank is missing or failed.
+    """
+    spec = format_shards([plan.spec for plan in layout.shards])
+    mine = BuildTerms(
+        layout.fingerprint(), spec, str(layout.order), layout.rank_offset, backend, names, strategy, group_counter()
+    )
+    outcome = convene(party, BUILD, mine.encode(), wait)
+    if outcome.groups is None:
+        return outcome.epoch
+    values = [BuildTerms.decode(value) for _, value in outcome.groups]
+    if all(v is not None and values[0] is not None and values[0].same_build(v) for v in values):
+        counter = max(v.group_counter for v in values if v is not None)
+        if counter != mine.group_counter:  # a failed build left this rank behind: catch up
             set_group_counter(counter)
+        return outcome.epoch
+    same_plan = all(v is not None and values[0] is not None and values[0].same_plan(v) for v in values)
+    error = GroupCreationError if same_plan else LayoutMismatchError
+    message = BuildTerms.disagreement(
+        dist().get_rank(),
+        outcome.groups,
+        f"at the start of build {outcome.epoch}",
+        "Every rank must call build_shards with the same spec, order, backend, groups and strategy",
+    )
+    raise error(message, sorted(r for ranks, _ in outcome.groups[1:] for r in ranks))
+
+
+def _create(
+    layout: Layout,
+    rank: int,
+    chosen: Backend,
+    names: tuple[str, ...],
+    strategy: Strategy,
+    epoch: int,
+    wait: timedelta,
+    backend_options: Mapping[str, Any],
+    party: Party | None,
+) -> tuple[list[Shard], list[Any]]:
+    """Create this rank's groups and handles; on any failure destroy what was created and arrive with the error."""
     extras = {plan.index: chosen.extra_groups(plan, backend_options) for plan in layout.shards}
     created: list[Any] = []
     try:
@@ -239,22 +306,16 @@ def build_shards(
             shard = Shard(plan.index, plan.spec, plan.rank_offset, plan.size, plan, layout, dict.fromkeys(GROUP_NAMES))
             if rank in plan:
                 shard.is_member, shard.group_ranks, shard._created = True, ranks_by_name, created
-                shard.window = open_window(plan.rank_offset, plan.size, epoch, wait, created)
+                shard.window = open_window(plan.ranks, epoch, wait, created)
                 shard.groups.update(process_groups)
                 shard.handle = chosen.make_handle(plan, rank, shard.groups, backend_options)
             result.append(shard)
     except BaseException as error:
         destroy_groups(created)
-        if not fake:
-            report_failure(epoch, "built", error, wait)
+        if party is not None:
+            arrive_failed(party, BUILD, epoch, "built", error, wait)
         raise
-    if not fake:
-        try:
-            meet(epoch, "built", wait)
-        except BaseException:
-            destroy_groups(created)
-            raise
-    return result
+    return result, created
 
 
 def _check_arguments(

@@ -32,9 +32,9 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from ...errors import GroupCreationError
+from ...plan.arguments import shown_ranks
 from ...plan.layout import GROUP_NAMES, Layout, RankGroups, ShardPlan, distinct_groups
 from ...plan.protocols import NamedGrids
-from ..agreement import listed
 from ..torch_state import dist, group_counter, group_keys, is_fake_world, set_group_counter, store_call
 from .strategy import Strategy
 
@@ -73,7 +73,7 @@ def _new_group(ranks: tuple[int, ...], names: Sequence[str], plan: ShardPlan, ti
     except Exception as error:
         raise GroupCreationError(
             f"rank {dist().get_rank()}: creating group {'/'.join(names) or '?'} of shard {plan.index} with ranks "
-            f"{listed(ranks)} failed after {time.monotonic() - started:.1f}s: {error}. {_likely_cause()}"
+            f"{shown_ranks(ranks)} failed after {time.monotonic() - started:.1f}s: {error}. {_likely_cause()}"
         ) from error
 
 

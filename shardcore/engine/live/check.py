@@ -16,13 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...errors import GroupCreationError
+from ...plan.arguments import as_timedelta
 from ...plan.layout import DEFAULT_ORDER, Layout, plan_layout
-from .launch import OnEvent, collective_device, run_joined_job, run_local_job
+from ..agreement import OPEN, Party, Purpose, arrive_failed, barrier
+from .launch import LIVE_CHECK_TIMEOUT, OnEvent, collective_device, run_joined_job, run_local_job
 
-STAGES = ("started", "joined", "imported", "built", "verified")
-"""Progress events a rank sends, in order: its process runs (local mode only; importing torch
-follows, the slow part of a big local world), joined the world (every rank must arrive),
-imported the backend's framework, built its groups, verified them."""
+CHECK = Purpose("check", "shardcore check's job (check_groups)", GroupCreationError)
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class CheckOptions:
     order: str = DEFAULT_ORDER
     allow_idle: bool = False
     strategy: str = "auto"
-    timeout: float = 120.0
+    timeout: float = LIVE_CHECK_TIMEOUT
     """Seconds a rank waits for the others (joining, agreeing, creating a group)."""
     backend_options: dict[str, Any] = field(default_factory=dict)
 
@@ -78,7 +78,6 @@ def prepare(options: CheckOptions, world_size: int) -> Prepared:
     Raises:
         ShardcoreError: a subclass naming the bad timeout, strategy, backend, option or layout.
     """
-    from ...plan.arguments import as_timedelta
     from ..build.plugins import BACKEND_ENV, get_backend
     from ..build.shards import check_options
     from ..groups.strategy import check_strategy_early
@@ -115,12 +114,16 @@ def _verify(shard: Any, rank: int, device: str) -> tuple[int, list[str]]:
     return verified, failures
 
 
-def check_rank(options: CheckOptions, on_stage: Callable[[str], None] = lambda stage: None) -> RankReport:
-    """Run on one rank of an initialised world: import the framework, build, verify, destroy, sync.
+def check_groups(options: CheckOptions, on_stage: Callable[[str], None] = lambda stage: None) -> RankReport:
+    """Run on one rank of an initialised world: import the framework, build, verify, destroy, meet.
+
+    The last meeting (``engine.agreement``) makes every rank wait until all have verified, and names a
+    rank that failed on the way instead of leaving the others in a barrier.
 
     Args:
         options: the check's arguments, the same on every rank.
-        on_stage: called with ``imported``, ``built`` and ``verified`` as each is done.
+        on_stage: called with ``imported`` (the backend's framework), ``built`` (its groups) and
+            ``verified`` as each is done; the launcher adds ``started`` and ``joined`` before them.
 
     Returns:
         This rank's report.
@@ -160,12 +163,16 @@ def check_rank(options: CheckOptions, on_stage: Callable[[str], None] = lambda s
         build_seconds=built - imported,
         strategy=f"{strategy}: {why}",
     )
+    party, wait = Party.world(), as_timedelta(options.timeout)
     try:
         if mine is not None:
             report.verified, report.failures = _verify(mine, rank, collective_device())
-    finally:
+    except BaseException as error:
         destroy_shards(shards)
-    dist.barrier()
+        arrive_failed(party, CHECK, None, OPEN, error, wait)
+        raise
+    destroy_shards(shards)
+    barrier(party, CHECK, wait, linger=True)
     report.verify_seconds = time.perf_counter() - built
     on_stage("verified")
     return report
@@ -173,12 +180,12 @@ def check_rank(options: CheckOptions, on_stage: Callable[[str], None] = lambda s
 
 def run_local(nproc: int, options: CheckOptions, on_event: OnEvent | None = None) -> list[RankReport]:
     """The check on ``nproc`` local gloo processes (see ``launch.run_local_job``), reports in rank order."""
-    return run_local_job(nproc, check_rank, options, options.timeout, on_event)
+    return run_local_job(nproc, check_groups, options, options.timeout, on_event)
 
 
 def run_joined(options: CheckOptions, on_event: OnEvent | None = None) -> list[RankReport] | None:
     """The check on the world torchrun set up; rank 0 gets every report, the others None."""
-    return run_joined_job(check_rank, options, on_event)
+    return run_joined_job(check_groups, options, on_event)
 
 
-__all__ = ["STAGES", "CheckOptions", "Prepared", "RankReport", "check_rank", "prepare", "run_joined", "run_local"]
+__all__ = ["CheckOptions", "Prepared", "RankReport", "check_groups", "prepare", "run_joined", "run_local"]

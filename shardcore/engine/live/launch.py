@@ -32,6 +32,9 @@ OnEvent = Callable[[str, int, float], None]
 Job = Callable[[Any, Callable[[str], None]], Any]
 """A function run on every rank: (options, on_stage) -> a picklable report."""
 
+LIVE_CHECK_TIMEOUT = 120.0
+"""Seconds a rank of a live check (``shardcore check``, ``refit --check``) waits for the others by default:
+shorter than a library call's (``plan.arguments.DEFAULT_TIMEOUT``), since a person is waiting."""
 GRACE_SECONDS = 5.0
 """After the first failure, how long the other ranks get to report their own errors."""
 SILENCE_SECONDS = 60.0
@@ -284,6 +287,7 @@ def run_joined_job(job: Job, options: Any, on_event: OnEvent | None = None) -> l
 
 
 __all__ = [
+    "LIVE_CHECK_TIMEOUT",
     "Job",
     "OnEvent",
     "all_gather_objects",

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 from ...plan.layout import DEFAULT_ORDER, ShardPlan, plan_layout
 from ...refit.documents import model_manifest
 from ...refit.planner import RefitPlan, plan_refit
-from .launch import OnEvent, run_joined_job, run_local_job
+from ..transfer.execute import DEFAULT_BUCKET_BYTES
+from .launch import LIVE_CHECK_TIMEOUT, OnEvent, run_joined_job, run_local_job
 
 if TYPE_CHECKING:
     import torch
@@ -64,11 +65,12 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
-def check_rank(plan: Any, rank: int, *, bucket_bytes: int | None = None, timeout: float | None = None) -> RefitReport:
-    """Fill this rank's sources, execute ``plan``, and compare its destinations bitwise."""
+def check_refit(plan: Any, rank: int, **execute_options: Any) -> RefitReport:
+    """Fill this rank's sources, execute ``plan`` (with ``execute_options`` for ``execute_refit``), and compare
+    its destinations bitwise with the slices of the same known global tensors."""
     import torch
 
-    from ..transfer.execute import DEFAULT_BUCKET_BYTES, execute_refit
+    from ..transfer.execute import execute_refit
 
     manifest = plan.manifest
     mine = plan.for_rank(rank)
@@ -85,9 +87,7 @@ def check_rank(plan: Any, rank: int, *, bucket_bytes: int | None = None, timeout
         name: torch.full(shape, -1.0, dtype=getattr(torch, manifest.tensor(name).dtype))
         for name, shape in mine.destination_shapes.items()
     }
-    stats = execute_refit(
-        plan, sources, destinations, timeout=timeout, bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES
-    )
+    stats = execute_refit(plan, sources, destinations, **execute_options)
     report = RefitReport(
         rank,
         None if target_plan is None else target_plan.index,
@@ -115,8 +115,13 @@ class RefitCheckOptions:
     dst: tuple[int, ...]
     order: str = DEFAULT_ORDER
     ranks_per_node: int | None = None
-    timeout: float = 120.0
-    bucket_bytes: int | None = None
+    timeout: float = LIVE_CHECK_TIMEOUT
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    verify: str = "size"
+
+    def execute_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``execute_refit`` these options set."""
+        return {"timeout": self.timeout, "bucket_bytes": self.bucket_bytes, "verify": self.verify}
 
 
 def plan_from_options(options: RefitCheckOptions, world_size: int) -> RefitPlan:
@@ -130,35 +135,35 @@ def plan_from_options(options: RefitCheckOptions, world_size: int) -> RefitPlan:
     return plan_refit(layout, options.src, list(options.dst), manifest, options.ranks_per_node)
 
 
-def check_world(options: RefitCheckOptions, on_stage: Callable[[str], None] = lambda stage: None) -> RefitReport:
+def refit_check_job(options: RefitCheckOptions, on_stage: Callable[[str], None] = lambda stage: None) -> RefitReport:
     """One rank of an initialised world: plan, fill, execute, compare; the job of ``refit --check``."""
     import torch.distributed as dist
 
     plan = plan_from_options(options, dist.get_world_size())
     on_stage("planned")
-    report = check_rank(plan, dist.get_rank(), bucket_bytes=options.bucket_bytes, timeout=options.timeout)
+    report = check_refit(plan, dist.get_rank(), **options.execute_options())
     on_stage("executed")
     return report
 
 
 def run_local(nproc: int, options: RefitCheckOptions, on_event: OnEvent | None = None) -> list[RefitReport]:
     """``refit --check`` on ``nproc`` local gloo processes, reports in rank order."""
-    return run_local_job(nproc, check_world, options, options.timeout, on_event)
+    return run_local_job(nproc, refit_check_job, options, options.timeout, on_event)
 
 
 def run_joined(options: RefitCheckOptions, on_event: OnEvent | None = None) -> list[RefitReport] | None:
     """``refit --check`` on the world torchrun set up; rank 0 gets every report, the others None."""
-    return run_joined_job(check_world, options, on_event)
+    return run_joined_job(refit_check_job, options, on_event)
 
 
 __all__ = [
     "RefitCheckOptions",
     "RefitReport",
-    "check_rank",
-    "check_world",
+    "check_refit",
     "cut",
     "known_tensor",
     "plan_from_options",
+    "refit_check_job",
     "run_joined",
     "run_local",
 ]

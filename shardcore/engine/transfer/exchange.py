@@ -1,0 +1,332 @@
+"""Moving one rank's messages: post each batch, wait for it, unpack what was staged, check every message.
+
+A rank never leaves its batches half posted while its peers live: a peer whose op is never posted
+waits until its deadline, and a gloo wait that times out closes the connection for good (measured
+on torch 2.13), which would break every later refit. So when something goes wrong on this rank (a
+local exception) or another rank publishes a failure, this rank *drains*: it keeps posting every
+batch it has left, in order, so that its peers complete theirs, but does no more work for the
+result (on gloo a drained send is one byte, which gloo accepts for a longer receive; on other
+backends it is the whole buffer, unpacked). The refit then fails at its end meeting on every rank,
+naming the rank at fault, and every connection is as clean as before: the next refit works. Only a
+peer that died or hung is dropped: its connection is gone anyway, and this rank declares it absent
+so that the end meeting does not wait for it.
+
+Every received message is checked against its sender's ledger: its size always, and with
+``verify="checksum"`` a checksum the sender computed over the bytes it sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from ...plan.arguments import shown_ranks
+from ..agreement import Party, publish_failure, published_failures
+from .schedule import Batch, Message, aligned
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("shardcore.refit")
+
+POLL_SECONDS = 0.05
+"""Between batches, how often a rank looks for failures other ranks published."""
+_CHECKSUM_WIDTH = 251
+"""The checksum weighs each word by its position modulo this prime, so swapped or shifted words show."""
+
+
+def checksum(data: torch.Tensor) -> int:
+    """A position-weighted sum of a contiguous byte tensor's words (not cryptographic: it catches truncation,
+    corruption and words out of place, the faults of a wrong or short message).
+
+    Words are int32 where the bytes allow, else single bytes; the result folds the plain sum, the
+    position-weighted sum and the length into one int64.
+    """
+    import torch
+
+    words = data.view(torch.int32) if data.numel() % 4 == 0 and data.storage_offset() % 4 == 0 else data
+    n = words.numel()
+    whole = n - n % _CHECKSUM_WIDTH
+    columns = [0] * _CHECKSUM_WIDTH
+    if whole:
+        columns = words[:whole].view(-1, _CHECKSUM_WIDTH).sum(0, dtype=torch.int64).tolist()
+    for index, value in enumerate(words[whole:].tolist()):
+        columns[index] += int(value)
+    plain = sum(columns)
+    weighted = sum((k + 1) * column for k, column in enumerate(columns))
+    return (plain * 1_000_003 + weighted * 31 + n) % (1 << 63)
+
+
+def view_of(tensor: torch.Tensor, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    return tensor[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view (no copy)."""
+    import torch
+
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+@dataclass
+class Integrity:
+    """What this rank found wrong with what it received: (sender, message, what) per fault."""
+
+    faults: list[tuple[int, Message, str]] = field(default_factory=list)
+
+    def describe(self, rank: int) -> str:
+        sender, message, what = self.faults[0]
+        tensors = sorted({piece.tensor for piece, _ in message.pieces})
+        shown = ", ".join(tensors[:3]) + (f" and {len(tensors) - 3} more" if len(tensors) > 3 else "")
+        more = f" ({len(self.faults)} faulty messages in all)" if len(self.faults) > 1 else ""
+        return f"rank {rank} received from rank {sender} a message of {shown} that {what}{more}"
+
+
+@dataclass
+class Exchange:
+    """One rank's exchange in one refit: its batches, its tensors, and what it saw."""
+
+    rank: int
+    batches: list[Batch]
+    sources: Mapping[str, torch.Tensor]
+    destinations: Mapping[str, torch.Tensor]
+    tag: int
+    verify: str
+    party: Party
+    epoch: int
+    deadline: float
+    gloo: bool
+    staging: torch.Tensor | None = None
+    draining: str | None = None
+    """Why this rank no longer works for the result (its own error, or a failure another rank published)."""
+    error: BaseException | None = None
+    """This rank's own failure, if any."""
+    lost: dict[int, str] = field(default_factory=dict)
+    """Peers whose connection failed (died, or hung past the deadline), with why."""
+    integrity: Integrity = field(default_factory=Integrity)
+    posted: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    """Bytes this rank actually posted for each of its sends: what its ledgers state."""
+    sent_sums: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    received_sums: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    wrote: bool = False
+    """Whether any destination byte may have been written (a receive posted or a local copy made)."""
+    _polled: float = 0.0
+    _directions: dict[tuple[int, bool], dict[tuple[int, int, int], Message]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for batch in self.batches:
+            for message in batch.messages:
+                if not message.ledger:
+                    self._directions.setdefault((message.peer, message.send), {})[message.key] = message
+
+    def run(self, copy_locally: Any) -> None:
+        """Post every batch in order, copying locally while the first is on the wire; never raises for a
+        fault it can record (its own, a peer's, a faulty message)."""
+        if not self.batches:
+            self._guarded(copy_locally)
+        for number, batch in enumerate(self.batches):
+            self._poll()
+            self._run_batch(batch, copy_locally if number == 0 else None)
+
+    def remaining(self) -> timedelta:
+        return timedelta(seconds=max(0.001, self.deadline - time.monotonic()))
+
+    def fail(self, error: BaseException) -> None:
+        """Record this rank's own failure, publish it, and drain from now on."""
+        if self.error is None:
+            self.error = error
+            publish_failure(self.party, self.epoch, error)
+            log.warning(
+                "shardcore refit: rank %d failed (%s: %s); draining its remaining batches",
+                self.rank,
+                type(error).__name__,
+                error,
+            )
+        self.draining = self.draining or "its own error"
+
+    def _guarded(self, step: Any) -> None:
+        if step is None or self.draining:
+            return
+        try:
+            step()
+        except Exception as error:  # any local failure is published and drained, never left half done
+            self.fail(error)
+
+    def others_failed(self) -> bool:
+        """Whether another rank published a failure (then its drained sends explain short messages here)."""
+        return any(r != self.rank for r in published_failures(self.party, self.epoch))
+
+    def _poll(self) -> None:
+        """Look for failures other ranks published (at most every POLL_SECONDS); drain if there is one."""
+        now = time.monotonic()
+        if self.draining or now - self._polled < POLL_SECONDS:
+            return
+        self._polled = now
+        others = {r: text for r, text in published_failures(self.party, self.epoch).items() if r != self.rank}
+        if others:
+            first = min(others)
+            self.draining = f"rank {first} failed: {others[first]}"
+
+    # -- one batch -------------------------------------------------------------------------------
+
+    def _run_batch(self, batch: Batch, copy_locally: Any) -> None:
+        import torch.distributed as dist
+
+        live = [m for m in batch.messages if m.peer not in self.lost]
+        wires = self._bind(live)
+        ops = [
+            dist.P2POp(dist.isend if m.send else dist.irecv, wire, m.peer, tag=self.tag)
+            for m, (wire, _) in zip(live, wires)
+        ]
+        self.wrote = self.wrote or any(not m.send and not m.ledger for m in live)
+        try:
+            works = dist.batch_isend_irecv(ops) if ops else []
+        except Exception as error:  # a connection already gone: which peer is unknown, so blame the batch's
+            for peer in {m.peer for m in live}:
+                self.lost.setdefault(peer, f"its connection failed ({_first_line(error)})")
+            return
+        self._guarded(copy_locally)
+        per_op = len(works) == len(live)
+        for index, work in enumerate(works):
+            done = range(index, index + 1) if per_op else range(len(live))
+            try:
+                work.wait(self.remaining())
+            except Exception as error:  # gloo: a closed connection (a dead peer) or a timeout (a hung one)
+                timed_out = time.monotonic() >= self.deadline - 0.01 or "Timed out" in str(error)
+                why = (
+                    "did not answer before the deadline"
+                    if timed_out
+                    else "closed the connection (it has probably died)"
+                )
+                for i in done:
+                    self.lost.setdefault(live[i].peer, f"{why}: {_first_line(error)}")
+                continue
+            if per_op or index == len(works) - 1:
+                for i in done:
+                    self._completed(live[i], *wires[i])
+
+    def _bind(self, messages: Sequence[Message]) -> list[tuple[torch.Tensor, bool]]:
+        """The bytes each message goes from or into, and whether they are staged: its tensor slice, a slot of
+        the staging buffer, or a ledger. Sends are packed (and summed) first, then ledgers filled."""
+        wires: list[tuple[Any, bool]] = []
+        slot = 0
+        for message in messages:
+            if message.ledger:
+                wires.append((self._ledger_wire(message), False))
+                continue
+            wire = self._in_place(message)
+            staged = wire is None
+            if wire is None:
+                wire = self.staging[slot : slot + message.nbytes]  # type: ignore[index]  # sized for every batch
+                slot = aligned(slot + message.nbytes)
+            if message.send and not self.draining:
+                self._guarded(lambda m=message, w=wire, packed=staged: self._pack(m, w, packed))
+            wires.append((wire, staged))
+        if self.draining and self.gloo:  # gloo takes a shorter message for a longer receive
+            wires = [
+                (wire[:1] if m.send and not m.ledger else wire, staged) for m, (wire, staged) in zip(messages, wires)
+            ]
+        for message, (wire, _) in zip(messages, wires):
+            if message.send and not message.ledger:
+                self.posted[message.key] = wire.numel()
+        for message, (wire, _) in zip(messages, wires):
+            if message.ledger and message.send:
+                self._fill_ledger(message, wire)
+        return wires
+
+    def _in_place(self, message: Message) -> torch.Tensor | None:
+        if len(message.pieces) != 1:
+            return None
+        piece = message.pieces[0][0]
+        tensors = self.sources if message.send else self.destinations
+        view = view_of(tensors[piece.tensor], piece.src_offset if message.send else piece.dst_offset, piece.shape)
+        return as_bytes(view) if view.is_contiguous() else None
+
+    def _pack(self, message: Message, wire: torch.Tensor, staged: bool) -> None:
+        """Copy a staged send's pieces into its slot; sum the message when verifying."""
+        if staged:
+            for piece, offset in message.pieces:
+                view = view_of(self.sources[piece.tensor], piece.src_offset, piece.shape)
+                wire[offset : offset + piece.nbytes].view(view.dtype).view(piece.shape).copy_(view)
+        if self.verify == "checksum":
+            self.sent_sums[message.key] = checksum(wire)
+
+    def _ledger_wire(self, message: Message) -> torch.Tensor:
+        import torch
+
+        return torch.zeros(message.nbytes // 8, dtype=torch.int64, device=self.device)
+
+    def _fill_ledger(self, ledger: Message, wire: torch.Tensor) -> None:
+        """Every message of this direction of the pair: (bytes sent, checksum); all are bound by now."""
+        entries = wire.view(-1, 2)
+        for index in range(entries.shape[0]):
+            key = (index, ledger.key[1], ledger.key[2])
+            entries[index, 0] = self.posted.get(key, -1)
+            entries[index, 1] = self.sent_sums.get(key, 0)
+
+    def _completed(self, message: Message, wire: torch.Tensor, staged: bool) -> None:
+        if message.send:
+            self.bytes_sent += message.payload
+            return
+        self.bytes_received += message.payload
+        if self.draining:
+            return
+        if message.ledger:
+            self._guarded(lambda: self._check_ledger(message, wire))
+            return
+        if self.verify == "checksum":
+            self.received_sums[message.key] = checksum(wire)
+        if staged:
+            self._guarded(lambda: self._unpack(message, wire))
+
+    def _unpack(self, message: Message, wire: torch.Tensor) -> None:
+        for piece, offset in message.pieces:
+            target = view_of(self.destinations[piece.tensor], piece.dst_offset, piece.shape)
+            target.copy_(wire[offset : offset + piece.nbytes].view(target.dtype).view(piece.shape))
+
+    def _check_ledger(self, ledger: Message, wire: torch.Tensor) -> None:
+        """Compare what the sender says it sent with what this rank expected and received."""
+        expected = self._directions.get((ledger.peer, False), {})
+        for index, (size, summed) in enumerate(wire.view(-1, 2).tolist()):
+            message = expected[(index, ledger.key[1], ledger.key[2])]
+            if size != message.nbytes:
+                said = "nothing" if size < 0 else f"{size} bytes"
+                self.integrity.faults.append(
+                    (ledger.peer, message, f"is {message.nbytes} bytes here but {said} as sent")
+                )
+            elif self.verify == "checksum" and self.received_sums.get(message.key) != summed:
+                self.integrity.faults.append((ledger.peer, message, "does not match the checksum its sender computed"))
+
+    def staging_bytes(self) -> int:
+        """The staging memory the batches need: the most any one batch stages (in-place messages take none)."""
+        most = 0
+        for batch in self.batches:
+            used = 0
+            for message in batch.messages:
+                if not message.ledger and self._in_place(message) is None:
+                    used = aligned(used + message.nbytes)
+            most = max(most, used)
+        return most
+
+    @property
+    def device(self) -> Any:
+        tensors = [*self.sources.values(), *self.destinations.values()]
+        return tensors[0].device if tensors else "cpu"
+
+    def lost_text(self) -> str:
+        ranks = sorted(self.lost)
+        return f"lost ranks {shown_ranks(ranks)} (rank {ranks[0]} {self.lost[ranks[0]]})"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return (text.splitlines()[0] if text else type(error).__name__)[:200]
+
+
+__all__ = ["POLL_SECONDS", "Exchange", "Integrity", "as_bytes", "checksum", "view_of"]

@@ -1,0 +1,222 @@
+"""Which messages a rank sends and receives, and in which ``batch_isend_irecv`` call each one goes.
+
+Pure index math over one rank's part of a plan (``RankRefit``): no torch, no store. Sender and
+receiver derive every decision here from the transfers between them alone, so both ends of a
+message cut it alike, give it the same key and put it in the same batch.
+
+**Messages.** The transfers between two ranks are sorted and cut along their first dim to at most
+``cap`` bytes. A piece of ``SOLO_BYTES`` or more travels alone (then it can go straight from the
+source tensor and into the destination tensor where its slice is contiguous); smaller pieces are
+packed, in order, into messages of at most ``cap`` bytes. Each direction of a pair ends with a
+*ledger*: one small message that states every message's size (and, with ``verify="checksum"``, its
+checksum), so the receiver checks what arrived against what the sender sent.
+
+**Batches: rounds that both ends post alike.** NCCL can hang on a ``batch_isend_irecv`` with many
+ops (pytorch #174288: hangs at ~1,000 ops, none at 256) or when one end posts a message in another
+batch than the other (NVIDIA/nccl #2130). So ranks are paired by a round-robin tournament (the
+circle method, as pytorch PR #174942 proposed): in round r each rank has at most one partner, and
+ranks i and j meet in exactly one round, which both compute alike. ``FAN`` consecutive rounds form
+a *super-round*; each pair's messages (both directions, in key order) are cut into chunks of at
+most ``max_ops // FAN`` messages and ``bucket_bytes // FAN`` bytes, and batch (s, c) holds chunk c
+of every pair of super-round s. So a batch has at most ``max_ops`` ops and ``bucket_bytes`` bytes,
+and both ends of every message post it in the same batch, whatever the plan.
+
+**Why no plan can deadlock.** Every rank posts its batches in increasing (s, c) and waits for each
+before the next; a batch needs only its partners' same batch, which contains the matching ops. Take
+the smallest batch any unfinished rank is waiting in: each of its partners has posted that batch
+too (it cannot be past it, since completing it needs this rank's ops, nor before it, by
+minimality), so every op in it is matched and it completes. Induction on the batch order does the
+rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+ALIGN = 16
+"""Byte offset of each piece in a packed message: any dtype's view of it is aligned."""
+SOLO_BYTES = 256 << 10
+"""A piece this big travels alone, from and into the tensors themselves where its slice is contiguous."""
+FAN = 8
+"""Tournament rounds per super-round: how many partners a rank talks to in one batch, at most."""
+LEDGER_ENTRY_BYTES = 16
+"""One ledger entry: the message's bytes and its checksum, two int64."""
+
+
+class Piece(NamedTuple):
+    """A dense box of one tensor: its shape, and where it starts in the sender's and the receiver's local tensor."""
+
+    tensor: str
+    shape: tuple[int, ...]
+    src_offset: tuple[int, ...]
+    dst_offset: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass
+class Message:
+    """One message between this rank and ``peer``: its key (the order both ends agree on), its pieces with
+    their byte offsets in the message, and its size. A ledger carries no pieces."""
+
+    key: tuple[int, int, int]
+    """(index within its direction of the pair, src, dst)."""
+    peer: int
+    send: bool
+    pieces: tuple[tuple[Piece, int], ...]
+    nbytes: int
+    ledger: bool = False
+
+    @property
+    def payload(self) -> int:
+        """Bytes of tensor data the message carries."""
+        return sum(piece.nbytes for piece, _ in self.pieces)
+
+
+@dataclass
+class Batch:
+    """One ``batch_isend_irecv`` of this rank: its place in the order every rank shares, and its messages."""
+
+    key: tuple[int, int]
+    """(super-round, chunk)."""
+    messages: list[Message] = field(default_factory=list)
+
+    @property
+    def peers(self) -> set[int]:
+        return {message.peer for message in self.messages}
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def pieces_of(transfer: Any, cap: int) -> Iterator[Piece]:
+    """A transfer cut along its first dim with extent > 1 into pieces of at most ``cap`` bytes (or one slab)."""
+    shape = tuple(stop - start for start, stop in transfer.box)
+    nbytes = int(transfer.bytes)
+    dim = next((d for d, n in enumerate(shape) if n > 1), None)
+    if dim is None or nbytes <= cap:
+        yield Piece(transfer.tensor, shape, tuple(transfer.src_offset), tuple(transfer.dst_offset), nbytes)
+        return
+    slab = nbytes // shape[dim]
+    step = max(1, cap // slab)
+    for start in range(0, shape[dim], step):
+        n = min(step, shape[dim] - start)
+        cut = (*shape[:dim], n, *shape[dim + 1 :])
+        src = tuple(o + start if d == dim else o for d, o in enumerate(transfer.src_offset))
+        dst = tuple(o + start if d == dim else o for d, o in enumerate(transfer.dst_offset))
+        yield Piece(transfer.tensor, cut, src, dst, slab * n)
+
+
+def pair_messages(transfers: Sequence[Any], cap: int) -> list[tuple[tuple[tuple[Piece, int], ...], int]]:
+    """The messages of one direction of one pair, as both ends derive them: (pieces with their byte offsets,
+    message bytes). The cut depends on sizes alone, never on either side's strides."""
+    out: list[tuple[tuple[tuple[Piece, int], ...], int]] = []
+    packed: list[tuple[Piece, int]] = []
+    size = 0
+    for transfer in sorted(transfers):
+        for piece in pieces_of(transfer, cap):
+            if piece.nbytes >= SOLO_BYTES:
+                out.append((((piece, 0),), piece.nbytes))
+                continue
+            offset = aligned(size)
+            if packed and offset + piece.nbytes > cap:
+                out.append((tuple(packed), size))
+                packed, offset = [], 0
+            packed.append((piece, offset))
+            size = offset + piece.nbytes
+    if packed:
+        out.append((tuple(packed), size))
+    return out
+
+
+def tournament_round(i: int, j: int, world: int) -> int:
+    """The round in which ranks i and j meet in a round-robin tournament of ``world`` ranks (the circle method).
+
+    With n players (``world`` rounded up to even; an odd world's last player is a bye), round r pairs
+    player n-1 with r and, for the others, every i, j with i + j = 2r (mod n-1); 2 is invertible mod
+    the odd n-1, so the round of a pair is ``(i + j) * n/2 mod (n-1)``. Each rank meets each other in
+    exactly one of the n-1 rounds, and has one partner per round.
+    """
+    n = world + world % 2
+    last = n - 1
+    if j == last:
+        return i
+    if i == last:
+        return j
+    return (i + j) * (n // 2) % last
+
+
+def _by_peer(transfers: Sequence[Any], attr: str) -> dict[int, list[Any]]:
+    peers: dict[int, list[Any]] = {}
+    for transfer in transfers:
+        peers.setdefault(getattr(transfer, attr), []).append(transfer)
+    return peers
+
+
+def rank_batches(mine: Any, rank: int, world: int, bucket_bytes: int, max_ops: int) -> list[Batch]:
+    """This rank's batches in the order every rank shares, each holding its messages in key order.
+
+    Args:
+        mine: this rank's part of the plan (``sends``, ``recvs``).
+        rank: this rank.
+        world: ranks in the world (the tournament's players).
+        bucket_bytes: bytes one batch may hold (staged or not, so that both ends count alike).
+        max_ops: operations one batch may hold.
+    """
+    pair_bytes = max(ALIGN, bucket_bytes // FAN)
+    pair_ops = max(2, max_ops // FAN)
+    lists: dict[int, list[Message]] = {}
+    for send, transfers in ((True, mine.sends), (False, mine.recvs)):
+        for peer, pair in _by_peer(transfers, "dst" if send else "src").items():
+            src, dst = (rank, peer) if send else (peer, rank)
+            found = pair_messages(pair, pair_bytes)
+            messages = lists.setdefault(peer, [])
+            messages += [
+                Message((index, src, dst), peer, send, pieces, size) for index, (pieces, size) in enumerate(found)
+            ]
+            messages.append(
+                Message((len(found), src, dst), peer, send, (), LEDGER_ENTRY_BYTES * len(found), ledger=True)
+            )
+    batches: dict[tuple[int, int], Batch] = {}
+    for peer, messages in lists.items():
+        messages.sort(key=lambda message: message.key)
+        superround = tournament_round(rank, peer, world) // FAN
+        for chunk, part in enumerate(_chunks(messages, pair_ops, pair_bytes)):
+            batches.setdefault((superround, chunk), Batch((superround, chunk))).messages += part
+    ordered = [batches[key] for key in sorted(batches)]
+    for batch in ordered:
+        batch.messages.sort(key=lambda message: (message.peer, message.key))
+    return ordered
+
+
+def _chunks(messages: Sequence[Message], ops: int, nbytes: int) -> Iterator[list[Message]]:
+    """A pair's messages cut in order into chunks of at most ``ops`` messages and ``nbytes`` bytes (a bigger
+    message alone); both ends cut alike because both count every message, staged or not."""
+    chunk: list[Message] = []
+    size = 0
+    for message in messages:
+        if chunk and (len(chunk) == ops or size + message.nbytes > nbytes):
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(message)
+        size += aligned(message.nbytes)
+    if chunk:
+        yield chunk
+
+
+__all__ = [
+    "ALIGN",
+    "FAN",
+    "LEDGER_ENTRY_BYTES",
+    "SOLO_BYTES",
+    "Batch",
+    "Message",
+    "Piece",
+    "aligned",
+    "pair_messages",
+    "pieces_of",
+    "rank_batches",
+    "tournament_round",
+]
