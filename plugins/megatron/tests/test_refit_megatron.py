@@ -48,10 +48,11 @@ LOGIT_TOLERANCE = 1e-5
 """Largest difference of two logits, relative to the largest logit, between models whose tp or cp differ.
 
 The weights are equal bitwise, so only the order of float32 additions differs: row-parallel layers
-(``linear_proj``, ``linear_fc2``) add tp partial sums, and cp attention multiplies other shapes. A
-reordered sum of n terms moves by at most about n * 2^-24 of its terms' magnitude; the widest sums
-here have n = 128 (``ffn_hidden_size``), 8e-6, and layer norms keep the four layers from compounding
-it. Measured: under 7.2e-7 absolute on logits up to 2.0 (4e-7 relative)."""
+(``linear_proj``, ``linear_fc2``) add tp partial sums, the vocab-parallel embedding adds zeros
+(exact), and cp attention multiplies other shapes. A reordered sum of n terms moves by at most about
+(n - 1) * 2^-24 of the sum of its terms' magnitudes; the widest sums here have n = 128
+(``ffn_hidden_size``): 8e-6, and each layer norm rescales what it passes on, so four layers stay
+near that. Measured: at most 7.2e-7 absolute on logits up to 1.7-2.0 (4e-7 relative)."""
 
 
 @pytest.fixture(scope="module")
