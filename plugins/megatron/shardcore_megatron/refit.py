@@ -11,7 +11,9 @@ allowed. The manifest is read off the models' parameters:
 * local expert indices become global ones (``MoELayer.local_expert_indices``), under one name
   ``decoder.layers.L.mlp.experts.local_experts.E.`` for both Megatron namings (sequential and grouped);
 * a tied output layer on a last stage that is not also first (``output_layer.weight``) is the
-  embedding, which then sits on the first and last stages.
+  embedding, which then sits on the first and last stages;
+* the pipeline split (``num_layers_in_first/last_pipeline_stage``) comes from the models with pp > 1
+  (Megatron allows none at pp = 1), and every layer must sit on the stage it gives.
 
 Every rank contributes what its own stage and experts hold; one all-gather joins
 them, and any disagreement (between ranks, or between the two models' conventions) is a typed
@@ -23,7 +25,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from shardcore import Layout, RefitInputError, ShardPlan, TransferStats, execute_refit
 from shardcore.engine import DEFAULT_BUCKET_BYTES, all_gather_objects
@@ -55,7 +57,7 @@ def _expert_indices(chunk: Any, local_layer: int) -> Sequence[int]:
     return indices
 
 
-def global_name(chunk: Any, name: str, tied_output: bool) -> tuple[str, int | None, int | None]:
+def _global(chunk: Any, name: str, tied_output: bool) -> tuple[str, int | None, int | None]:
     """(global name, global layer, global expert) of a local parameter name."""
     if name == "output_layer.weight" and tied_output:
         return _EMBEDDING, None, None
@@ -84,40 +86,117 @@ def _stage(name: str, tied: bool) -> tuple[str, ...]:
     return ("all",)
 
 
-def _records(model: Any, plan: ShardPlan, side: str, rank: int) -> list[dict[str, Any]]:
-    """The manifest fields of every parameter this rank holds of ``model`` (laid out by ``plan``)."""
-    records = []
+class Parameter(NamedTuple):
+    """One parameter of a chunk under its global name (layer and expert global too)."""
+
+    name: str
+    local: str
+    tensor: Any
+    layer: int | None
+    expert: int | None
+
+
+def _tied(chunk: Any) -> bool:
+    return bool(getattr(chunk, "share_embeddings_and_output_weights", False))
+
+
+def parameters(model: Any) -> Iterator[Parameter]:
+    """Every parameter of every chunk of ``model``; a tied output layer's weight is named as the embedding."""
     for chunk in _chunks(model):
-        tied = bool(getattr(chunk, "share_embeddings_and_output_weights", False))
-        tied_output = tied and not getattr(chunk, "pre_process", True)
-        for local_name, parameter in chunk.named_parameters():
-            name, layer, expert = global_name(chunk, local_name, tied_output)
-            shape = list(parameter.shape)
-            fields: dict[str, Any] = {"name": name, "dtype": str(parameter.dtype).removeprefix("torch.")}
-            if getattr(parameter, "tensor_model_parallel", False):
-                dim = int(parameter.partition_dim)
-                shape[dim] *= plan.spec.expt_tp if expert is not None else plan.spec.tp
-                stride = int(getattr(parameter, "partition_stride", 1))
-                fields.update(tp_dim=dim, blocks=(shape[dim] // stride,) * stride if stride > 1 else ())
-            fields["shape"] = tuple(shape)
-            if layer is None:
-                fields["stage"] = _stage(name, tied)
-            else:
-                fields["layer"] = layer
-                if expert is not None:
-                    fields["expert"] = expert
-            records.append({"side": side, "rank": rank, "local": local_name, "fields": fields})
+        tied_output = _tied(chunk) and not getattr(chunk, "pre_process", True)
+        for local, tensor in chunk.named_parameters():
+            name, layer, expert = _global(chunk, local, tied_output)
+            yield Parameter(name, local, tensor, layer, expert)
+
+
+def _records(model: Any, plan: ShardPlan, side: str, rank: int) -> list[dict[str, Any]]:
+    """The manifest fields of every parameter this rank holds of ``model`` (laid out by ``plan``), and
+    where the rank sits (its pipeline stage, to check the layers against the manifest's split)."""
+    tied = any(_tied(chunk) for chunk in _chunks(model))
+    where = {"side": side, "rank": rank, "stage": plan.coords(rank)["pp"], "pp": plan.spec.pp}
+    records = []
+    for parameter in parameters(model):
+        shape = list(parameter.tensor.shape)
+        fields: dict[str, Any] = {"name": parameter.name, "dtype": str(parameter.tensor.dtype).removeprefix("torch.")}
+        if getattr(parameter.tensor, "tensor_model_parallel", False):
+            dim = int(parameter.tensor.partition_dim)
+            shape[dim] *= plan.spec.expt_tp if parameter.expert is not None else plan.spec.tp
+            stride = int(getattr(parameter.tensor, "partition_stride", 1))
+            fields.update(tp_dim=dim, blocks=(shape[dim] // stride,) * stride if stride > 1 else ())
+        fields["shape"] = tuple(shape)
+        if parameter.layer is None:
+            fields["stage"] = _stage(parameter.name, tied)
+        else:
+            fields["layer"] = parameter.layer
+            if parameter.expert is not None:
+                fields["expert"] = parameter.expert
+        records.append({**where, "local": parameter.local, "fields": fields})
     return records
 
 
-def _config_facts(model: Any) -> dict[str, Any]:
+def _config_facts(model: Any, plan: ShardPlan, side: str) -> dict[str, Any]:
+    """What the manifest needs of the whole model; the pipeline split counts only where pp > 1."""
     config = _chunks(model)[0].config
+    split = (
+        getattr(config, "num_layers_in_first_pipeline_stage", None),
+        getattr(config, "num_layers_in_last_pipeline_stage", None),
+    )
     return {
-        "layers": int(config.num_layers),
-        "first_stage_layers": getattr(config, "num_layers_in_first_pipeline_stage", None),
-        "last_stage_layers": getattr(config, "num_layers_in_last_pipeline_stage", None),
-        "experts": int(getattr(config, "num_moe_experts", None) or 0),
+        "side": side,
+        "pp": plan.spec.pp,
+        "model": {"layers": int(config.num_layers), "experts": int(getattr(config, "num_moe_experts", None) or 0)},
+        "split": split if plan.spec.pp > 1 else None,
     }
+
+
+def _shown_split(split: tuple[int | None, int | None] | None) -> str:
+    if split is None or split == (None, None):
+        return "evenly"
+    return f"num_layers_in_first_pipeline_stage={split[0]}, num_layers_in_last_pipeline_stage={split[1]}"
+
+
+def _model_facts(facts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest's model-wide fields both models agree on.
+
+    One pipeline split serves every shard with pp > 1 (``Manifest.first_stage_layers``): a pp=1 model
+    has none to disagree with, two pipelined models must share it.
+    """
+    first = facts[0]
+    for other in facts[1:]:
+        if other["model"] != first["model"]:
+            raise RefitInputError(
+                f"the two models disagree on the model: {first['model']} ({first['side']}) against "
+                f"{other['model']} ({other['side']}): refit needs the same layers and experts on both sides"
+            )
+    pipelined = [f for f in facts if f["split"] is not None]
+    for other in pipelined[1:]:
+        if other["split"] != pipelined[0]["split"]:
+            raise RefitInputError(
+                f"the {pipelined[0]['side']} model (pp={pipelined[0]['pp']}) splits its layers "
+                f"{_shown_split(pipelined[0]['split'])}, the {other['side']} model (pp={other['pp']}) "
+                f"{_shown_split(other['split'])}: shardcore's manifest holds one pipeline split for every shard "
+                f"with pp > 1, so give both models the same num_layers_in_first/last_pipeline_stage"
+            )
+    split = pipelined[0]["split"] if pipelined else (None, None)
+    return {**first["model"], "first_stage_layers": split[0], "last_stage_layers": split[1]}
+
+
+def _check_stages(records: Sequence[dict[str, Any]], manifest: Any) -> None:
+    """Every layer sits on the stage the manifest's split puts it (not so under a split refit cannot read)."""
+    for record in records:
+        layer = record["fields"].get("layer")
+        if layer is None:
+            continue
+        expected = manifest.stage_layers(record["pp"])
+        if layer not in expected[record["stage"]]:
+            where = next(stage for stage, layers in enumerate(expected) if layer in layers)
+            raise RefitInputError(
+                f"tensor {record['fields']['name']!r} ({record['local']}) is on pipeline stage {record['stage']} of "
+                f"the {record['side']} model (rank {record['rank']}), but splitting {manifest.layers} layers over "
+                f"pp={record['pp']} {_shown_split((manifest.first_stage_layers, manifest.last_stage_layers))} puts "
+                f"layer {layer} on stage {where}: refit reads an even split or num_layers_in_first/last_pipeline_stage"
+                f", not pipeline_model_parallel_layout or account_for_embedding/loss_in_pipeline_split"
+            )
 
 
 def manifest_from_records(records: Sequence[dict[str, Any]], facts: Sequence[dict[str, Any]]) -> Any:
@@ -125,17 +204,12 @@ def manifest_from_records(records: Sequence[dict[str, Any]], facts: Sequence[dic
 
     Raises:
         RefitInputError: two ranks (of one model or of the two models) disagree on a tensor or on the
-            model-wide facts, or a destination tensor has no source.
+            model-wide facts, a layer sits off the stage the pipeline split gives it, or a destination
+            tensor has no source.
     """
     from shardcore.refit import Manifest, TensorSpec
 
-    first_facts = facts[0]
-    for other in facts[1:]:
-        if other != first_facts:
-            raise RefitInputError(
-                f"the two models disagree on the model: {first_facts} against {other}: refit needs the same "
-                f"layers, pipeline split and experts on both sides"
-            )
+    model = _model_facts(facts)
     seen: dict[str, dict[str, Any]] = {}
     for record in sorted(records, key=lambda r: (r["side"] != "src", r["rank"])):
         first = seen.setdefault(record["fields"]["name"], record)
@@ -153,7 +227,9 @@ def manifest_from_records(records: Sequence[dict[str, Any]], facts: Sequence[dic
             f"must be built from the same architecture"
         )
     tensors = tuple(TensorSpec(**seen[name]["fields"]) for name in sorted(seen))
-    return Manifest(tensors, **first_facts, name="megatron")
+    manifest = Manifest(tensors, **model, name="megatron")
+    _check_stages(records, manifest)
+    return manifest
 
 
 def read_manifest(src_model: Any, dst_model: Any, source: ShardPlan, target: ShardPlan) -> Any:
@@ -168,7 +244,7 @@ def read_manifest(src_model: Any, dst_model: Any, source: ShardPlan, target: Sha
     for side, model, plan in (("src", src_model, source), ("dst", dst_model, target)):
         if model is not None and rank in plan:
             mine["records"] += _records(model, plan, side, rank)
-            mine["facts"].append(_config_facts(model))
+            mine["facts"].append(_config_facts(model, plan, side))
     gathered = all_gather_objects(mine)
     return manifest_from_records([r for g in gathered for r in g["records"]], [f for g in gathered for f in g["facts"]])
 
@@ -238,7 +314,7 @@ def refit(
     def tensors(model: Any, plan: ShardPlan) -> dict[str, Any]:
         if model is None or rank not in plan:
             return {}
-        return {name: parameter.data for name, parameter, _ in parameters(model)}
+        return {parameter.name: parameter.tensor.data for parameter in parameters(model)}
 
     with torch.no_grad():
         return execute_refit(
@@ -250,14 +326,4 @@ def refit(
         )
 
 
-def parameters(model: Any) -> Iterator[tuple[str, Any, Any]]:
-    """(global name, parameter, chunk) of every parameter of every chunk."""
-    for chunk in _chunks(model):
-        tied_output = bool(getattr(chunk, "share_embeddings_and_output_weights", False)) and not getattr(
-            chunk, "pre_process", True
-        )
-        for name, parameter in chunk.named_parameters():
-            yield global_name(chunk, name, tied_output)[0], parameter, chunk
-
-
-__all__ = ["global_name", "manifest_from_records", "parameters", "read_manifest", "refit"]
+__all__ = ["Parameter", "manifest_from_records", "parameters", "read_manifest", "refit"]

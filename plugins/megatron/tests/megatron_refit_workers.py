@@ -1,115 +1,154 @@
-"""Rank functions for the Megatron refit tests: tiny GPT models built by megatron-core 0.16.1 on CPU."""
+"""Rank functions for the Megatron refit tests: tiny megatron-core 0.16.1 GPTs on CPU, refit, then compared.
+
+The source is filled by Megatron's own conventions (a seeded full tensor per global name, cut along
+``partition_dim`` with ``partition_stride`` the way ``_initialize_affine_weight_cpu`` cuts it), the
+destination with -1; after the refit both are gathered back to full tensors over their own groups
+and hashed, and both models run a forward pass on the same tokens. Nothing here asks shardcore's
+placement where a byte should be.
+"""
 
 from __future__ import annotations
 
-import warnings
+import hashlib
+import zlib
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from shardcore import build_shards, destroy_shards
-from shardcore.engine.live.refit_check import cut, known_tensor
-
-
-def gpt(shard: Any, experts: int | None) -> Any:
-    """A tiny GPT (4 layers, SwiGLU, GQA) over the shard's ProcessGroupCollection, stage chosen by its pp rank."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.transformer.transformer_config import TransformerConfig
-
-    spec, groups = shard.spec, shard.handle
-    config = TransformerConfig(
-        num_layers=4,
-        hidden_size=64,
-        num_attention_heads=8,
-        num_query_groups=4,
-        ffn_hidden_size=128,
-        use_cpu_initialization=True,
-        tensor_model_parallel_size=spec.tp,
-        pipeline_model_parallel_size=spec.pp,
-        context_parallel_size=spec.cp,
-        expert_model_parallel_size=spec.ep,
-        expert_tensor_parallel_size=spec.expt_tp,
-        num_moe_experts=experts,
-        moe_ffn_hidden_size=32 if experts else None,
-        gated_linear_unit=True,
-        add_bias_linear=False,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
-    )
-    stage = groups.pp.rank()
-    return GPTModel(
-        config,
-        get_gpt_layer_local_spec(num_experts=experts),
-        vocab_size=256,
-        max_sequence_length=32,
-        pre_process=stage == 0,
-        post_process=stage == spec.pp - 1,
-        pg_collection=groups,
-        position_embedding_type="rope",
-    )
+from plugins.megatron.tests import megatron_recipe as recipe
+from shardcore import RefitInputError, destroy_shards
+from shardcore.engine import all_gather_objects
+from shardcore_megatron.refit import parameters, refit
 
 
-def _fill(model: Any, plan: Any, manifest: Any, rank: int, known: bool) -> None:
-    from shardcore_megatron.refit import parameters
+@dataclass(frozen=True)
+class Case:
+    """One refit over a 4-rank world: ``source``'s shard 0 into ``target``'s shard 0 (collocated, two
+    layouts over the same ranks), or into ``source``'s shard 1 when ``target`` is None."""
 
-    with torch.no_grad():
-        for name, parameter, _ in parameters(model):
-            spec = manifest.tensor(name)
-            value = cut(known_tensor(spec, manifest.index(name)), spec, plan, rank, manifest) if known else None
-            parameter.copy_(value) if known else parameter.fill_(-1.0)
+    label: str
+    source: str
+    target: str | None = None
+    model: recipe.Tiny = field(default_factory=recipe.Tiny)
+    target_model: recipe.Tiny | None = None
+    """The destination's architecture where it differs from ``model``: the refit must refuse it."""
+
+    @property
+    def runs_forward(self) -> bool:
+        """megatron-core 0.16.1's MoE router moves its weight to CUDA in every forward: dense models only."""
+        return self.model.experts is None
 
 
-def _matches(model: Any, plan: Any, manifest: Any, rank: int) -> dict[str, bool]:
-    from shardcore_megatron.refit import parameters
-
-    out = {}
-    for name, parameter, _ in parameters(model):
-        spec = manifest.tensor(name)
-        out[name] = bool(
-            torch.equal(parameter.data, cut(known_tensor(spec, manifest.index(name)), spec, plan, rank, manifest))
-        )
+def _named(gpt: Any, groups: Any) -> list[tuple[str, str, Any, Any]]:
+    """(global name, local name, parameter, the group it is split over or None) of this rank's parameters."""
+    out = []
+    for parameter in parameters(gpt):
+        split = getattr(parameter.tensor, "tensor_model_parallel", False)
+        group = (groups.expt_tp if parameter.expert is not None else groups.tp) if split else None
+        out.append((parameter.name, parameter.local, parameter.tensor, group))
     return out
 
 
-CASES = [
-    # (label, source spec, destination spec or None (second shard of the same layout), experts)
-    ("collocated tp=2,pp=2 -> tp=4", "tp=2,pp=2", "tp=4", None),
-    ("disaggregated MoE dp=2,ep=2,expt_tp=1 -> tp=2 (expt_tp=2)", "dp=2,ep=2,expt_tp=1 + tp=2", None, 4),
-]
+def _full(name: str, shape: list[int]) -> torch.Tensor:
+    """The source's value of a whole tensor, seeded by its name: norms near 1, the rest small."""
+    values = torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
+    return 1 + 0.1 * values if "norm" in name else 0.05 * values
 
 
-def refit_models(rank: int, world: int) -> list[dict[str, Any]]:
-    """Each case: fill the source model with known tensors, refit, compare every destination parameter."""
-    from shardcore_megatron.refit import read_manifest, refit
+def _cut(full: torch.Tensor, parameter: Any, group: Any) -> torch.Tensor:
+    """This tp rank's part: ``tp * stride`` chunks along ``partition_dim``, chunks ``r, r + tp, ...``."""
+    if group is None:
+        return full
+    chunks = full.chunk(group.size() * parameter.partition_stride, dim=parameter.partition_dim)
+    return torch.cat(chunks[group.rank() :: group.size()], dim=parameter.partition_dim)
 
-    results = []
-    for label, src_spec, dst_spec, experts in CASES:
-        src_shards = build_shards(world, src_spec, backend="megatron")
-        dst_shards = build_shards(world, dst_spec, backend="megatron") if dst_spec else src_shards
-        source, target = src_shards[0], dst_shards[0] if dst_spec else dst_shards[1]
-        src_model = gpt(source, experts) if source.is_member else None
-        dst_model = gpt(target, experts) if target.is_member else None
-        manifest = read_manifest(src_model, dst_model, source.plan, target.plan)
-        if src_model is not None:
-            _fill(src_model, source.plan, manifest, rank, known=True)
-        if dst_model is not None:
-            _fill(dst_model, target.plan, manifest, rank, known=False)
-        stats = refit(src_model, dst_model, src_shards, src=source, dst=target, timeout=120, bucket_bytes=1 << 16)
-        matches = _matches(dst_model, target.plan, manifest, rank) if dst_model is not None else {}
-        results.append(
-            {
-                "label": label,
-                "matches": matches,
-                "tensors": len(manifest),
-                "received": stats.bytes_received,
-                "copied": stats.bytes_copied,
-                "names": sorted(matches),
-            }
+
+def _gather(local: torch.Tensor, parameter: Any, group: Any) -> torch.Tensor:
+    """The whole tensor from every tp rank's part (the inverse of ``_cut``)."""
+    if group is None:
+        return local
+    dim, stride = parameter.partition_dim, parameter.partition_stride
+    parts = [torch.empty_like(local) for _ in range(group.size())]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    pieces = [part.chunk(stride, dim=dim) for part in parts]
+    return torch.cat([pieces[rank][block] for block in range(stride) for rank in range(group.size())], dim=dim)
+
+
+def _fill_source(gpt: Any, groups: Any) -> None:
+    """Every parameter from its seeded full tensor: replicas and the tied copy agree by construction."""
+    with torch.no_grad():
+        for name, _, parameter, group in _named(gpt, groups):
+            shape = list(parameter.shape)
+            if group is not None:
+                shape[parameter.partition_dim] *= group.size()
+            parameter.copy_(_cut(_full(name, shape), parameter, group))
+
+
+def _digests(gpt: Any, groups: Any) -> list[tuple[str, str, tuple[int, ...], str]]:
+    """(global name, local name, full shape, sha256 of the full tensor's bytes) of every parameter."""
+    out = []
+    for name, local, parameter, group in _named(gpt, groups):
+        full = _gather(parameter.data, parameter, group)
+        data = bytes(full.contiguous().reshape(-1).view(torch.uint8).tolist())
+        out.append((name, local, tuple(full.shape), hashlib.sha256(data).hexdigest()))
+    return out
+
+
+def _compare_logits(src: torch.Tensor | None, dst: torch.Tensor | None) -> dict[str, Any]:
+    """Every last-stage rank's logits of both models, exchanged: the largest difference between them."""
+    gathered = all_gather_objects({"src": src, "dst": dst})
+    sources = [g["src"] for g in gathered if g["src"] is not None]
+    targets = [g["dst"] for g in gathered if g["dst"] is not None]
+    return {
+        "copies": (len(sources), len(targets)),
+        "replicas_agree": all(torch.equal(t, side[0]) for side in (sources, targets) for t in side),
+        "max_diff": max(float((s - t).abs().max()) for s in sources for t in targets),
+        "max_logit": float(sources[0].abs().max()),
+    }
+
+
+def _refit_and_compare(case: Case, source: Any, target: Any, src_shards: list[Any]) -> dict[str, Any]:
+    """Fill, refit, then the gathered weights' digests and the two forward passes."""
+    src = recipe.tiny_gpt(source, case.model) if source.is_member else None
+    dst = recipe.tiny_gpt(target, case.target_model or case.model) if target.is_member else None
+    if src is not None:
+        _fill_source(src, source.handle)
+    if dst is not None:
+        with torch.no_grad():
+            for parameter in dst.parameters():
+                parameter.fill_(-1.0)
+    try:
+        stats = refit(src, dst, src_shards, src=source, dst=target, timeout=120, bucket_bytes=1 << 16)
+    except RefitInputError as error:
+        return {"error": str(error)}
+    ids = recipe.tokens()
+    logits = None
+    if case.runs_forward:
+        logits = _compare_logits(
+            recipe.forward(src, source, ids) if src is not None else None,
+            recipe.forward(dst, target, ids) if dst is not None else None,
         )
+    return {
+        "error": None,
+        "src": _digests(src, source.handle) if src is not None else [],
+        "dst": _digests(dst, target.handle) if dst is not None else [],
+        "copied": stats.bytes_copied,
+        "received": stats.bytes_received,
+        "logits": logits,
+    }
+
+
+def refit_cases(rank: int, world: int, cases: list[Case]) -> list[dict[str, Any]]:
+    """Each case in turn on one world (megatron-core is imported once per rank)."""
+    results = []
+    for case in cases:
+        src_shards = recipe.megatron_shards(world, case.source)
+        dst_shards = recipe.megatron_shards(world, case.target) if case.target else src_shards
+        target = dst_shards[0] if case.target else dst_shards[1]
+        results.append(_refit_and_compare(case, src_shards[0], target, src_shards))
         destroy_shards(src_shards)
-        if dst_spec:
+        if case.target:
             destroy_shards(dst_shards)
     return results

@@ -7,9 +7,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardcore import build_shards
-from shardcore.engine.build.shards import destroy_shards, my_shard
-from shardcore.engine.live.launch import all_gather_objects
+from plugins.megatron.tests.megatron_recipe import megatron_shards
+from shardcore import destroy_shards, my_shard
+from shardcore.engine import all_gather_objects
 from shardcore.engine.torch_state import group_counter
 from shardcore_megatron import add_group
 
@@ -22,7 +22,7 @@ def summed(group: Any) -> int:
 
 def extra_groups(rank: int, world: int, spec: str, dims_by_window: dict[int, tuple[str, ...]]) -> dict[str, Any]:
     """Each window adds a group named ``extra`` along its own dims; then a world-collective group."""
-    shards = build_shards(world, spec, backend="megatron", timeout=30)
+    shards = megatron_shards(world, spec, timeout=30)
     mine = my_shard(shards)
     assert mine is not None
     group = add_group(mine, "extra", dims_by_window[mine.index])

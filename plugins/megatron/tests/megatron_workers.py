@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from shardcore.engine.torch_state import live_group_count
+from plugins.megatron.tests.megatron_recipe import fake_world, quiet
+from shardcore.engine import live_group_count
 
 FIELDS = (
     "tp",
@@ -45,23 +44,13 @@ EXPERT = {"ep": "ep", "expt_tp": "tp", "expt_dp": "dp", "tp_ep": ["tp", "ep"], "
 Ranks = "dict[str, tuple[int, ...] | None]"
 
 
-def _fake_world(rank: int, world: int) -> None:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ["WORLD_SIZE"] = str(world)  # HyperCommGrid reads it
-    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
-
-
 def _members(pg: Any) -> tuple[int, ...] | None:
     return None if pg is None else tuple(sorted(dist.get_process_group_ranks(pg)))
 
 
 def megatron_recipe(c: dict[str, Any]) -> dict[str, tuple[int, ...] | None] | str:
     """This rank's fields, built with Megatron's HyperCommGrids the way its inference builder does."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet():
         from megatron.core.hyper_comm_grid import HyperCommGrid
     tp, cp, pp, ep, etp, offset = c["tp"], c["cp"], c["pp"], c["ep"], c["expt_tp"], c["offset"]
     size = tp * cp * pp * c["dp"]
@@ -124,10 +113,10 @@ def parity(configs: list[dict[str, Any]]) -> list[str]:
     problems: list[str] = []
     for c in configs:
         for rank in range(c["world"]):
-            _fake_world(rank, c["world"])
+            fake_world(rank, c["world"])
             theirs = megatron_recipe(c)
             for via_shards in (False, True):
-                _fake_world(rank, c["world"])
+                fake_world(rank, c["world"])
                 ours = shardcore_dropin(c, via_shards)
                 if ours != theirs:
                     problems.append(f"{c} rank {rank} via_shards={via_shards}: megatron {theirs} shardcore {ours}")
@@ -144,7 +133,7 @@ def defaults_from_parallel_state(world: int) -> list[dict[str, Any]]:
 
     out = []
     for rank in (0, world - 1):
-        _fake_world(rank, world)
+        fake_world(rank, world)
         plain = build_inference_pg_collection(world)
         mpu.initialize_model_parallel(
             tensor_model_parallel_size=2, pipeline_model_parallel_size=2, create_gloo_process_groups=False

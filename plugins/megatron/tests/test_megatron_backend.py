@@ -1,4 +1,4 @@
-"""Listing, lazy import, the unavailable path, and the drop-in builders' typed errors (no world needed)."""
+"""Listing, lazy import, the unavailable path, and the typed errors of the drop-in builders and of refit (no world)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import pytest
 
 import shardcore
 from shardcore import LayoutError, ShardSpecError
-from shardcore.errors import BackendUnavailableError, GroupCreationError
+from shardcore.errors import BackendUnavailableError, GroupCreationError, RefitInputError
 from shardcore_megatron import backend as megatron_backend
+from shardcore_megatron.refit import manifest_from_records
 from shardcore_megatron.shards import (
     InferenceShard,
     build_inference_pg_collection,
@@ -164,3 +165,42 @@ def test_spec_inputs_agree() -> None:
         "world_size",
         "pg_collection",
     ]
+
+
+def _layer_record(side: str, rank: int, stage: int, layer: int) -> dict[str, Any]:
+    """What one rank of a pp=2 model reports for a layer's norm (``shardcore_megatron.refit``'s records)."""
+    name = f"decoder.layers.{layer}.input_layernorm.weight"
+    return {
+        "side": side,
+        "rank": rank,
+        "stage": stage,
+        "pp": 2,
+        "local": name,
+        "fields": {"name": name, "dtype": "float32", "shape": (64,), "layer": layer},
+    }
+
+
+def _facts(side: str, pp: int, first: int | None = None, last: int | None = None) -> dict[str, Any]:
+    """A model's facts as ``shardcore_megatron.refit`` reads them: a pp=1 model has no pipeline split."""
+    return {"side": side, "pp": pp, "model": {"layers": 4, "experts": 0}, "split": (first, last) if pp > 1 else None}
+
+
+def test_the_pipeline_split_comes_from_the_pipelined_model() -> None:
+    """Megatron refuses num_layers_in_first/last_pipeline_stage at pp=1: that side has no split to compare."""
+    records = [_layer_record("src", 0, 0, 0)] + [_layer_record("src", 1, 1, layer) for layer in (1, 2, 3)]
+    manifest = manifest_from_records(records, [_facts("src", 2, 1, 3), _facts("dst", 1)])
+    assert (manifest.first_stage_layers, manifest.last_stage_layers) == (1, 3)
+    assert manifest.stage_layers(2) == (range(0, 1), range(1, 4))
+
+
+def test_two_pipelined_models_with_other_splits_are_refused() -> None:
+    with pytest.raises(RefitInputError, match=r"src model \(pp=2\) splits its layers num_layers_in_first.*=1") as info:
+        manifest_from_records([_layer_record("src", 0, 0, 0)], [_facts("src", 2, 1, 3), _facts("dst", 2)])
+    assert "dst model (pp=2) evenly" in str(info.value) and len(str(info.value)) < 1000
+
+
+def test_a_layer_off_its_stage_is_refused() -> None:
+    """A split refit cannot read (pipeline_model_parallel_layout): layer 1 on stage 1 of an even pp=2 split."""
+    records = [_layer_record("dst", 3, 1, 1)]
+    with pytest.raises(RefitInputError, match=r"stage 1 of the dst model \(rank 3\).* puts layer 1 on stage 0"):
+        manifest_from_records([_layer_record("src", 0, 0, 1), *records], [_facts("src", 1), _facts("dst", 2)])

@@ -14,13 +14,7 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("einops")
-from shardcore_megatron.backend import missing_requirement
-
-if missing_requirement():
-    pytest.skip("megatron-core is not installed", allow_module_level=True)
-
+from plugins.megatron.tests import megatron_recipe  # noqa: F401  # skips this module without megatron-core
 from plugins.megatron.tests import megatron_workers as workers
 
 

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import pytest
-
-pytest.importorskip("torch")
-pytest.importorskip("megatron.core")
-
+from plugins.megatron.tests import megatron_recipe  # noqa: F401  # skips this module without megatron-core
 from plugins.megatron.tests import megatron_window_workers as workers
 from shardcore import plan_layout
 from shardcore.testing import run_world
