@@ -37,6 +37,10 @@ class LayoutMismatchError(GroupCreationError):
     """Ranks of one world planned different layouts (config drift between ranks)."""
 
 
+class CheckError(ShardcoreError, ValueError):
+    """A live check (``shardcore check``, ``refit --check``) the machine cannot serve: too many processes, no torch."""
+
+
 class RefitError(ShardcoreError, ValueError):
     """A refit request does not fit: source/destination shards, ranks, or plan options are inconsistent."""
 
@@ -67,6 +71,10 @@ class RefitPeerError(ShardcoreError, RuntimeError):
 
 class RefitIntegrityError(RefitPeerError):
     """A received message was short or corrupt: ``ranks`` names its senders."""
+
+
+class WorldError(ShardcoreError, RuntimeError):
+    """A rank of a test world (``shardcore.testing.run_world``) failed or did not finish in time."""
 
 
 class ShardSpecWarning(UserWarning):

@@ -17,11 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 from .engine.live.ports import free_port
-from .errors import ShardcoreError
-
-
-class WorldError(ShardcoreError, RuntimeError):
-    """A rank of a test world failed or did not finish in time."""
+from .errors import WorldError
 
 
 def _bootstrap(
@@ -96,4 +92,4 @@ def run_world(
     return [outcome[rank][1] for rank in range(world_size)]
 
 
-__all__ = ["WorldError", "run_world"]
+__all__ = ["run_world"]

@@ -15,7 +15,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, TextIO
 
-from ..errors import ShardcoreError
+from ..errors import CheckError
 from ..views.tables import counted, format_table
 
 if TYPE_CHECKING:
@@ -35,10 +35,6 @@ MIB_PER_PROCESS = 250
 """Resident memory of one worker after importing torch (measured: about 220 MiB on torch 2.13 CPU)."""
 OVERSUBSCRIBED = 4
 """Processes per core above which ``check`` warns that it will be slow."""
-
-
-class CheckError(ShardcoreError, ValueError):
-    """A ``check`` argument the machine cannot serve, or torch missing."""
 
 
 def _parse_option(text: str) -> tuple[str, object]:

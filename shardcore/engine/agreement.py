@@ -312,19 +312,23 @@ def _meet(
     """Meet every rank of ``party`` at ``phase``; raise the purpose's error unless the meeting completed cleanly."""
     rank = dist().get_rank()
     seconds = timeout.total_seconds()
+
+    def lost(message: str) -> ShardcoreError:
+        return purpose.error(message, [])
+
     meeting = store_call(
-        lambda store: _join(store, party, epoch, phase, value, rank, decide), seconds, _where(party, epoch, phase)
+        lambda store: _join(store, party, epoch, phase, value, rank, decide), seconds, _where(party, epoch, phase), lost
     )
     _remember(meeting)
     where = f"at '{phase}' of {purpose.noun} {meeting.epoch}"
     outcome, groups, payload = store_call(
-        lambda store: _outcome(store, meeting, rank, seconds, linger), seconds + GRACE, where
+        lambda store: _outcome(store, meeting, rank, seconds, linger), seconds + GRACE, where, lost
     )
     if outcome == f"timeout:{rank}":  # this rank decided it: it deletes the shared keys
         pending = _pending[(world_token(), party.scope)]
         pending[pending.index(meeting)] = replace(meeting, decided=True)
     if outcome != COMPLETE:
-        missing, arrived = store_call(lambda store: _arrivals(store, meeting), GRACE, where)
+        missing, arrived = store_call(lambda store: _arrivals(store, meeting), GRACE, where, lost)
         failures = _failures(arrived or [])
         raise purpose.error(
             f"rank {rank}: ranks {shown_ranks(missing)} did not reach '{phase}' of {purpose.noun} {meeting.epoch} "

@@ -137,27 +137,35 @@ class _Client:
     lock = threading.Lock()
     store: Store | None = None
     generation = 0
+    world: tuple[int, int] | None = None
+    """The world whose store ``store`` talks to: a new world (destroy, then init_process_group) connects anew."""
 
 
-def store_call(job: Callable[[Store], T], seconds: float, what: str) -> T:
+def store_call(
+    job: Callable[[Store], T], seconds: float, what: str, error: Callable[[str], Exception] = GroupCreationError
+) -> T:
     """Run ``job(store)`` on shardcore's own client of the default store; give up after ``seconds``.
 
     Args:
         job: the store operations, run in one daemon thread (they may block on the socket).
         seconds: how long the caller may wait.
         what: where the caller is, for the message (``"at 'agree' of build 3"``).
+        error: the caller's error type for an unresponsive or lost store.
 
     Returns:
         What ``job`` returned.
 
     Raises:
-        GroupCreationError: the store did not answer in time (its host is unresponsive), or
-            the connection failed (its host has probably died). Errors of ``job`` itself that
-            are not connection failures propagate unchanged.
+        GroupCreationError (or ``error``): the store did not answer in time (its host is unresponsive),
+            or the connection failed (its host has probably died). Errors of ``job`` itself that are
+            not connection failures propagate unchanged.
     """
     import torch.distributed as dist
 
+    world = world_token()
     with _Client.lock:
+        if _Client.world != world:
+            _Client.generation, _Client.store, _Client.world = _Client.generation + 1, None, world
         generation = _Client.generation
     box: dict[str, Any] = {}
 
@@ -182,17 +190,17 @@ def store_call(job: Callable[[Store], T], seconds: float, what: str) -> T:
         with _Client.lock:  # the thread keeps the old client; the next call connects anew
             _Client.generation += 1
             _Client.store = None
-        raise GroupCreationError(
+        raise error(
             f"rank {rank}: the store did not answer within {seconds:.3g}s {what}: its host, {store_host()}, is "
             f"unresponsive (stopped, frozen by swap or a debugger) or unreachable"
         )
-    error = box.get("error")
-    if isinstance(error, dist.DistError) and not isinstance(error, dist.DistStoreError):
-        raise GroupCreationError(
-            f"rank {rank}: lost the store {what} ({error}); its host, {store_host()}, has probably died"
+    failure = box.get("error")
+    if isinstance(failure, dist.DistError) and not isinstance(failure, dist.DistStoreError):
+        raise error(
+            f"rank {rank}: lost the store {what} ({failure}); its host, {store_host()}, has probably died"
         ) from None
-    if error is not None:
-        raise error
+    if failure is not None:
+        raise failure
     return box["value"]
 
 

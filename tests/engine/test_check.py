@@ -18,7 +18,7 @@ pytest.importorskip("torch")
 
 from shardcore import plan_layout
 from shardcore.cli import main
-from shardcore.engine.live.launch import distinct_errors, rank_ranges
+from shardcore.engine.live.launch import distinct_errors
 from shardcore.plan.layout import distinct_groups
 from shardcore_dtensor import DTensorBackend
 
@@ -174,8 +174,8 @@ def test_a_worker_failure_shows_each_distinct_error_once(tmp_path: Path) -> None
     errors = result.stderr[result.stderr.index("shardcore: error:") :].splitlines()
     assert errors == [
         "shardcore: error: shardcore check failed:",
-        "ranks 0-1: shard 0 cannot be served",
-        "ranks 2-3: RuntimeError: shard 1 has no device",
+        "ranks [0, 1] (2 ranks): shard 0 cannot be served",
+        "ranks [2, 3] (2 ranks): RuntimeError: shard 1 has no device",
     ]
     assert time.monotonic() - started < 120
 
@@ -223,8 +223,7 @@ def test_ctrl_c_ends_quietly_with_no_stray_process() -> None:
 
 def test_distinct_errors_group_ranks_and_ignore_the_rank_prefix() -> None:
     errors = {0: "rank 0: boom", 1: "rank 1: boom", 2: "other", 5: "rank 5: boom"}
-    assert distinct_errors(errors) == ["ranks 0-1, 5: boom", "rank 2: other"]
-    assert rank_ranges([0, 1, 2, 4, 6, 7]) == "0-2, 4, 6-7"
+    assert distinct_errors(errors) == ["ranks [0, 1, 5] (3 ranks): boom", "rank 2: other"]
 
 
 def test_the_header_names_the_backend_actually_used(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,6 +26,7 @@ from datetime import timedelta
 from typing import Any
 
 from ...errors import GroupCreationError, ShardcoreError
+from ...plan.arguments import shown_ranks
 
 OnEvent = Callable[[str, int, float], None]
 """Progress callback: (stage, rank, seconds since the job started)."""
@@ -50,23 +51,12 @@ def error_line(error: BaseException) -> str:
 _RANK_PREFIX = re.compile(r"^rank \d+: ")
 
 
-def rank_ranges(ranks: list[int]) -> str:
-    """Sorted ranks as runs: ``0-3, 6, 8-9``."""
-    runs: list[list[int]] = []
-    for rank in ranks:
-        if runs and rank == runs[-1][1] + 1:
-            runs[-1][1] = rank
-        else:
-            runs.append([rank, rank])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-
-
 def distinct_errors(errors: dict[int, str]) -> list[str]:
     """Each distinct error once, prefixed by the ranks that hit it (a leading ``rank N:`` is not a difference)."""
     by_text: dict[str, list[int]] = {}
     for rank, text in sorted(errors.items()):
         by_text.setdefault(_RANK_PREFIX.sub("", text), []).append(rank)
-    return [f"{'rank' if len(r) == 1 else 'ranks'} {rank_ranges(r)}: {text}" for text, r in by_text.items()]
+    return [f"rank {r[0]}: {text}" if len(r) == 1 else f"ranks {shown_ranks(r)}: {text}" for text, r in by_text.items()]
 
 
 def collective_device() -> str:
@@ -231,7 +221,7 @@ def run_local_job(nproc: int, job: Job, options: Any, timeout: float, on_event: 
             if time.monotonic() - last_news > silence:
                 out = [rank for rank in range(nproc) if rank not in reports and rank not in errors]
                 raise GroupCreationError(
-                    f"ranks {rank_ranges(out)} sent nothing for {silence:.0f}s "
+                    f"ranks {shown_ranks(out)} sent nothing for {silence:.0f}s "
                     f"(timeout {timeout:g}s + {SILENCE_SECONDS:g}s)"
                 )
         if errors:
@@ -295,7 +285,6 @@ __all__ = [
     "distinct_errors",
     "error_line",
     "init_from_env",
-    "rank_ranges",
     "run_joined_job",
     "run_local_job",
 ]
