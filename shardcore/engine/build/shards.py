@@ -18,7 +18,7 @@ from ..groups.strategy import Strategy, choose_strategy
 from ..torch_state import is_fake_world
 from .plugins import get_backend
 from ..agreement import Agreement, agree, meet, report_failure
-from ..torch_state import group_counter, set_group_counter
+from ..torch_state import group_counter, import_torch, set_group_counter
 from ..groups.window import Window, open_window
 
 log = logging.getLogger("shardcore")
@@ -89,6 +89,7 @@ class Shard:
 
 def _require_initialized() -> None:
     try:
+        import_torch()
         import torch.distributed as dist
     except ImportError:
         raise GroupCreationError("build_shards needs torch: pip install torch") from None

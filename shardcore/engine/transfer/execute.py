@@ -41,6 +41,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 from ...errors import RefitInputError, RefitPeerError, ShardcoreError
+from ..torch_state import import_torch
 
 if TYPE_CHECKING:
     import torch
@@ -480,6 +481,7 @@ def execute_refit(
             execute or failed; ``.ranks`` and the message name it.
     """
     global _calls
+    import_torch()
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
