@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from plugins.hyperparallel.tests.hyperparallel_workers import STAND_IN
+from plugins.hyperparallel.tests.hyperparallel_workers import FIELDS, MESHES, STAND_IN
 from shardcore import BackendUnavailableError, get_backend
 from shardcore_hyperparallel import (
     CURRENT_LAYOUT,
@@ -24,26 +24,7 @@ from shardcore_hyperparallel import (
 )
 from shardcore_hyperparallel.context import build_through_shardcore
 
-MESH_FIELDS = [
-    "device_mesh",
-    "fsdp_non_moe_mesh",
-    "fsdp_moe_mesh",
-    "dp_size",
-    "dp_replicate_size",
-    "dp_shard_size",
-    "edp_shard_size",
-    "tp_size",
-    "cp_size",
-    "pp_size",
-    "ep_size",
-    "dp_rank",
-    "tp_rank",
-    "cp_rank",
-    "pp_rank",
-    "ep_rank",
-    "sequence_parallel",
-    "loss_parallel",
-]
+MESH_FIELDS = [*MESHES, *FIELDS]
 SETUP_FIELDS = [
     "mesh_context",
     "strategy_config",
