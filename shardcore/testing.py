@@ -17,6 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 from .engine.live.ports import free_port
+from .engine.torch_state import import_torch
 from .errors import WorldError
 
 
@@ -26,7 +27,7 @@ def _bootstrap(
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
     )
-    import torch
+    torch = import_torch()
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # as torchrun does: many ranks share few cores, extra threads only contend

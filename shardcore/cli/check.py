@@ -167,6 +167,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("torch") is None:
         raise CheckError(TORCH_HINT)
     from ..engine.live import check
+    from ..engine.torch_state import check_torch_imports
+
+    check_torch_imports()  # an autoloaded device extension that breaks torch: one line, before the header
 
     options = _options(args)
     joined = "RANK" in os.environ and "WORLD_SIZE" in os.environ

@@ -101,16 +101,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_backends(args: argparse.Namespace) -> int:
     from ..engine.build.plugins import list_backends
+    from ..engine.device import device_notes
+
+    notes = device_notes()  # first: it imports torch through the guard, which the listing then reuses
+    long_reasons = {note.partition(": ")[2] for note in notes}
+
+    def status(reason: str | None) -> str:
+        if reason is None:
+            return "available"
+        return "unavailable: torch does not import (see below)" if reason in long_reasons else f"unavailable: {reason}"
 
     rows = [
-        (
-            info.name,
-            info.distribution,
-            info.version,
-            "available" if info.available else f"unavailable: {info.reason}",
-            info.device or "-",
-            info.description,
-        )
+        (info.name, info.distribution, info.version, status(info.reason), info.device or "-", info.description)
         for info in list_backends()
     ]
     print(
@@ -118,6 +120,8 @@ def _cmd_backends(args: argparse.Namespace) -> int:
         if rows
         else "no backends installed: pip install ./plugins/dtensor (or megatron, hyperparallel)"
     )
+    for note in notes:
+        print(f"\n{note}")
     return 0
 
 

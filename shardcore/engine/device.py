@@ -2,30 +2,48 @@
 
 from __future__ import annotations
 
+import importlib.util
+
+from ..errors import BackendUnavailableError
+from .torch_state import EXTENSION_FIXES, import_torch
+
 
 def npu_status() -> tuple[bool, str]:
-    """(usable, why): torch_npu's import fails without Ascend's CANN toolkit, so it is guarded."""
+    """(usable, why): torch_npu's import fails without Ascend's CANN toolkit, so it is guarded.
+
+    torch is imported first, through the guard: with autoloading on, ``import torch`` itself
+    loads torch_npu, and its failure is then torch's to report (``import_torch``).
+
+    Raises:
+        BackendUnavailableError: ``import torch`` fails (see ``import_torch``).
+    """
+    torch = import_torch()
     try:
         import torch_npu  # noqa: F401
     except ImportError as error:
         if "torch_npu" in str(error) and "No module named" in str(error):
             return False, "torch_npu is not installed (pip install torch-npu, with Ascend CANN)"
-        return False, f"torch_npu failed to import (is Ascend CANN installed and set_env.sh sourced?): {error}"
+        return False, _broken_torch_npu(error)
     except (OSError, RuntimeError) as error:
-        return False, f"torch_npu failed to import (is Ascend CANN installed and set_env.sh sourced?): {error}"
-    import torch
-
+        return False, _broken_torch_npu(error)
     try:
-        present = bool(torch.npu.is_available()) and torch.npu.device_count() > 0  # type: ignore[attr-defined]
+        present = bool(torch.npu.is_available()) and torch.npu.device_count() > 0
     except (AttributeError, RuntimeError) as error:
         return False, f"torch_npu imported but cannot query NPUs: {error}"
     return (True, "Ascend NPU present") if present else (False, "torch_npu imported but no NPU is present")
 
 
-def device_type() -> str:
-    """cuda when available, else npu when torch_npu works and an NPU is present, else cpu."""
-    import torch
+def _broken_torch_npu(error: BaseException) -> str:
+    return f"torch_npu is installed but does not import: {error}; {EXTENSION_FIXES['torch_npu']}"
 
+
+def device_type() -> str:
+    """cuda when available, else npu when torch_npu works and an NPU is present, else cpu.
+
+    Raises:
+        BackendUnavailableError: ``import torch`` fails (see ``import_torch``).
+    """
+    torch = import_torch()
     if torch.cuda.is_available():
         return "cuda"
     return "npu" if npu_status()[0] else "cpu"
@@ -36,4 +54,19 @@ def comm_backend(device: str) -> str:
     return {"cuda": "nccl", "npu": "hccl"}.get(device, "gloo")
 
 
-__all__ = ["comm_backend", "device_type", "npu_status"]
+def device_notes() -> list[str]:
+    """What ``shardcore backends`` adds below its table: why torch does not import here, or why an
+    installed torch_npu cannot serve (the CANN toolkit missing, no NPU); nothing when all is well."""
+    try:
+        import_torch()
+    except BackendUnavailableError as error:
+        return [f"torch: {error}"]
+    except ImportError:
+        return []
+    if importlib.util.find_spec("torch_npu") is None:
+        return []
+    usable, why = npu_status()
+    return [] if usable else [f"npu: {why}"]
+
+
+__all__ = ["comm_backend", "device_notes", "device_type", "npu_status"]

@@ -16,22 +16,124 @@ counter (``_world.group_count``) before creating it; see ``shardcore.engine.grou
 That counter, the live group names (``_world.pg_names``), the default group's bound
 device and the default store are private to torch, so one probe checks, on first use,
 that this torch still has them in the shape relied on.
+
+Importing torch: every shardcore entry point that needs torch imports it through
+``import_torch``. torch 2.13 calls, at the end of its own ``import``, every entry point of
+the group ``torch.backends`` (out-of-tree device extensions such as torch-npu) unless
+``TORCH_DEVICE_BACKEND_AUTOLOAD`` is ``0``; one that fails turns ``import torch`` into
+``RuntimeError: Failed to load the backend extension: NAME`` (torch-npu without Ascend's
+CANN toolkit: its ``_C`` module cannot find ``libhccl.so``). The failed import leaves
+torch's native operator registrations behind, so a second ``import torch`` in the same
+process dies differently ("Only a single TORCH_LIBRARY can be used to register the
+namespace triton"): the guard remembers the first failure and never imports twice. On a
+machine without numpy (the CPU install), torch warns "Failed to initialize NumPy" while
+it is imported; shardcore needs no numpy, so the guard silences exactly that warning.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import sys
 import threading
+import warnings
 from collections.abc import Callable
 from functools import cache
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..errors import GroupCreationError
+from ..errors import BackendUnavailableError, GroupCreationError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Store
 
 T = TypeVar("T")
+
+AUTOLOAD_ENV = "TORCH_DEVICE_BACKEND_AUTOLOAD"
+"""torch loads its device extensions on import unless this is ``0`` (it reads ``== "1"``, default ``1``)."""
+AUTOLOAD_GROUP = "torch.backends"
+"""The entry-point group of torch's autoloaded device extensions (torch-npu registers ``torch_npu``)."""
+EXTENSION_FIXES = {
+    "torch_npu": "to use Ascend NPUs, install Ascend's CANN toolkit and source its set_env.sh "
+    "(e.g. /usr/local/Ascend/ascend-toolkit/set_env.sh)",
+}
+"""How to repair a known extension so that it loads."""
+_AUTOLOAD_FAILURE = re.compile(r"Failed to load the backend extension: (.+?)\. ")
+
+
+class _Import:
+    """The outcome of this process's one attempt to import torch through the guard."""
+
+    failure: BackendUnavailableError | None = None
+
+
+def autoloaded_extensions() -> list[str]:
+    """The device extensions ``import torch`` will load here (none when autoloading is off)."""
+    if os.environ.get(AUTOLOAD_ENV, "1") != "1":
+        return []
+    from importlib.metadata import entry_points
+
+    return sorted(ep.name for ep in entry_points(group=AUTOLOAD_GROUP))
+
+
+def _extension_failure(error: RuntimeError) -> BackendUnavailableError | None:
+    """The one-line error for torch's autoload failure, or None for any other RuntimeError."""
+    found = _AUTOLOAD_FAILURE.search(str(error))
+    if found is None:
+        return None
+    from importlib.metadata import entry_points
+
+    name = found.group(1)
+    owner = next((ep.dist for ep in entry_points(group=AUTOLOAD_GROUP) if ep.name == name and ep.dist), None)
+    package = f" ({owner.name} {owner.version})" if owner is not None else ""
+    cause = error.__cause__
+    why = f": {type(cause).__name__}: {str(cause).strip()[:200]}" if cause is not None else ""
+    fix = EXTENSION_FIXES.get(name, f"to use it, repair the install of {owner.name if owner else name}")
+    return BackendUnavailableError(
+        f"import torch fails: torch autoloads its device extension {name!r}{package}, which failed to load{why}; "
+        f"{fix}, or set {AUTOLOAD_ENV}=0 to run on CPU/CUDA without it"
+    )
+
+
+def import_torch() -> ModuleType:
+    """torch, imported once per process through the one guard every shardcore entry point uses.
+
+    Returns:
+        The ``torch`` module.
+
+    Raises:
+        BackendUnavailableError: an autoloaded device extension broke ``import torch`` (one
+            line naming the extension, its error and both fixes); raised again, without a
+            second import, on every later call.
+        ImportError: torch is not installed.
+    """
+    module = sys.modules.get("torch")
+    if module is not None:
+        return module
+    if _Import.failure is not None:
+        raise _Import.failure
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+            import torch
+    except RuntimeError as error:
+        failure = _extension_failure(error)
+        if failure is None:
+            raise
+        _Import.failure = failure
+        raise failure from None
+    return torch
+
+
+def check_torch_imports() -> None:
+    """Before starting processes that import torch: import it here when an autoloaded extension could
+    break it (torch-npu installed), so the failure is one line in this process rather than one per rank.
+
+    Raises:
+        BackendUnavailableError: as ``import_torch``.
+    """
+    if autoloaded_extensions():
+        import_torch()
 
 
 def dist() -> Any:
@@ -232,13 +334,18 @@ def group_keys(pg: ProcessGroup) -> list[str]:
 
 
 __all__ = [
+    "AUTOLOAD_ENV",
+    "AUTOLOAD_GROUP",
     "agent_hosts_store",
+    "autoloaded_extensions",
     "bound_device",
     "c10d",
+    "check_torch_imports",
     "default_store",
     "dist",
     "group_counter",
     "group_keys",
+    "import_torch",
     "is_fake_world",
     "live_group_count",
     "probe",

@@ -1,7 +1,8 @@
 """The ``hyperparallel`` backend: a member rank gets a MeshContext for its pipeline stage.
 
 The engine creates every group; this module only declares the extra ones the three
-meshes need (as grids over the shard window) and wraps them in torch DeviceMeshes.
+meshes need (as grids over the shard window) and wraps them in DeviceMeshes:
+Hyper-Parallel's own when it is installed, torch's otherwise (``install.mesh_classes``).
 """
 
 from __future__ import annotations
@@ -10,10 +11,21 @@ import importlib.util
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from shardcore import Backend, Grid, Layout, LayoutError, NamedGrids, Order, ShardPlanLike, hookimpl
+from shardcore import (
+    Backend,
+    BackendUnavailableError,
+    Grid,
+    Layout,
+    LayoutError,
+    NamedGrids,
+    Order,
+    ShardPlanLike,
+    hookimpl,
+)
 
-from .context import mesh_classes, wrap_mesh, wrap_ranks
 from .device import device_note, select_device
+from .install import installed_layout, mesh_classes
+from .meshes import wrap_mesh, wrap_ranks
 from .topology import StageSizes, check_dense_tp_layout, resolve_sizes, stage_start
 
 OPTIONS = ("dp_replicate", "dp_shard", "edp_shard", "sequence_parallel", "loss_parallel", "device_type")
@@ -99,7 +111,15 @@ class HyperParallelBackend(Backend):
     def unavailable_reason(self) -> str | None:
         if importlib.util.find_spec("torch") is None:
             return "torch is not installed: pip install torch (and torch-npu with Ascend CANN for NPUs)"
+        try:
+            installed_layout()
+        except BackendUnavailableError as error:
+            return str(error)
         return None
+
+    def load_framework(self) -> None:
+        """Import Hyper-Parallel's classes (or the fallbacks) ahead of building."""
+        mesh_classes()
 
     def device_note(self) -> str:
         """Which device and collective library this backend would use here, and why."""
@@ -135,8 +155,7 @@ class HyperParallelBackend(Backend):
         fsdp_mesh = mesh("fsdp_non_moe_mesh", sizes.fsdp_non_moe_mesh())
         check_dense_tp_layout(device_mesh, fsdp_mesh)
         expert_mesh = mesh("fsdp_moe_mesh", sizes.fsdp_moe_mesh())
-        context_cls, _, _ = mesh_classes()
-        context = context_cls(
+        context = mesh_classes().mesh_context(
             device_mesh=device_mesh,
             fsdp_non_moe_mesh=fsdp_mesh,
             fsdp_moe_mesh=expert_mesh,
@@ -157,15 +176,17 @@ class HyperParallelBackend(Backend):
             loss_parallel=bool(_option(options, "loss_parallel", plan)),
         )
         dp_cp_ranks = plan.decoder_grid.group_ranks(rank, ("cp", "dp"))
-        # the engine's dp_cp group; DeviceMesh._flatten would create a new group instead
+        # the engine's dp_cp group: flattening device_mesh's dp and cp would create groups instead
         context._dp_cp_mesh = wrap_ranks(groups["dp_cp"], list(dp_cp_ranks), device, "dp_cp")
+        register = getattr(device_mesh, "add_flatten_mapping", None)
+        if callable(register):  # Hyper-Parallel's DeviceMesh: device_mesh["dp_cp"] then returns it
+            register("dp_cp", context._dp_cp_mesh)
         return context
 
 
 def distributed_setup(mesh_context: Any, **fields: Any) -> Any:
     """A DistributedSetup (Hyper-Parallel's when it imports) holding ``mesh_context``."""
-    _, setup_cls, _ = mesh_classes()
-    return setup_cls(mesh_context=mesh_context, **fields)
+    return mesh_classes().distributed_setup(mesh_context=mesh_context, **fields)
 
 
 @hookimpl

@@ -1,4 +1,5 @@
-"""Live gloo worlds: every mesh dim of every rank's MeshContext all-reduces and all-gathers as planned."""
+"""Live gloo worlds: every mesh dim of every rank's MeshContext all-reduces and all-gathers as planned, with
+the fallback classes over torch's DeviceMesh and with Hyper-Parallel's classes (the stand-in)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,13 @@ import pytest
 pytest.importorskip("torch")
 
 from plugins.hyperparallel.tests import hyperparallel_workers as workers
+from plugins.hyperparallel.tests.hp_checks import (
+    COMPARE,
+    STAGED,
+    check_dims,
+    check_matches_build_meshs,
+    check_pipelined,
+)
 from plugins.hyperparallel.tests.hp_expected import group_along, hp_meshes, stage_window
 from shardcore.testing import run_world
 
@@ -16,20 +24,14 @@ SIZES = [  # (offset, tp, cp, dp, pp, ep, dp_shard, edp_shard) of each shard
     (0, 2, 1, 1, 2, 2, 1, 1),
     (4, 1, 2, 2, 1, 2, 2, 1),
 ]
+TORCH_MESH = "torch.distributed.device_mesh.DeviceMesh"
+HP_MESH = "hyper_parallel.core.dtensor.device_mesh.DeviceMesh"
 
 
 @pytest.fixture(scope="module")
 def reports() -> list[dict]:
     options = {"dp_shard": {1: 2}, "sequence_parallel": True}
-    return run_world(8, workers.build_and_probe, SHARDS, options, STANDALONE, timeout=240)
-
-
-def _check_dims(probe: dict, window: list[int], shape: tuple[int, ...], names: tuple[str, ...], rank: int) -> None:
-    for dim, name in enumerate(names):
-        seen, expected = probe[name], group_along(window, shape, rank, dim)
-        assert seen["sum"] == shape[dim] == seen["mesh_size"], (name, rank)
-        assert seen["ranks"] == expected, (name, rank)
-        assert seen["local"] == expected.index(rank), (name, rank)
+    return run_world(8, workers.build_and_probe, SHARDS, options, STANDALONE, COMPARE, STAGED, timeout=400)
 
 
 @pytest.mark.parametrize("rank", range(8))
@@ -37,11 +39,12 @@ def test_each_mesh_all_reduces_over_hyper_parallels_groups(reports: list[dict], 
     report = reports[rank]
     shard = 0 if rank < 4 else 1
     offset, tp, cp, dp, pp, ep, dp_shard, edp_shard = SIZES[shard]
-    assert report["shard"] == shard and report["type"] == "MeshContext"
+    assert report["shard"] == shard and report["type"] == "shardcore_hyperparallel.context.MeshContext"
     window = stage_window(offset, tp, cp, dp, rank)
     for kind, (shape, names) in hp_meshes(tp, cp, dp, pp, ep, dp_shard, edp_shard).items():
         assert report[kind]["names"] == list(names), kind
-        _check_dims(report[kind]["dims"], window, shape, names, rank)
+        assert report[f"{kind}_seen"]["class"] == TORCH_MESH
+        check_dims(report[kind]["dims"], window, shape, names, rank)
     local = rank - window[0]
     assert report["dp_cp"]["ranks"] == [r for r in window if (r - window[0]) % tp == local % tp]
     assert report["dp_cp"]["sum"] == dp * cp
@@ -72,7 +75,17 @@ def test_standalone_build_meshs_on_the_whole_world(reports: list[dict], rank: in
     result = reports[rank]["standalone"]
     window = stage_window(0, 2, 1, 2, rank)
     for kind, (shape, names) in hp_meshes(tp=2, cp=1, dp=2, pp=2, ep=2, dp_shard=1, edp_shard=1).items():
-        _check_dims(result[kind], window, shape, names, rank)
+        check_dims(result[kind], window, shape, names, rank)
     assert result["dp_cp"]["ranks"] == [r for r in window if r % 2 == rank % 2]
     local = rank % 4
     assert result["ranks"] == [local // 2, 0, local % 2, local % 2]
+
+
+@pytest.mark.parametrize("rank", range(8))
+def test_the_handle_matches_hyper_parallels_own_build_meshs(reports: list[dict], rank: int) -> None:
+    check_matches_build_meshs(reports[rank]["compare"], rank, HP_MESH)
+
+
+@pytest.mark.parametrize("rank", range(8))
+def test_hyper_parallels_meshes_over_pipeline_stages_wrap_shardcores_groups(reports: list[dict], rank: int) -> None:
+    check_pipelined(reports[rank]["stand_in"], rank, HP_MESH)

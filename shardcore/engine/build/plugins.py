@@ -180,7 +180,12 @@ def _collect_one(plugin: object) -> dict[str, Backend]:
 def _info(backend: Backend, distribution: str, version: str) -> BackendInfo:
     reason = backend.unavailable_reason()
     note = getattr(backend, "device_note", None)
-    device = note() if reason is None and callable(note) else None
+    device = None
+    if reason is None and callable(note):
+        try:
+            device = note()
+        except BackendUnavailableError as error:  # torch itself does not import here (device.device_notes says why)
+            reason = str(error)
     return BackendInfo(
         backend.name, distribution, version, reason is None, reason, getattr(backend, "description", ""), device
     )

@@ -16,7 +16,7 @@ from ..agreement import Party, Purpose, Terms, arrive_failed, convene, meet
 from ..groups.create import create_groups, destroy_groups
 from ..groups.strategy import Strategy, choose_strategy
 from ..groups.window import Window, open_window
-from ..torch_state import dist, group_counter, is_fake_world, set_group_counter
+from ..torch_state import dist, group_counter, import_torch, is_fake_world, set_group_counter
 from .backend import Backend
 from .plugins import get_backend
 
@@ -119,6 +119,7 @@ class BuildTerms(Terms):
 
 def _require_initialized() -> None:
     try:
+        import_torch()
         import torch.distributed as dist
     except ImportError:
         raise GroupCreationError("build_shards needs torch: pip install torch") from None

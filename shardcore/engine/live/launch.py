@@ -19,6 +19,7 @@ import os
 import pickle
 import re
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,6 +28,7 @@ from typing import Any
 
 from ...errors import GroupCreationError, ShardcoreError
 from ...plan.arguments import shown_ranks
+from ..torch_state import check_torch_imports, import_torch
 
 OnEvent = Callable[[str, int, float], None]
 """Progress callback: (stage, rank, seconds since the job started)."""
@@ -105,7 +107,7 @@ def _local_worker(
 
     try:
         send("started", rank, time.time() - started)
-        import torch
+        torch = import_torch()
         import torch.distributed as dist
 
         torch.set_num_threads(1)  # as torchrun does: many ranks share few cores, extra threads only contend
@@ -120,10 +122,11 @@ def _local_worker(
     except BaseException as error:  # the parent shows it as one line; a traceback would be noise
         send("failed", rank, error_line(error))
     finally:
-        import torch.distributed as dist
+        if "torch" in sys.modules:  # never a second import of a torch that failed to import
+            import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
         conn.close()
 
 
@@ -167,6 +170,7 @@ def run_local_job(nproc: int, job: Job, options: Any, timeout: float, on_event: 
         Every rank's report, in rank order.
 
     Raises:
+        BackendUnavailableError: torch would not import in the workers (``check_torch_imports``).
         GroupCreationError: a rank failed or died (each distinct error once), or no rank sent
             anything for ``timeout + SILENCE_SECONDS`` (naming the ranks still out).
         KeyboardInterrupt: passed on after every process has been ended.
@@ -176,6 +180,7 @@ def run_local_job(nproc: int, job: Job, options: Any, timeout: float, on_event: 
 
     from .ports import free_port
 
+    check_torch_imports()
     context = multiprocessing.get_context("spawn")
     port, started = free_port(), time.time()
     processes: list[Any] = []
@@ -259,8 +264,9 @@ def run_joined_job(job: Job, options: Any, on_event: OnEvent | None = None) -> l
         on_event: progress callback, called on every rank for this rank's own stages.
 
     Raises:
-        ShardcoreError: the job failed on this rank.
+        ShardcoreError: the job failed on this rank (``BackendUnavailableError``: torch does not import).
     """
+    import_torch()
     import torch.distributed as dist
 
     started = time.time()

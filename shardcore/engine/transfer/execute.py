@@ -40,7 +40,7 @@ from ...errors import RefitInputError, RefitIntegrityError, RefitMismatchError, 
 from ...plan.arguments import DEFAULT_TIMEOUT, as_timedelta, check_count, shown
 from ...version import __version__
 from ..agreement import GRACE, Party, Purpose, Terms, arrive_failed, convene, declare_absent, meet
-from ..torch_state import dist, is_fake_world
+from ..torch_state import dist, import_torch, is_fake_world
 from .exchange import Exchange, view_of
 from .schedule import ALIGN, rank_batches
 
@@ -248,6 +248,7 @@ def execute_refit(
 
 def _require_world() -> int:
     """This rank; raises before any meeting when there is no world to meet in."""
+    import_torch()
     torch_dist = dist()
     if not torch_dist.is_available() or not torch_dist.is_initialized():
         raise RefitInputError("torch.distributed is not initialized: call torch.distributed.init_process_group() first")

@@ -1,0 +1,1 @@
+"""Test stand-in: Hyper-Parallel's DTensor core holds its DeviceMesh."""

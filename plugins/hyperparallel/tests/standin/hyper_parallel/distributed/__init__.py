@@ -1,0 +1,1 @@
+"""Test stand-in: the current layout's home of MeshContext and DistributedSetup."""
