@@ -191,7 +191,7 @@ class Copies:
         return found
 
     def missing(self) -> tuple[MissingCopy, ...]:
-        """Every part of a tensor no survivor holds, with the ranks that held it; sorted by tensor and box."""
+        """Every part of a tensor no survivor holds, with the ranks that held it; in manifest order, then by box."""
         proofs: dict[tuple[str, Box], MissingCopy] = {}
         for position, shard, index in sorted(self._lost_slices()):
             tensor = self.manifest.tensors[position]
@@ -205,7 +205,7 @@ class Copies:
             for start, stop in _subtract(_intervals(tensor, self.old.shards[shard], index), alive):
                 proof = self._proof(tensor, start, stop)
                 proofs.setdefault((proof.tensor, proof.box), proof)
-        return tuple(proofs[key] for key in sorted(proofs))
+        return tuple(proofs[key] for key in sorted(proofs, key=lambda key: (self.manifest.index(key[0]), key[1])))
 
     def _proof(self, tensor: TensorSpec, start: int, stop: int) -> MissingCopy:
         """The ranks, in every old shard, that held [start, stop) of ``tensor``'s split dim."""

@@ -12,6 +12,9 @@ Four kinds, each cheap to propose (``shardcore.replan.replan`` evaluates and ran
   moves down), possible when the survivors and added ranks can hold them all;
 - **grow**: any of the above, with the last shard grown into the idle and added ranks at the end.
 
+A proposal's kind says what it did: ``shrink+relayout`` when a shard that could not shrink (one replica
+left) was re-laid out, ``keep`` when nothing was lost.
+
 Shards that lost nothing keep their spec and processes in every kind but shift. A shard named in
 ``keep`` may not change its spec: only shift can keep it when it lost ranks.
 """
@@ -26,6 +29,7 @@ from ..plan.choices import valid_specs
 from ..plan.layout import Layout, Order, ShardPlan
 from ..plan.spec import ShardSpec
 from ..refit.footprint import Footprint
+from ..views.tables import counted
 from .renumbering import Renumbering
 
 RELAYOUT_SIZES = 1024
@@ -106,7 +110,7 @@ def relayout(spec: ShardSpec, ranks: int, constraints: Constraints, above: int =
 def _in_place(kind: str, old: Layout, lost: set[int], constraints: Constraints, failed: list[str]) -> Proposal | None:
     """Shrink or relayout every shard that lost ranks, each within its own window (a relayout only where it
     holds more ranks than shrinking would); None, with the reason in ``failed``, when a shard cannot."""
-    specs, released, notes = [], [], []
+    specs, released, notes, done = [], [], [], set()
     ordered = sorted(lost)
     for plan in old.shards:
         gone = ordered[bisect_left(ordered, plan.rank_offset) : bisect_left(ordered, plan.ranks.stop)]
@@ -120,7 +124,9 @@ def _in_place(kind: str, old: Layout, lost: set[int], constraints: Constraints, 
         dropped = shrink(plan, gone, constraints)
         if kind == "shrink" and dropped is not None:
             spec, freed = dropped
-            notes.append(f"{where}: drops {plan.spec.dp - spec.dp} dp replicas -> '{spec}', releases {len(freed)}")
+            replicas = counted(plan.spec.dp - spec.dp, "dp replica")
+            notes.append(f"{where}: drops {replicas} -> '{spec}', releases {len(freed)}")
+            done.add("shrink")
         else:
             survivors = [rank for rank in plan.ranks if rank not in lost]
             above = dropped[0].world_size if dropped is not None else 0
@@ -130,10 +136,13 @@ def _in_place(kind: str, old: Layout, lost: set[int], constraints: Constraints, 
                 failed.append(f"{kind}: {where}; no spec of at most {len(survivors)} ranks{bigger} fits")
                 return None
             spec, freed = chosen, survivors[chosen.world_size :]
-            notes.append(f"{where}: re-laid out as '{spec}' on {spec.world_size} survivors, releases {len(freed)}")
+            on = counted(spec.world_size, "survivor")
+            notes.append(f"{where}: re-laid out as '{spec}' on {on}, releases {len(freed)}")
+            done.add("relayout")
         specs.append(spec)
         released += freed
-    return Proposal(kind if notes else "keep", tuple(specs), tuple(released), tuple(notes))
+    named = "+".join(name for name in ("shrink", "relayout") if name in done) or "keep"
+    return Proposal(named, tuple(specs), tuple(released), tuple(notes))
 
 
 def _grown(proposal: Proposal, spare: int, constraints: Constraints) -> Proposal | None:
