@@ -15,7 +15,7 @@ from ..refit.documents import model_manifest
 from ..refit.models import PRESETS
 from ..refit.planner import RankRefit, RefitPlan, plan_refit
 from ..views.tables import format_table
-from .arguments import NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_SECONDS
+from .arguments import NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_SECONDS, missing_flags
 from .search import add_search_arguments, run_search
 
 if TYPE_CHECKING:
@@ -93,17 +93,7 @@ def rank_table(mine: RankRefit) -> str:
 
 
 def _plan(args: argparse.Namespace) -> tuple[Layout, RefitPlan]:
-    missing = [
-        flag
-        for flag, value in (
-            ("--world", args.world),
-            ("--shards", args.shards),
-            ("--from", args.src),
-            ("--to", args.dst),
-            ("--model", args.model),
-        )
-        if value is None
-    ]
+    missing = missing_flags(args, "--world", "--shards", "--from", "--to", "--model")
     if missing:
         raise RefitError(f"refit needs {', '.join(missing)} (or --list-models)")
     for flag, value in (("--intra-gbps", args.intra_gbps), ("--inter-gbps", args.inter_gbps)):

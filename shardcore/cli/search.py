@@ -16,7 +16,7 @@ from ..refit.documents import model_manifest
 from ..refit.search import Candidate, SearchResult, search
 from ..views.tables import format_table
 from ..views.topology import check_topology
-from .arguments import NON_NEGATIVE_INT, POSITIVE_INT
+from .arguments import NON_NEGATIVE_INT, POSITIVE_INT, missing_flags
 
 PROGRESS_AFTER = 1.0
 """Seconds a search runs before its progress lines appear on stderr."""
@@ -141,18 +141,7 @@ def search_table(result: SearchResult, top: int, ranks_per_node: int | None) -> 
 
 def run_search(args: argparse.Namespace) -> int:
     """The ``refit --search`` subcommand."""
-    missing = [
-        flag
-        for flag, value in (
-            ("--world", args.world),
-            ("--shards", args.shards),
-            ("--from", args.src),
-            ("--ranks", args.ranks),
-            ("--memory-gb", args.memory_gb),
-            ("--model", args.model),
-        )
-        if value is None
-    ]
+    missing = missing_flags(args, "--world", "--shards", "--from", "--ranks", "--memory-gb", "--model")
     if missing:
         raise RefitError(f"refit --search needs {', '.join(missing)}")
     if args.dst is not None or args.check:

@@ -225,3 +225,18 @@ def test_cli_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], extra: tu
     assert main([*SEARCH, *extra]) == 2
     err = capsys.readouterr().err
     assert err.startswith("shardcore: error: ") and message in err and err.count("\n") == 1
+
+
+def test_cli_progress_on_stderr_when_it_runs_long(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shardcore.cli.search as cli_search
+
+    assert main([*SEARCH, "--memory-gb", "0.005"]) == 0
+    assert capsys.readouterr().err == ""  # a quick search says nothing
+    monkeypatch.setattr(cli_search, "PROGRESS_AFTER", 0.0)
+    assert main([*SEARCH, "--memory-gb", "0.005", "--plan", "1"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("search: ") and "specs of 16 ranks" in err[0]
+    assert any("planning 1/1" in line for line in err)
+    assert main([*SEARCH, "--memory-gb", "0.005", "-q"]) == 0 and capsys.readouterr().err == ""
