@@ -51,6 +51,7 @@ class Candidate:
         destination: Its shard, placed on the search's ranks.
         weight_bytes: The most weight bytes one of its ranks holds.
         estimate: The refit estimate (see ``shardcore.refit.estimate``).
+        seconds: Its time: the plan's when planned, else the estimate's.
         stats: The planned refit's stats, when this candidate was planned.
         pareto: On the Pareto front over (weight bytes, seconds): nothing else is as small and as fast.
     """
@@ -59,10 +60,10 @@ class Candidate:
     destination: ShardPlan
     weight_bytes: int
     estimate: RefitEstimate
+    seconds: float
+    """The planned time when planned, else the estimate's."""
     stats: RefitStats | None = None
     pareto: bool = False
-    seconds: float = 0.0
-    """The planned time when planned, else the estimate's."""
 
     @property
     def busiest(self) -> tuple[int, float]:
@@ -294,7 +295,7 @@ def _estimate_all(
                 say(f"estimated {len(estimates)} refit classes")
         estimate = estimates[key]
         candidates.append(
-            Candidate(spec, destination.shards[0], footprint.weight_bytes(spec), estimate, seconds=estimate.seconds)
+            Candidate(spec, destination.shards[0], footprint.weight_bytes(spec), estimate, estimate.seconds)
         )
     return candidates, len(estimates)
 

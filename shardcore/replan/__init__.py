@@ -19,7 +19,7 @@ Pure Python, no torch. ``replan(layout, manifest, lost=...)`` returns a ``Replan
 
 from __future__ import annotations
 
-from .copies import Copies, MissingCopy, SurvivingCopy
+from .copies import Copies, MissingCopy, RestoreSources, SurvivingCopy
 from .fate import GroupFate, RankMove, holdings_key
 from .options import Proposal
 from .renumbering import Renumbering, format_ranks
@@ -34,6 +34,7 @@ __all__ = [
     "Renumbering",
     "ReplanOption",
     "ReplanResult",
+    "RestoreSources",
     "SurvivingCopy",
     "format_ranks",
     "holdings_key",

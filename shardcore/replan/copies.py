@@ -11,7 +11,7 @@ all its holders, and ranks holding the same weights (``holdings_key``) are looke
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,7 +132,7 @@ class Copies:
 
     def __init__(self, old: Layout, manifest: Manifest, renumbering: Renumbering) -> None:
         self.old, self.manifest, self.renumbering = old, manifest, renumbering
-        self._sets: dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self._sets: dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = {}
         self._kinds: dict[int, dict[tuple[Any, ...], list[int]]] = {}
 
     def _kind(self, plan: ShardPlan, tensor: TensorSpec) -> tuple[Any, ...]:
@@ -149,14 +149,18 @@ class Copies:
             self._kinds[plan.index] = kinds
         return self._kinds[plan.index]
 
-    def holder_set(self, plan: ShardPlan, tensor: TensorSpec, index: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(every old holder, the surviving ones) of slice ``index`` of ``tensor`` in old shard ``plan``;
-        cached by what fixes it, so tensors alike share one."""
+    def holder_set(
+        self, plan: ShardPlan, tensor: TensorSpec, index: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """(every old holder, the surviving ones, their new ranks) of slice ``index`` of ``tensor`` in old
+        shard ``plan``; cached by what fixes it, so tensors alike share one (and its tuples)."""
         key = (plan.index, *self._kind(plan, tensor), index)
         found = self._sets.get(key)
         if found is None:
             every = holders(tensor, plan, self.manifest, index)
-            found = self._sets[key] = (every, tuple(r for r in every if not self.renumbering.is_gone(r)))
+            alive = tuple(r for r in every if not self.renumbering.is_gone(r))
+            new = tuple(rank for rank in map(self.renumbering.new_of, alive) if rank is not None)  # each has one
+            found = self._sets[key] = (every, alive, new)
         return found
 
     def surviving(self, tensor: TensorSpec) -> tuple[SurvivingCopy, ...]:
@@ -164,11 +168,10 @@ class Copies:
         out = []
         for plan in self.old.shards:
             for index in range(tp_size(tensor, plan)):
-                _, alive = self.holder_set(plan, tensor, index)
+                _, alive, new = self.holder_set(plan, tensor, index)
                 if alive:
-                    new = tuple(self.renumbering.new_of(rank) for rank in alive)
                     boxes = holdings(tensor, plan, alive[0], self.manifest)
-                    out.append(SurvivingCopy(tensor.name, plan.index, index, boxes, new, alive))  # type: ignore[arg-type]
+                    out.append(SurvivingCopy(tensor.name, plan.index, index, boxes, new, alive))
         return tuple(out)
 
     def _lost_slices(self) -> set[tuple[int, int, int]]:
@@ -220,4 +223,22 @@ class Copies:
         return MissingCopy(tensor.name, box, tuple(sorted(held & lost)), tuple(sorted(held - lost)))
 
 
-__all__ = ["Copies", "MissingCopy", "SurvivingCopy"]
+class RestoreSources(Mapping[str, tuple[SurvivingCopy, ...]]):
+    """Tensor name -> every surviving copy of it, for the tensors one new shard's moving ranks need; each
+    value computed when asked for (a shard of a large model needs tens of thousands of tensors)."""
+
+    def __init__(self, copies: Copies, positions: Iterable[int]) -> None:
+        self._copies = copies
+        self._tensors = {copies.manifest.tensors[p].name: copies.manifest.tensors[p] for p in sorted(positions)}
+
+    def __getitem__(self, name: str) -> tuple[SurvivingCopy, ...]:
+        return self._copies.surviving(self._tensors[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+__all__ = ["Copies", "MissingCopy", "RestoreSources", "SurvivingCopy"]

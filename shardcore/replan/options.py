@@ -107,9 +107,33 @@ def relayout(spec: ShardSpec, ranks: int, constraints: Constraints, above: int =
     return None
 
 
+def _rework(
+    kind: str, plan: ShardPlan, gone: list[int], lost: set[int], constraints: Constraints
+) -> tuple[str, ShardSpec, list[int], str] | str:
+    """How a shard that lost ``gone`` is reworked in place: (what was done, the new spec, the ranks released,
+    a note), or why it cannot be. A relayout that would hold no more ranks than shrinking shrinks."""
+    where = f"shard {plan.index} ('{plan.spec}') lost {len(gone)} of {plan.size} ranks"
+    if plan.index in constraints.keep:
+        return f"{kind}: {where} and must keep its spec"
+    dropped = shrink(plan, gone, constraints)
+    chosen = None
+    if kind == "relayout" or dropped is None:
+        survivors = [rank for rank in plan.ranks if rank not in lost]
+        chosen = relayout(plan.spec, len(survivors), constraints, dropped[0].world_size if dropped else 0)
+        if chosen is not None:
+            on = counted(chosen.world_size, "survivor")
+            freed = survivors[chosen.world_size :]
+            return "relayout", chosen, freed, f"{where}: re-laid out as '{chosen}' on {on}, releases {len(freed)}"
+    if dropped is None:
+        return f"{kind}: {where}; no spec of at most {plan.size - len(gone)} ranks fits"
+    spec, freed = dropped
+    replicas = counted(plan.spec.dp - spec.dp, "dp replica")
+    return "shrink", spec, freed, f"{where}: drops {replicas} -> '{spec}', releases {len(freed)}"
+
+
 def _in_place(kind: str, old: Layout, lost: set[int], constraints: Constraints, failed: list[str]) -> Proposal | None:
-    """Shrink or relayout every shard that lost ranks, each within its own window (a relayout only where it
-    holds more ranks than shrinking would); None, with the reason in ``failed``, when a shard cannot."""
+    """Shrink or relayout every shard that lost ranks, each within its own window; None, with the reason in
+    ``failed``, when a shard can do neither."""
     specs, released, notes, done = [], [], [], set()
     ordered = sorted(lost)
     for plan in old.shards:
@@ -117,30 +141,15 @@ def _in_place(kind: str, old: Layout, lost: set[int], constraints: Constraints, 
         if not gone:
             specs.append(plan.spec)
             continue
-        where = f"shard {plan.index} ('{plan.spec}') lost {len(gone)} of {plan.size} ranks"
-        if plan.index in constraints.keep:
-            failed.append(f"{kind}: {where} and must keep its spec")
+        reworked = _rework(kind, plan, gone, lost, constraints)
+        if isinstance(reworked, str):
+            failed.append(reworked)
             return None
-        dropped = shrink(plan, gone, constraints)
-        if kind == "shrink" and dropped is not None:
-            spec, freed = dropped
-            replicas = counted(plan.spec.dp - spec.dp, "dp replica")
-            notes.append(f"{where}: drops {replicas} -> '{spec}', releases {len(freed)}")
-            done.add("shrink")
-        else:
-            survivors = [rank for rank in plan.ranks if rank not in lost]
-            above = dropped[0].world_size if dropped is not None else 0
-            chosen = relayout(plan.spec, len(survivors), constraints, above)
-            if chosen is None:
-                bigger = f" more than shrinking keeps ({above})" if above else ""
-                failed.append(f"{kind}: {where}; no spec of at most {len(survivors)} ranks{bigger} fits")
-                return None
-            spec, freed = chosen, survivors[chosen.world_size :]
-            on = counted(spec.world_size, "survivor")
-            notes.append(f"{where}: re-laid out as '{spec}' on {on}, releases {len(freed)}")
-            done.add("relayout")
+        what, spec, freed, note = reworked
         specs.append(spec)
         released += freed
+        notes.append(note)
+        done.add(what)
     named = "+".join(name for name in ("shrink", "relayout") if name in done) or "keep"
     return Proposal(named, tuple(specs), tuple(released), tuple(notes))
 
@@ -171,8 +180,8 @@ def proposals(old: Layout, base: Renumbering, constraints: Constraints) -> tuple
             found.append(proposal)
     specs = tuple(plan.spec for plan in old.shards)
     needed = head + sum(spec.world_size for spec in specs)
-    if not lost:
-        pass  # nothing to close over: shift would be the unchanged layout
+    if any(proposal.specs == specs and not proposal.released for proposal in found):
+        pass  # nothing to close over (no shard lost a rank): shift is the layout already found
     elif needed <= base.new_world:
         found.append(Proposal("shift", specs, (), ("every shard keeps its spec; the windows close over the gap",)))
     else:

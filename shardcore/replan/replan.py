@@ -24,7 +24,7 @@ from ..refit.footprint import Footprint
 from ..refit.manifest import Manifest
 from ..refit.placement import check_fits, expert_range
 from ..views.topology import check_topology
-from .copies import Copies, MissingCopy, SurvivingCopy
+from .copies import Copies, MissingCopy, RestoreSources
 from .fate import GroupFate, RankMove, group_fates, rank_moves
 from .options import Constraints, Proposal, proposals
 from .renumbering import Renumbering, format_ranks
@@ -77,9 +77,10 @@ class ReplanOption:
         """The moves into new shard ``shard`` that must receive weights."""
         return tuple(move for move in self.moves if move.new_shard == shard and move.needs_weights)
 
-    def restore_sources(self, shard: int) -> dict[str, tuple[SurvivingCopy, ...]]:
+    def restore_sources(self, shard: int) -> RestoreSources:
         """The seam for the restore refit: for each tensor that a rank of new shard ``shard`` must receive,
-        every surviving copy of any part of it (old shard, slice, global boxes, holders as new ranks).
+        every surviving copy of any part of it (old shard, slice, global boxes, holders as new ranks), as a
+        mapping from tensor name whose values are computed on access.
 
         The refit planner turns these holdings into a ``RefitPlan`` toward the new shard; a part of a
         tensor with no copy here is in ``missing``.
@@ -97,7 +98,7 @@ class ReplanOption:
             if (stage, ep) not in classes:
                 classes.add((stage, ep))
                 positions.update(manifest.on_stage(stage, plan.spec.pp, expert_range(plan, manifest, ep)))
-        return {manifest.tensors[p].name: self._copies.surviving(manifest.tensors[p]) for p in sorted(positions)}
+        return RestoreSources(self._copies, positions)
 
     def rank_key(self, crossing_before: int = 0) -> tuple[Any, ...]:
         """How options are ranked (smaller first; see the module doc); ``crossing_before``: the old layout's
