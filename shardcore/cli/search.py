@@ -144,8 +144,8 @@ def run_search(args: argparse.Namespace) -> int:
     missing = missing_flags(args, "--world", "--shards", "--from", "--ranks", "--memory-gb", "--model")
     if missing:
         raise RefitError(f"refit --search needs {', '.join(missing)}")
-    if args.dst is not None or args.check:
-        raise RefitError("--search chooses the destination: give --ranks R instead of --to (and no --check)")
+    if args.dst is not None or args.check or args.rank is not None or args.transfers:
+        raise RefitError("--search chooses the destination: give --ranks R, not --to, --check, --rank or --transfers")
     if not args.memory_gb > 0:
         raise RefitError(f"--memory-gb {args.memory_gb}: expected a positive number of GB per rank")
     layout = plan_layout(args.world, args.shards, order=args.order, allow_idle=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import accumulate
+from math import gcd
 from typing import NamedTuple
 
 from ..errors import ManifestError
@@ -144,7 +145,8 @@ class Footprint:
         key = (spec.tp, spec.expt_tp, spec.ep)
         if key not in self._fit_errors:
             try:
-                flat = ShardSpec(tp=spec.tp, ep=spec.ep, expt_tp=spec.expt_tp, dp=spec.expt_tp * spec.ep)
+                expert = spec.expt_tp * spec.ep  # the smallest shard with this split: lcm(tp, expt_tp*ep) ranks
+                flat = ShardSpec(tp=spec.tp, ep=spec.ep, expt_tp=spec.expt_tp, dp=expert // gcd(spec.tp, expert))
                 check_fits(self._signature, plan_layout(flat.world_size, flat).shards[0])
                 self._fit_errors[key] = None
             except ManifestError as error:

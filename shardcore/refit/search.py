@@ -37,6 +37,8 @@ from .manifest import Manifest
 from .planner import _resolve, plan_refit
 
 Progress = Callable[[str], None]
+NEAREST_SPECS = 100_000
+"""How many specs a failed search looks at, at most, for a nearby number of ranks that would fit."""
 NEAREST_RANKS = 1024
 """How far a failed search looks for a number of ranks that would fit: R ranks each way, at least 64 and at
 most this many."""
@@ -161,18 +163,25 @@ def _fitting(
 
 
 def _nearest_ranks(ranks: int, footprint: Footprint, memory: float, axes: Mapping[str, int], order: str) -> str:
-    """A nearby number of ranks with a fitting spec, as a clause for the error ('256 ranks would: ...')."""
-    reach = min(max(ranks, 64), NEAREST_RANKS)
+    """A nearby number of ranks with a fitting spec, as a clause for the error ('; 256 ranks would fit: ...').
+
+    Looks R ranks each way (at least 64, at most NEAREST_RANKS), nearest first, and stops at the first
+    fitting spec or after NEAREST_SPECS specs (a size like 2^16 has hundreds of thousands).
+    """
+    reach, examined = min(max(ranks, 64), NEAREST_RANKS), 0
     for distance in range(1, reach + 1):
         for other in (ranks + distance, ranks - distance):
-            if other < 1:
+            if not 1 <= other <= MAX_WORLD_SIZE:
                 continue
-            fits = _fitting(other, footprint, memory, axes, order)[2]
-            if fits:
-                spec = min(fits, key=footprint.weight_bytes)
-                return (
-                    f"; {other} ranks would fit: '{spec}' holds {format_bytes(footprint.weight_bytes(spec))} per rank"
-                )
+            for spec in valid_specs(other, order=order, axes=axes):
+                examined += 1
+                if footprint.fits(spec) is None and footprint.weight_bytes(spec) <= memory:
+                    held = format_bytes(footprint.weight_bytes(spec))
+                    return f"; {other} ranks would fit: e.g. '{spec}' holds {held} per rank"
+                if examined >= NEAREST_SPECS:
+                    return (
+                        f"; no nearby number of ranks fits either ({examined} specs looked at, up to {distance} away)"
+                    )
     return f"; no number of ranks within {reach} of {ranks} fits either"
 
 
