@@ -1,12 +1,13 @@
 """shardcore: lay out heterogeneous parallel jobs, build each rank's process groups, move weights between layouts.
 
 Subpackages, imported one way only (``cli`` -> ``engine`` -> ``refit`` -> ``plan``; ``views`` -> ``plan``;
-everything -> ``errors``); the README's design section states the rule, and
+``replan`` -> ``refit``, ``views``; everything -> ``errors``); the README's design section states the rule, and
 ``tests/core/test_architecture.py`` checks it:
 
 * ``plan``: shard specs, grids and layouts, pure index math (no torch, no numpy);
 * ``views``: topology findings, tables and pictures of a plan (no torch);
-* ``refit``: manifests and the refit planner (no torch);
+* ``refit``: manifests, the refit planner and layout search (no torch);
+* ``replan``: elastic re-layout after ranks are lost or added (no torch);
 * ``engine``: group creation, builds, refit execution, live checks (torch imported on use);
 * ``cli``: the ``shardcore`` command.
 
@@ -39,6 +40,7 @@ from .errors import (
     LayoutError,
     LayoutMismatchError,
     ManifestError,
+    NoLayoutError,
     RefitError,
     RefitInputError,
     RefitIntegrityError,
@@ -84,6 +86,7 @@ __all__ = [
     "LayoutMismatchError",
     "ManifestError",
     "NamedGrids",
+    "NoLayoutError",
     "Order",
     "RefitError",
     "RefitInputError",

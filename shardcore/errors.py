@@ -17,6 +17,11 @@ class LayoutError(ShardcoreError, ValueError):
     """Shards do not fit the world, a grid / rank request is out of range, or an argument is bad."""
 
 
+class NoLayoutError(LayoutError):
+    """No layout meets the constraints (ranks, memory, model, kept shards); the message names the one that
+    cannot be met and the nearest relaxed constraint that would admit a layout."""
+
+
 class BackendNotFoundError(ShardcoreError, LookupError):
     """No installed backend has the requested name."""
 

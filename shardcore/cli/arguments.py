@@ -46,4 +46,11 @@ def POSITIVE_SECONDS(text: str) -> float:
     return seconds
 
 
-__all__ = ["NON_NEGATIVE_INT", "POSITIVE_INT", "POSITIVE_SECONDS"]
+def missing_flags(args: argparse.Namespace, *flags: str) -> list[str]:
+    """The ``flags`` (``--memory-gb``, ``--from``, ...) that were not given; ``--from`` and ``--to`` are
+    stored as ``src`` and ``dst``, the others under their argparse name."""
+    dests = {"--from": "src", "--to": "dst"}
+    return [flag for flag in flags if getattr(args, dests.get(flag, flag[2:].replace("-", "_"))) is None]
+
+
+__all__ = ["NON_NEGATIVE_INT", "POSITIVE_INT", "POSITIVE_SECONDS", "missing_flags"]

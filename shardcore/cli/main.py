@@ -22,6 +22,7 @@ from ..views.topology import TOPOLOGY_GROUPS, check_topology
 from .arguments import NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_SECONDS
 from .check import cmd_check
 from .refit import add_refit_parser
+from .replan import add_replan_parser
 
 ORDER_HELP = (
     "how ranks map to coordinates, innermost first: tp-cp-dp-pp keeps each pipeline stage's ranks "
@@ -207,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.set_defaults(func=cmd_check)
     add_refit_parser(sub, common)
+    add_replan_parser(sub, common)
     backends = sub.add_parser("backends", help="list installed backends and whether they work here", parents=[common])
     backends.set_defaults(func=_cmd_backends)
     return parser

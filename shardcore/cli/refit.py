@@ -8,24 +8,18 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from ..errors import RefitError
+from ..plan.arguments import format_bytes
 from ..plan.layout import DEFAULT_ORDER, ORDER_ALIASES, Layout, Order, plan_layout
 from ..refit.cost import DEFAULT_INTER_GBPS, DEFAULT_INTRA_GBPS, RefitStats
 from ..refit.documents import model_manifest
 from ..refit.models import PRESETS
 from ..refit.planner import RankRefit, RefitPlan, plan_refit
 from ..views.tables import format_table
-from .arguments import NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_SECONDS
+from .arguments import NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_SECONDS, missing_flags
+from .search import add_search_arguments, run_search
 
 if TYPE_CHECKING:
     from ..engine.live.refit_check import RefitReport
-
-
-def format_bytes(size: float) -> str:
-    """Bytes in decimal units, 3 significant digits: '512 B', '4.72 MB', '1.34 TB'."""
-    units, step = ("B", "kB", "MB", "GB", "TB"), 0
-    while abs(size) >= 1000 and step < len(units) - 1:
-        size, step = size / 1000, step + 1
-    return f"{size:.0f} B" if step == 0 else f"{size:.3g} {units[step]}"
 
 
 def _shard_indices(text: str) -> list[int]:
@@ -99,17 +93,7 @@ def rank_table(mine: RankRefit) -> str:
 
 
 def _plan(args: argparse.Namespace) -> tuple[Layout, RefitPlan]:
-    missing = [
-        flag
-        for flag, value in (
-            ("--world", args.world),
-            ("--shards", args.shards),
-            ("--from", args.src),
-            ("--to", args.dst),
-            ("--model", args.model),
-        )
-        if value is None
-    ]
+    missing = missing_flags(args, "--world", "--shards", "--from", "--to", "--model")
     if missing:
         raise RefitError(f"refit needs {', '.join(missing)} (or --list-models)")
     for flag, value in (("--intra-gbps", args.intra_gbps), ("--inter-gbps", args.inter_gbps)):
@@ -153,6 +137,8 @@ def run(args: argparse.Namespace) -> int:
     if args.list_models:
         print("\n".join(PRESETS))
         return 0
+    if args.search:
+        return run_search(args)
     if args.check:
         if args.world is not None:
             raise RefitError("--check takes its world from --nproc (or torchrun), not --world")
@@ -266,6 +252,7 @@ def add_refit_parser(subparsers: Any, common: argparse.ArgumentParser) -> argpar
         "--timeout", type=POSITIVE_SECONDS, default=120.0, help="with --check: seconds before a peer is an error"
     )
     parser.add_argument("--bucket-bytes", type=POSITIVE_INT, help="with --check: bound on each pairwise send buffer")
+    add_search_arguments(parser)
     parser.set_defaults(func=run)
     return parser
 

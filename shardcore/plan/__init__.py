@@ -1,6 +1,7 @@
 """The plan: shard specs, grids and layouts, by pure index math (no torch, no numpy).
 
-Also the checks every public argument goes through (``check_count``, ``as_timedelta``, ...), which
+``valid_specs(R)`` enumerates every valid spec of R ranks (the candidates of layout search and of
+elastic re-layout). Also the checks every public argument goes through (``check_count``, ``as_timedelta``, ...), which
 backends use for their own options so that a bad value reads alike everywhere.
 """
 
@@ -15,8 +16,10 @@ from .arguments import (
     check_count,
     check_flag,
     check_names,
+    format_bytes,
     shown,
 )
+from .choices import AXES, check_axes, divisors, valid_specs
 from .grid import Dims, Grid
 from .layout import (
     DECODER_GROUPS,
@@ -37,6 +40,7 @@ from .protocols import GridLike, NamedGrids, ShardPlanLike
 from .spec import INT_KEYS, ROLES, ShardsInput, ShardSpec, format_shards, parse_shards
 
 __all__ = [
+    "AXES",
     "DECODER_GROUPS",
     "DEFAULT_ORDER",
     "DEFAULT_TIMEOUT",
@@ -61,13 +65,17 @@ __all__ = [
     "ShardSpec",
     "ShardsInput",
     "as_timedelta",
+    "check_axes",
     "check_choice",
     "check_count",
     "check_flag",
     "check_names",
     "distinct_groups",
+    "divisors",
+    "format_bytes",
     "format_shards",
     "parse_shards",
     "plan_layout",
     "shown",
+    "valid_specs",
 ]

@@ -138,6 +138,14 @@ def shown_ranks(ranks: Iterable[int]) -> str:
     return f"[{', '.join(parts)}{more}] ({len(ordered)} rank{'' if len(ordered) == 1 else 's'})"
 
 
+def format_bytes(size: float) -> str:
+    """Bytes in decimal units, 3 significant digits: '512 B', '4.72 MB', '1.34 TB'."""
+    units, step = ("B", "kB", "MB", "GB", "TB"), 0
+    while abs(size) >= 1000 and step < len(units) - 1:
+        size, step = size / 1000, step + 1
+    return f"{size:.0f} B" if step == 0 else f"{size:.3g} {units[step]}"
+
+
 def check_count(
     name: str,
     value: object,
@@ -234,6 +242,7 @@ __all__ = [
     "check_count",
     "check_flag",
     "check_names",
+    "format_bytes",
     "number_or_long",
     "shown",
     "shown_ranks",

@@ -10,6 +10,10 @@ The manifest and planner are pure Python (no torch); only execution imports torc
 - ``plan_refit(layout, src, dst, manifest, ranks_per_node=None)`` -> ``RefitPlan``:
   ``.for_rank(r)`` -> ``RankRefit`` (sends, recvs, copies, shapes), ``.transfers()`` -> every
   ``Transfer`` in the global order; ``RefitStats.of(plan)``: what it costs.
+- ``search(layout, src, manifest, ranks, memory_bytes)`` -> ``SearchResult``: every destination spec of
+  R ranks that the model splits over and whose weights fit, ranked by estimated refit time
+  (``Candidate``s, the Pareto front marked); ``Footprint`` (what a rank of a spec holds, whether the
+  model splits over it) and ``estimate_refit`` -> ``RefitEstimate`` (a refit's cost without walking a plan).
 
 Executing a plan needs torch and lives in the engine: ``shardcore.execute_refit``.
 """
@@ -18,21 +22,29 @@ from __future__ import annotations
 
 from .cost import RefitStats, ShardCost
 from .documents import load_manifest, manifest_from_dict, model_manifest
+from .estimate import RefitEstimate, estimate_refit
+from .footprint import Footprint
 from .manifest import Manifest, TensorSpec
 from .models import PRESETS, TransformerConfig, manifest_from_config, preset
 from .placement import holdings, local_shape
 from .planner import RankRefit, RefitPlan, Transfer, plan_refit
+from .search import Candidate, SearchResult, search
 
 __all__ = [
     "PRESETS",
+    "Candidate",
+    "Footprint",
     "Manifest",
     "RankRefit",
+    "RefitEstimate",
     "RefitPlan",
     "RefitStats",
+    "SearchResult",
     "ShardCost",
     "TensorSpec",
     "Transfer",
     "TransformerConfig",
+    "estimate_refit",
     "holdings",
     "load_manifest",
     "local_shape",
@@ -41,4 +53,5 @@ __all__ = [
     "model_manifest",
     "plan_refit",
     "preset",
+    "search",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import colorsys
 import xml.etree.ElementTree as ET
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 from ..errors import LayoutError
@@ -30,6 +30,8 @@ FILLS = ("#8ec5e8", "#f9b97a", "#93d39a", "#f3a1b0", "#c3aee0", "#f2d57e", "#8fd
 STROKES = ("#1f4e79", "#b3261e", "#1b7340", "#6b3fa0", "#a35200", "#0b6e69", "#7a1f5c", "#3d3d3d")
 """Dark outline colours for the first highlighted groups; later ones get golden-angle hues (``_stroke``)."""
 IDLE_FILL = "#dcdcdc"
+MARK = "#d1000f"
+"""Outline of the ranks a caller marks (``render_svg(marked=...)``)."""
 INK, MUTED = "#1e1e1e", "#5c5c5c"
 FONT = "DejaVu Sans, Helvetica, Arial, sans-serif"
 MONO = "DejaVu Sans Mono, Menlo, Consolas, monospace"
@@ -153,7 +155,9 @@ def _label_width(texts: list[str], font_size: float) -> float:
     return max(len(t) for t in texts) * 0.6 * font_size + 16
 
 
-def _rank_cells(svg: ET.Element, layout: Layout, k: int, top: float, highlight: str | None) -> tuple[float, float]:
+def _rank_cells(
+    svg: ET.Element, layout: Layout, k: int, top: float, highlight: str | None, marked: frozenset[int]
+) -> tuple[float, float]:
     """One cell per rank and the highlight outlines; returns the grid's right and bottom edges."""
     nodes = -(-layout.world_size // k)
     cells = [_rank_label(layout, rank) for rank in range(layout.world_size)]
@@ -204,6 +208,11 @@ def _rank_cells(svg: ET.Element, layout: Layout, k: int, top: float, highlight: 
         )
     if highlight is not None:
         _outlines(svg, layout, k, highlight, corner, cell_w)
+    if marked:
+        marks = _el(svg, "g", class_="marked", fill="none", stroke=MARK, stroke_width=2, stroke_dasharray="3 3")
+        for rank in sorted(marked):
+            x, y = corner(rank)
+            _el(marks, "rect", x=x + 2, y=y + 2, width=cell_w - 4, height=CELL_H - 4, rx=4, data_rank=rank)
     return left + min(k, layout.world_size) * pitch_x, top + nodes * pitch_y
 
 
@@ -301,12 +310,33 @@ def _node_cells(svg: ET.Element, layout: Layout, k: int, top: float) -> tuple[fl
     return left + min(len(owners), NODES_PER_ROW) * pitch, top + rows * pitch
 
 
-def render_svg(layout: Layout, ranks_per_node: int = DEFAULT_RANKS_PER_NODE, highlight: str | None = None) -> str:
-    """The layout as SVG text: rank cells while they fit (``draws_ranks``), node cells beyond."""
+def render_svg(
+    layout: Layout,
+    ranks_per_node: int = DEFAULT_RANKS_PER_NODE,
+    highlight: str | None = None,
+    marked: Collection[int] = (),
+    marked_label: str = "marked ranks",
+) -> str:
+    """The layout as SVG text: rank cells while they fit (``draws_ranks``), node cells beyond.
+
+    Args:
+        layout: The layout.
+        ranks_per_node: Ranks per row (node = rank // K).
+        highlight: A group name whose groups are outlined.
+        marked: Ranks outlined in red (drawn only rank by rank), described in a note as ``marked_label``.
+    """
     k = check_ranks_per_node(ranks_per_node)
     if highlight is not None and highlight not in TOPOLOGY_GROUPS:
         raise LayoutError(f"highlight={highlight!r}: expected a group name, one of {', '.join(TOPOLOGY_GROUPS)}")
     by_rank = draws_ranks(layout, k)
+    marks = frozenset(marked)
+    outside = [
+        rank
+        for rank in marks
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < layout.world_size
+    ]
+    if outside:
+        raise LayoutError(f"marked rank {outside[0]!r} is outside the world [0, {layout.world_size})")
     svg = ET.Element("svg", {"xmlns": "http://www.w3.org/2000/svg", "font-family": FONT})
     if by_rank:
         notes = ["each cell: rank, then its coordinates pp,dp,cp,tp"]
@@ -314,6 +344,8 @@ def render_svg(layout: Layout, ranks_per_node: int = DEFAULT_RANKS_PER_NODE, hig
             notes.append(
                 f"outlined: the {highlight} groups of more than one rank, one colour each; dashed: spans nodes"
             )
+        if marks:
+            notes.append(f"red dotted outline: {marked_label} ({counted(len(marks), 'rank')})")
     else:
         notes = [
             f"{counted(nodes_of(layout, k), 'node')} are too many to draw rank by rank: one cell per node, "
@@ -321,9 +353,11 @@ def render_svg(layout: Layout, ranks_per_node: int = DEFAULT_RANKS_PER_NODE, hig
         ]
         if highlight is not None:
             notes.append(f"{highlight} groups are outlined only when every rank is drawn")
+        if marks:
+            notes.append(f"{marked_label} ({counted(len(marks), 'rank')}) are outlined only when every rank is drawn")
     top = _header(svg, layout, k, notes)
     if by_rank:
-        right, bottom = _rank_cells(svg, layout, k, top, highlight)
+        right, bottom = _rank_cells(svg, layout, k, top, highlight, marks)
     else:
         right, bottom = _node_cells(svg, layout, k, top)
     width = max(right, MARGIN + _text_width(svg)) + MARGIN

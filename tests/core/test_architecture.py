@@ -2,8 +2,9 @@
 
 The rule (stated once more in the README's design section and in ``shardcore/__init__.py``):
 
-* ``cli`` -> ``engine`` -> ``refit`` -> ``plan``, and ``views`` -> ``plan``; every part may use ``errors``;
-* ``plan``, ``views`` and ``refit`` never import torch or numpy, not even lazily;
+* ``cli`` -> ``engine`` -> ``refit`` -> ``plan``, and ``views`` -> ``plan``; ``replan`` (elastic re-layout)
+  sits on ``refit`` and ``views``, and only ``engine`` and ``cli`` import it; every part may use ``errors``;
+* ``plan``, ``views``, ``refit`` and ``replan`` never import torch or numpy, not even lazily;
 * the shipped plugins import only the public API: ``shardcore`` and its subpackages' ``__init__``,
   never a module inside them (``shardcore.engine.build.shards``);
 * no module imports one that imports it back (no cycles).
@@ -19,14 +20,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "shardcore"
 PLUGINS = sorted(ROOT.glob("plugins/*/shardcore_*"))
-TORCH_FREE = ("plan", "views", "refit")
+TORCH_FREE = ("plan", "views", "refit", "replan")
 """Subpackages that must run without torch or numpy."""
 MAY_IMPORT = {
     "plan": {"plan", "errors"},
     "views": {"plan", "views", "errors"},
     "refit": {"plan", "refit", "errors"},
-    "engine": {"plan", "refit", "engine", "errors"},
-    "cli": {"plan", "views", "refit", "engine", "cli", "errors"},
+    "replan": {"plan", "views", "refit", "replan", "errors"},
+    "engine": {"plan", "refit", "replan", "engine", "errors"},
+    "cli": {"plan", "views", "refit", "replan", "engine", "cli", "errors"},
 }
 """For each subpackage, the shardcore parts it may import."""
 

@@ -1,0 +1,42 @@
+"""Elastic re-layout, planned before restart: after ranks are lost (or added), the best new layouts.
+
+Pure Python, no torch. ``replan(layout, manifest, lost=...)`` returns a ``ReplanResult`` whose
+``options`` are ranked ``ReplanOption``s, each with:
+
+- the new ``layout`` (same roles and names, every shard a valid layout the model splits over and whose
+  weights fit the memory) and its ``renumbering`` (survivors keep their order: new rank = old rank minus
+  the lost and released ranks below it; added ranks come last);
+- ``moves``: the ranks that change shard or weights (``RankMove``);
+- ``fates``: per new shard and group name, the groups whose processes are an old group's (the
+  communicator can be kept) and those rebuilt (``GroupFate``);
+- ``missing``: every part of a tensor no survivor holds, with the lost ranks that held it
+  (``MissingCopy``: the proof that it must come from a checkpoint);
+- ``restore_sources(shard)``: the seam for the restore refit: per tensor the new shard's moving ranks
+  need, every surviving copy (``SurvivingCopy``: old shard, slice, global boxes, holders as new ranks).
+
+``Renumbering`` maps old ranks to new ones; ``holdings_key`` says when two ranks hold the same weights.
+"""
+
+from __future__ import annotations
+
+from .copies import Copies, MissingCopy, RestoreSources, SurvivingCopy
+from .fate import GroupFate, RankMove, holdings_key
+from .options import Proposal
+from .renumbering import Renumbering, format_ranks
+from .replan import ReplanOption, ReplanResult, replan
+
+__all__ = [
+    "Copies",
+    "GroupFate",
+    "MissingCopy",
+    "Proposal",
+    "RankMove",
+    "Renumbering",
+    "ReplanOption",
+    "ReplanResult",
+    "RestoreSources",
+    "SurvivingCopy",
+    "format_ranks",
+    "holdings_key",
+    "replan",
+]

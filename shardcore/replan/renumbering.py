@@ -1,0 +1,121 @@
+"""Old ranks to new ranks after a world loses, releases or gains ranks.
+
+Survivors keep their order: a survivor's new rank is its old rank minus the ranks gone below it (what
+torch's ``shrink_group`` and a re-formed world both do). Ranks are gone when they were lost, or when
+an option releases them (survivors the new layout does not use, which leave with the lost ones, so
+that every shard's window stays contiguous). Added ranks come after every survivor.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass, field
+
+
+def ranges(ranks: Iterable[int]) -> list[tuple[int, int]]:
+    """Sorted ranks as [first, last] runs: [0, 1, 2, 5] -> [(0, 2), (5, 5)]."""
+    runs: list[tuple[int, int]] = []
+    for rank in sorted(set(ranks)):
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], rank)
+        else:
+            runs.append((rank, rank))
+    return runs
+
+
+def format_ranks(ranks: Iterable[int], limit: int = 8) -> str:
+    """Ranks as compact runs, e.g. '8-15, 40'; after ``limit`` runs, how many more."""
+    runs = ranges(ranks)
+    shown = [f"{a}-{b}" if b > a else str(a) for a, b in runs[:limit]]
+    more = f" and {len(runs) - limit} more runs" if len(runs) > limit else ""
+    return ", ".join(shown) + more if shown else "none"
+
+
+@dataclass(frozen=True)
+class Renumbering:
+    """How the old world's ranks map into the new world.
+
+    Attributes:
+        old_world: Ranks in the old world.
+        lost: Old ranks that are gone (failed), sorted.
+        released: Survivors the new layout lets go (they leave with the lost ranks), sorted.
+        added: Ranks the new world gains, after every survivor.
+    """
+
+    old_world: int
+    lost: tuple[int, ...]
+    released: tuple[int, ...] = ()
+    added: int = 0
+    _gone: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _below: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    """Per gone rank, the survivors below it (non-decreasing): what finds an old rank in O(log gone)."""
+    survivors: int = field(init=False, compare=False)
+    """Old ranks that stay."""
+
+    def __post_init__(self) -> None:
+        gone = tuple(sorted({*self.lost, *self.released}))
+        object.__setattr__(self, "_gone", gone)
+        object.__setattr__(self, "_below", tuple(rank - index for index, rank in enumerate(gone)))
+        object.__setattr__(self, "survivors", self.old_world - len(gone))
+
+    @property
+    def gone(self) -> tuple[int, ...]:
+        """Old ranks not in the new world: lost and released, sorted."""
+        return self._gone
+
+    @property
+    def new_world(self) -> int:
+        """Ranks in the new world: the survivors that stay, then the added ranks."""
+        return self.survivors + self.added
+
+    def is_gone(self, old: int) -> bool:
+        position = bisect_left(self._gone, old)
+        return position < len(self._gone) and self._gone[position] == old
+
+    def new_of(self, old: int) -> int | None:
+        """The new rank of old rank ``old``, or None when it is gone."""
+        if self.is_gone(old):
+            return None
+        return old - bisect_right(self._gone, old)
+
+    def old_of(self, new: int) -> int | None:
+        """The old rank now at new rank ``new``, or None for an added rank."""
+        if new >= self.survivors:
+            return None
+        return new + bisect_right(self._below, new)  # every gone rank with at most ``new`` survivors below it
+
+    def old_ranks(self, window: range) -> list[int | None]:
+        """``old_of`` for every new rank of ``window`` (ascending), in O(len(window) + gone)."""
+        out: list[int | None] = []
+        gone, old, position = self._gone, -1, 0
+        for new in window:
+            if new >= self.survivors:
+                out.append(None)
+            elif not out or out[-1] is None:
+                old = self.old_of(new)  # type: ignore[assignment]
+                position = bisect_right(gone, old)
+                out.append(old)
+            else:
+                old += 1
+                while position < len(gone) and gone[position] == old:
+                    old, position = old + 1, position + 1
+                out.append(old)
+        return out
+
+    def survivors_below(self, old: int) -> int:
+        """Old ranks below ``old`` that stay in the new world."""
+        return old - bisect_left(self._gone, old)
+
+    def physical(self, new: int) -> int:
+        """Where new rank ``new`` sits among the old world's slots (added ranks after the old world):
+        what nodes are counted on, since a node's ranks do not move when another node fails."""
+        old = self.old_of(new)
+        return self.old_world + new - self.survivors if old is None else old
+
+    def with_released(self, released: Collection[int]) -> Renumbering:
+        """The same loss, releasing ``released`` too."""
+        return Renumbering(self.old_world, self.lost, tuple(sorted(released)), self.added)
+
+
+__all__ = ["Renumbering", "format_ranks", "ranges"]

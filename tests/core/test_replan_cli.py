@@ -1,0 +1,88 @@
+"""`shardcore replan`: the table, --json, --svg, and one-line errors, in-process through main(argv)."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from shardcore.cli import main
+from shardcore.plan import plan_layout
+from shardcore.refit import preset
+from shardcore.replan import replan
+
+SPEC = "tp=8,pp=2,dp=2,role=train+tp=8,dp=4,role=decode"
+BASE = ("replan", "--world", "72", "--allow-idle", "--shards", SPEC, "--model", "llama3-70b", "--ranks-per-node", "8")
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_table_ranks_the_options_and_details_the_best(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, *BASE, "--lost", "8-15", "--memory-gb", "80")
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0].startswith("replan llama3-70b on a world of 72 after losing ranks 8-15 (whole node 1)")
+    assert "8 of shard 0 'tp=8,pp=2,dp=2,role=train'" in lines[0]
+    assert lines[1].split()[:4] == ["#", "kind", "new", "spec"]
+    assert lines[2].split()[:2] == ["1", "shrink"]
+    assert "best: option 1 (shrink), a world of 56" in out
+    assert "released (old ranks; they leave with the lost ones): 24-31" in out
+    assert "dp 16/16" in out and "restore: no rank needs other weights" in out
+
+
+def test_json_is_the_api(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, *BASE, "--lost", "8-15", "--json")
+    assert code == 0
+    data = json.loads(out)
+    result = replan(plan_layout(72, SPEC, allow_idle=True), preset("llama3-70b"), lost=range(8, 16), ranks_per_node=8)
+    assert [option["kind"] for option in data["options"]] == [option.kind for option in result.options]
+    assert data["lost"] == list(range(8, 16)) and data["options"][0]["moves"] == []
+    shift = next(option for option in data["options"] if option["kind"] == "shift")
+    assert shift["moved"] == 24 and all(move["needs_weights"] for move in shift["moves"])
+
+
+def test_missing_copies_are_listed(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ("replan", "--world", "4", "--shards", "tp=2+tp=2", "--model", "tiny-dense", "--lost", "0,2")
+    code, out, _ = _run(capsys, *argv)
+    assert code == 0
+    assert (
+        "missing: embedding.word_embeddings.weight [0:512, 0:128]: no surviving copy; held only by lost ranks 0, 2"
+        in out
+    )
+
+
+def test_svg_outlines_the_ranks_that_need_weights(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    picture = tmp_path / "new.svg"
+    code, _, err = _run(capsys, *BASE, "--lost", "8-15", "--keep", "0", "--new-world", "72", "--svg", str(picture))
+    assert code == 0 and f"wrote {picture}" in err
+    marked = [e for e in ET.parse(picture).iter() if e.tag.endswith("rect") and e.get("data-rank") is not None]
+    outlined = {int(e.get("data-rank")) for e in marked if e.get("stroke") is None and e.get("fill") is None}
+    best = replan(
+        plan_layout(72, SPEC, allow_idle=True), preset("llama3-70b"), lost=range(8, 16), world_size=72, keep=[0]
+    ).best
+    assert outlined == {move.new for move in best.moves if move.needs_weights} != set()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--lost", "80"), "lost rank 80 is outside the world [0, 72)"),
+        (("--lost", "8-x"), "--lost '8-x': expected a rank or a range like 8-15"),
+        (("--lost", "9-8"), "--lost '9-8'"),
+        (("--lost", ","), "--lost: expected 1 to 4096 ranks or ranges"),
+        (("--lost", "8", "--keep", "5"), "keep=[5]: expected shard indices from 0 to 1"),
+        (("--lost", "8", "--memory-gb", "0"), "--memory-gb 0.0"),
+        (("--lost", "0-71"), "every one of the 72 ranks is lost"),
+        ((), "replan needs --lost RANKS"),
+    ],
+)
+def test_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], extra: tuple[str, ...], message: str) -> None:
+    code, out, err = _run(capsys, *BASE, *extra)
+    assert code == 2 and out == ""
+    assert err.startswith("shardcore: error: ") and message in err and err.count("\n") == 1
