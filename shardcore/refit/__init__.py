@@ -7,7 +7,11 @@ The manifest and planner are pure Python (no torch); only execution imports torc
   for either a preset name or a file).
 - ``holdings(tensor, plan, rank, manifest)``: the global boxes a rank holds, with their offsets in
   its local tensor; ``local_shape(tensor, plan, rank, manifest)``: its local shape (None if none).
-- ``plan_refit(layout, src, dst, manifest, ranks_per_node=None)`` -> ``RefitPlan``:
+- Placements, what one side of a refit holds: ``Placement`` (``slices(position)``, ``held(rank)``,
+  ``restrict(renumber)``), ``ShardPlacement(plan, manifest)`` by index math, and
+  ``ExplicitPlacement(manifest, [HeldBox(tensor, rank, box, offset), ...])`` from records.
+- ``plan_refit(layout, src, dst, manifest, ranks_per_node=None)`` -> ``ShardRefitPlan`` between
+  shards; ``plan_refit_from(source, destinations)`` -> ``RefitPlan`` between any placements:
   ``.for_rank(r)`` -> ``RankRefit`` (sends, recvs, copies, shapes), ``.transfers()`` -> every
   ``Transfer`` in the global order; ``RefitStats.of(plan)``: what it costs.
 
@@ -20,16 +24,34 @@ from .cost import RefitStats, ShardCost
 from .documents import load_manifest, manifest_from_dict, model_manifest
 from .manifest import Manifest, TensorSpec
 from .models import PRESETS, TransformerConfig, manifest_from_config, preset
-from .placement import holdings, local_shape
-from .planner import RankRefit, RefitPlan, Transfer, plan_refit
+from .placement import (
+    ExplicitPlacement,
+    HeldBox,
+    HeldTensor,
+    HolderSet,
+    Placement,
+    ShardPlacement,
+    Slice,
+    holdings,
+    local_shape,
+)
+from .planner import RankRefit, RefitPlan, ShardRefitPlan, Transfer, plan_refit, plan_refit_from
 
 __all__ = [
     "PRESETS",
+    "ExplicitPlacement",
+    "HeldBox",
+    "HeldTensor",
+    "HolderSet",
     "Manifest",
+    "Placement",
     "RankRefit",
     "RefitPlan",
     "RefitStats",
     "ShardCost",
+    "ShardPlacement",
+    "ShardRefitPlan",
+    "Slice",
     "TensorSpec",
     "Transfer",
     "TransformerConfig",
@@ -40,5 +62,6 @@ __all__ = [
     "manifest_from_dict",
     "model_manifest",
     "plan_refit",
+    "plan_refit_from",
     "preset",
 ]

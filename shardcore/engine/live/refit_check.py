@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...plan.layout import DEFAULT_ORDER, ShardPlan, plan_layout
 from ...refit.documents import model_manifest
-from ...refit.planner import RefitPlan, plan_refit
+from ...refit.planner import ShardRefitPlan, plan_refit
 from .launch import OnEvent, run_joined_job, run_local_job
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ class RefitCheckOptions:
     bucket_bytes: int | None = None
 
 
-def plan_from_options(options: RefitCheckOptions, world_size: int) -> RefitPlan:
+def plan_from_options(options: RefitCheckOptions, world_size: int) -> ShardRefitPlan:
     """The plan the CLI describes: layout, source and destination shards, model, ranks per node.
 
     Raises:
