@@ -15,6 +15,7 @@ from math import prod
 from typing import Any
 
 from ..errors import ManifestError
+from ..plan.arguments import shown
 
 ITEMSIZES: dict[str, int] = {
     "float64": 8,
@@ -247,7 +248,7 @@ class Manifest:
         try:
             return self._index[name]
         except KeyError:
-            raise ManifestError(f"no tensor named {name!r} in manifest {self.name!r}") from None
+            raise ManifestError(f"no tensor named {shown(name)} in manifest {shown(self.name)}") from None
 
     @property
     def nbytes(self) -> int:

@@ -28,7 +28,7 @@ from math import prod
 from typing import Any, NamedTuple
 
 from ..errors import ManifestError, RefitError
-from ..plan.arguments import shown
+from ..plan.arguments import MAX_WORLD_SIZE, check_count, shown
 from ..plan.layout import ShardPlan
 from .manifest import Manifest, TensorSpec
 
@@ -79,6 +79,11 @@ class HeldTensor(NamedTuple):
 def meets(first: Box, second: Box) -> bool:
     """Whether two boxes of one tensor share an element."""
     return all(a < d and c < b for (a, b), (c, d) in zip(first, second))
+
+
+def overlap(first: Box, second: Box) -> Box:
+    """The box two boxes that meet share."""
+    return tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(first, second))
 
 
 def volume(box: Box) -> int:
@@ -346,19 +351,15 @@ class ShardPlacement(Placement):
         key = (tensor.shape, tensor.tp_dim, tensor.blocks, stages, owner, tp_rank)
         found = self._parts.get(key)
         if found is None:
-            owners = self._holder_set(tensor, (owner, stages, tensor.tp_dim is not None, tp_rank), tp_rank)
+            replicas = (owner, stages, tensor.tp_dim is not None, tp_rank)  # what the holders depend on
+            owners = self._holder_sets.get(replicas)
+            if owners is None:
+                ranks = holders(tensor, self.plan, self.manifest, tp_rank)
+                owners = self._holder_sets[replicas] = HolderSet(len(self._holder_sets), ranks, frozenset(ranks))
             tp = tp_size(tensor, self.plan)
             found = self._parts[key] = tuple(
                 Slice(box, offset, owners, block, tp_rank) for block, box, offset in _boxes(tensor, tp, tp_rank)
             )
-        return found
-
-    def _holder_set(self, tensor: TensorSpec, key: tuple[Any, ...], tp_rank: int) -> HolderSet:
-        """Holders of tp slice ``tp_rank``: one set per (ep owner, stages, split, tp rank)."""
-        found = self._holder_sets.get(key)
-        if found is None:
-            ranks = holders(tensor, self.plan, self.manifest, tp_rank)
-            found = self._holder_sets[key] = HolderSet(len(self._holder_sets), ranks, frozenset(ranks))
         return found
 
     def slices(self, position: int) -> tuple[Slice, ...]:
@@ -410,6 +411,10 @@ def _whole(value: object, what: str) -> int:
     return value
 
 
+def _rank(value: object, what: str) -> int:
+    return check_count(what, value, minimum=0, maximum=MAX_WORLD_SIZE - 1, error=RefitError)
+
+
 def _record(manifest: Manifest, record: object, where: str) -> tuple[int, int, Holding]:
     """(position, rank, (box, offset)) of one record, every field checked against the manifest."""
     if not isinstance(record, tuple) or len(record) not in (3, 4):
@@ -422,7 +427,7 @@ def _record(manifest: Manifest, record: object, where: str) -> tuple[int, int, H
     except ManifestError as error:
         raise RefitError(f"{where}: {error}") from None
     shape = manifest.tensors[position].shape
-    rank = _whole(rank, f"{where}: rank")
+    rank = _rank(rank, f"{where}: rank")
     what = f"{where}: tensor {name} {list(shape)}"
     if not isinstance(box, Sequence) or len(box) != len(shape):
         raise RefitError(f"{what}: box {shown(box)} must give [start, stop) for each of its {len(shape)} dims")
@@ -554,7 +559,7 @@ class Renumbered(Placement):
         self._new: dict[int, int] = {}
         self._old: dict[int, int] = {}
         for old, new in renumber.items():
-            old, new = _whole(old, "renumber: old rank"), _whole(new, f"renumber[{old}]")
+            old, new = _rank(old, "renumber: old rank"), _rank(new, f"renumber[{old}]")
             if new in self._old:
                 raise RefitError(
                     f"renumber maps ranks {self._old[new]} and {old} both to {new}: "
@@ -615,6 +620,7 @@ __all__ = [
     "local_shape",
     "local_shape_on",
     "meets",
+    "overlap",
     "stages_of",
     "tp_parts",
     "tp_rank_of",

@@ -32,7 +32,7 @@ from ..errors import LayoutError, RefitError
 from ..plan.arguments import check_count, shown
 from ..plan.layout import Layout, ShardPlan
 from .manifest import Manifest
-from .placement import Box, HolderSet, Placement, ShardPlacement, Slice, check_fits, volume
+from .placement import Box, HolderSet, Placement, ShardPlacement, Slice, check_fits, overlap, volume
 
 DEFAULT_MIN_PIECE_BYTES = 1 << 20
 """Pieces are not split across replicas below this size: a message costs more than it balances."""
@@ -178,7 +178,7 @@ class RefitPlan:
         if source.box == target.box:  # the common case: the same split on both sides
             box, src_offset, dst_offset = source.box, source.offset, target.offset
         else:
-            box = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(source.box, target.box))
+            box = overlap(source.box, target.box)
             src_offset = tuple(o + lo - a for o, (lo, _), (a, _) in zip(source.offset, box, source.box))
             dst_offset = tuple(o + lo - a for o, (lo, _), (a, _) in zip(target.offset, box, target.box))
         row_bytes = self.manifest.tensors[position].itemsize
@@ -469,16 +469,14 @@ def _check_covered(source: Placement, destinations: Sequence[Placement]) -> None
         if not needed or sum(volume(piece.box) for piece in source.slices(position)) == tensor.numel:
             continue
         for placement, target in needed:
-            covered = sum(
-                volume(tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(piece.box, target.box)))
-                for piece in source.overlapping(position, target.box)
-            )
+            covered = sum(volume(overlap(piece.box, target.box)) for piece in source.overlapping(position, target.box))
             if covered < volume(target.box):
+                ranks = target.holders.ranks
+                others = f" and {len(ranks) - 1} others" if len(ranks) > 1 else ""
                 raise RefitError(
-                    f"tensor {tensor.name}: {placement.label} needs box {[list(b) for b in target.box]} on ranks "
-                    f"{list(target.holders.ranks[:4])}{'...' if len(target.holders.ranks) > 4 else ''}, but "
-                    f"{source.label} holds only {covered} of its {volume(target.box)} elements: every element a "
-                    f"destination needs must be held by a source rank"
+                    f"tensor {tensor.name}: {placement.label} needs box {[list(b) for b in target.box]} (rank "
+                    f"{ranks[0]}{others}), but {source.label} holds only {covered} of its {volume(target.box)} "
+                    f"elements: every element a destination needs must be held by a source rank"
                 )
 
 
