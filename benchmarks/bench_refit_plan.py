@@ -9,7 +9,7 @@ lower bound, and side by side (same run, same manifest):
   global schedule, so each rank's planning work is every transfer of the plan; shown as the
   global transfer count and the time shardcore takes to enumerate it.
 
-Run: ``python benchmarks/bench_refit_plan.py`` (``--quick`` skips DeepSeek-V3).
+Run: ``python benchmarks/bench_refit_plan.py`` (``--quick`` skips the DeepSeek-V3 cases).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def run_case(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="skip the DeepSeek-V3 case")
+    parser.add_argument("--quick", action="store_true", help="skip the DeepSeek-V3 cases")
     args = parser.parse_args()
     if not args.quick:
         run_case(
@@ -105,6 +105,14 @@ def main() -> None:
             [0, 1023, 1024, 1056],
             first_stage_layers=3,
             last_stage_layers=2,
+        )
+        run_case(  # crossing replica sets: dense over dp=128, experts over expt_dp=16; the averaging bound decides
+            "DeepSeek-V3: tp=8,dp=128 training shard to two inference shards, no pipeline",
+            "deepseek-v3",
+            "tp=8,dp=128,ep=64,expt_tp=1,role=train + tp=8,dp=8,ep=64,expt_tp=1 + tp=4,dp=32,ep=128,expt_tp=1",
+            [1, 2],
+            8,
+            [0, 1023, 1024, 1088],
         )
     run_case(
         "Llama-3-70B: training tp=8,pp=4,dp=4 to four tp=8 decode shards",

@@ -13,7 +13,7 @@ from ..plan.layout import DEFAULT_ORDER, ORDER_ALIASES, Layout, Order, plan_layo
 from ..refit.cost import DEFAULT_INTER_GBPS, DEFAULT_INTRA_GBPS, RefitStats
 from ..refit.documents import model_manifest
 from ..refit.models import PRESETS
-from ..refit.planner import RankRefit, RefitPlan, plan_refit
+from ..refit.planner import RankRefit, ShardRefitPlan, plan_refit
 from ..views.tables import format_table
 from .arguments import NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_SECONDS, missing_flags
 from .search import add_search_arguments, run_search
@@ -32,7 +32,7 @@ def _shard_indices(text: str) -> list[int]:
     return indices
 
 
-def summary_table(plan: RefitPlan, stats: RefitStats, intra_gbps: float, inter_gbps: float) -> str:
+def summary_table(plan: ShardRefitPlan, stats: RefitStats, intra_gbps: float, inter_gbps: float) -> str:
     """One row per destination shard, then the totals and the balance against the lower bound."""
 
     rows = []
@@ -92,7 +92,7 @@ def rank_table(mine: RankRefit) -> str:
     return title + ("\n" + format_table(rows, ("op", "peer", "tensor", "box", "bytes")) if rows else "")
 
 
-def _plan(args: argparse.Namespace) -> tuple[Layout, RefitPlan]:
+def _plan(args: argparse.Namespace) -> tuple[Layout, ShardRefitPlan]:
     missing = missing_flags(args, "--world", "--shards", "--from", "--to", "--model")
     if missing:
         raise RefitError(f"refit needs {', '.join(missing)} (or --list-models)")
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_summary(reports: list[RefitReport], plan: RefitPlan) -> tuple[str, bool]:
+def check_summary(reports: list[RefitReport], plan: ShardRefitPlan) -> tuple[str, bool]:
     """One row per destination shard: bytes, the slowest rank's seconds, GB/s, status; and whether all matched."""
     rows: list[tuple[object, ...]] = []
     ok = True

@@ -7,7 +7,11 @@ The manifest and planner are pure Python (no torch); only execution imports torc
   for either a preset name or a file).
 - ``holdings(tensor, plan, rank, manifest)``: the global boxes a rank holds, with their offsets in
   its local tensor; ``local_shape(tensor, plan, rank, manifest)``: its local shape (None if none).
-- ``plan_refit(layout, src, dst, manifest, ranks_per_node=None)`` -> ``RefitPlan``:
+- Placements, what one side of a refit holds: ``Placement`` (``slices(position)``, ``held(rank)``,
+  ``restrict(renumber)``), ``ShardPlacement(plan, manifest)`` by index math, and
+  ``ExplicitPlacement(manifest, [HeldBox(tensor, rank, box, offset), ...])`` from records.
+- ``plan_refit(layout, src, dst, manifest, ranks_per_node=None)`` -> ``ShardRefitPlan`` between
+  shards; ``plan_refit_from(source, destinations)`` -> ``RefitPlan`` between any placements:
   ``.for_rank(r)`` -> ``RankRefit`` (sends, recvs, copies, shapes), ``.transfers()`` -> every
   ``Transfer`` in the global order; ``RefitStats.of(plan)``: what it costs.
 - ``search(layout, src, manifest, ranks, memory_bytes)`` -> ``SearchResult``: every destination spec of
@@ -26,21 +30,39 @@ from .estimate import RefitEstimate, estimate_refit
 from .footprint import Footprint
 from .manifest import Manifest, TensorSpec
 from .models import PRESETS, TransformerConfig, manifest_from_config, preset
-from .placement import holdings, local_shape
-from .planner import RankRefit, RefitPlan, Transfer, plan_refit
+from .placement import (
+    ExplicitPlacement,
+    HeldBox,
+    HeldTensor,
+    HolderSet,
+    Placement,
+    ShardPlacement,
+    Slice,
+    holdings,
+    local_shape,
+)
+from .planner import RankRefit, RefitPlan, ShardRefitPlan, Transfer, plan_refit, plan_refit_from
 from .search import Candidate, SearchResult, search
 
 __all__ = [
     "PRESETS",
     "Candidate",
+    "ExplicitPlacement",
     "Footprint",
+    "HeldBox",
+    "HeldTensor",
+    "HolderSet",
     "Manifest",
+    "Placement",
     "RankRefit",
     "RefitEstimate",
     "RefitPlan",
     "RefitStats",
     "SearchResult",
     "ShardCost",
+    "ShardPlacement",
+    "ShardRefitPlan",
+    "Slice",
     "TensorSpec",
     "Transfer",
     "TransformerConfig",
@@ -52,6 +74,7 @@ __all__ = [
     "manifest_from_dict",
     "model_manifest",
     "plan_refit",
+    "plan_refit_from",
     "preset",
     "search",
 ]

@@ -1,18 +1,15 @@
 """What a refit plan costs: bytes moved and copied, each rank's load, the lower bound, node traffic, time.
 
-The lower bound: every element is held by exactly one set H of source ranks (its replicas), and
-only they can send it. So some rank of H sends at least (bytes only H holds that must move) / |H|,
-counting an element once per destination rank that needs it and does not hold it already; the
-bound is the maximum of that over the distinct H.
-
-The time estimate assumes every rank sends and receives at once, intra-node traffic at
-``intra_gbps`` and inter-node traffic at ``inter_gbps`` (GB/s, 1e9 bytes), and no other contention:
-a rank's time is the larger of its send and receive time, the plan's the largest rank's.
+The lower bound (``lower_bound``) is on the bytes the busiest sender sends, in any plan. The time
+estimate assumes every rank sends and receives at once, intra-node traffic at ``intra_gbps`` and
+inter-node traffic at ``inter_gbps`` (GB/s, 1e9 bytes), and no other contention: a rank's time is
+the larger of its send and receive time, the plan's the largest rank's.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +22,43 @@ DEFAULT_INTER_GBPS = 25.0
 
 Load = list[int]
 """[sent intra-node, sent inter-node, received intra-node, received inter-node] bytes of one rank."""
+
+
+def lower_bound(must_move: Mapping[frozenset[int], int]) -> float:
+    """Bytes the busiest sender sends at least, in any plan, given the bytes each holder set must move.
+
+    ``must_move[H]`` counts the elements whose holders are exactly the source ranks H, once per
+    destination rank that needs the element and does not hold it already. Only a rank of H can send
+    such an element, so for any set R of source ranks, the bytes of every H inside R are sent by
+    ranks of R, and some rank of R sends at least their sum / |R|. Each R gives a valid bound. The
+    best R over all sets is the exact optimum when pieces may be split freely (max-flow/min-cut:
+    Hall's condition on the bytes), but finding it is a densest-subgraph problem; this tries the R
+    that decide real layouts, in time near-linear in the holder sets' sizes:
+
+    - each holder set H, with every holder set inside it (an unsplit tensor's replicas contain
+      each tp slice's holders): at least the bound of H alone;
+    - the union of the holder sets that must move anything: the averaging bound, all bytes that
+      must move / the number of source ranks holding any of them. A rank that holds none of them
+      (idle, outside the source, or holding only what every destination has already) cannot take
+      a share, so counting it would only lower the bound.
+    """
+    moving = {members: size for members, size in must_move.items() if size}
+    if not moving:
+        return 0.0
+    everyone = frozenset().union(*moving)
+    best = sum(moving.values()) / len(everyone)
+    first = {members: min(members) for members in moving}
+    starts = set(first.values())
+    containing: dict[int, list[frozenset[int]]] = defaultdict(list)
+    for outer in moving:
+        for rank in starts & outer:
+            containing[rank].append(outer)
+    inside = dict.fromkeys(moving, 0)
+    for members, size in moving.items():
+        for outer in containing[first[members]]:
+            if len(members) <= len(outer) and members <= outer:
+                inside[outer] += size
+    return max(best, max(size / len(outer) for outer, size in inside.items()))
 
 
 def _seconds(loads: dict[int, Load], intra_gbps: float, inter_gbps: float) -> float:
@@ -40,7 +74,8 @@ def _seconds(loads: dict[int, Load], intra_gbps: float, inter_gbps: float) -> fl
 
 @dataclass(frozen=True)
 class ShardCost:
-    """The traffic into one destination shard."""
+    """The traffic into one destination: ``index`` and ``spec`` are a shard's index and spec (another
+    placement's index and label)."""
 
     index: int
     spec: str
@@ -66,7 +101,7 @@ class RefitStats:
         transfers: Number of transfers, local copies included.
         sent / received: Bytes per rank (ranks with none are absent).
         busiest_sender: The rank sending most (None when nothing moves) and ``busiest_sent`` its bytes.
-        lower_bound: Bytes the busiest sender must send at least (see module doc).
+        lower_bound: Bytes the busiest sender must send at least, in any plan (``lower_bound``).
         intra_node_bytes / inter_node_bytes: Split by node when the plan has ``ranks_per_node``;
             without it every byte counts as inter-node.
         shards: Per destination shard.
@@ -91,17 +126,18 @@ class RefitStats:
         """Walk every tile of ``plan`` once and add up its pieces."""
         per_node = plan.ranks_per_node
         loads: dict[int, Load] = defaultdict(lambda: [0, 0, 0, 0])
-        shard_loads: list[dict[int, Load]] = [defaultdict(lambda: [0, 0, 0, 0]) for _ in plan.destinations]
-        shard_bytes = [0] * len(plan.destinations)
-        shard_local = [0] * len(plan.destinations)
-        must_move: dict[tuple[Any, ...], int] = defaultdict(int)
-        holder_count: dict[tuple[Any, ...], int] = {}
+        targets = plan.destination_placements
+        shard_loads: list[dict[int, Load]] = [defaultdict(lambda: [0, 0, 0, 0]) for _ in targets]
+        shard_bytes = [0] * len(targets)
+        shard_local = [0] * len(targets)
+        must_move: dict[int, int] = defaultdict(int)
+        holder_sets: dict[int, frozenset[int]] = {}
         count = local = 0
         for tile, pieces in plan.tiles():
             row_bytes, rows = tile.row_bytes, tile.rows
             remote = sum(1 for d in tile.needers.ranks if d not in tile.sources.members)
             must_move[tile.sources.key] += remote * rows * row_bytes
-            holder_count[tile.sources.key] = len(tile.sources.ranks)
+            holder_sets[tile.sources.key] = tile.sources.members
             count += len(pieces)
             into = shard_loads[tile.shard]
             for src, dst, lo, hi in pieces:
@@ -118,14 +154,17 @@ class RefitStats:
         sent = {rank: load[0] + load[1] for rank, load in sorted(loads.items()) if load[0] + load[1]}
         received = {rank: load[2] + load[3] for rank, load in sorted(loads.items()) if load[2] + load[3]}
         busiest = max(sent, key=lambda rank: (sent[rank], -rank), default=None)
+        by_members: dict[frozenset[int], int] = defaultdict(int)
+        for key, size in must_move.items():
+            by_members[holder_sets[key]] += size
         shards = []
-        for index, (destination, table) in enumerate(zip(plan.destinations, shard_loads)):
+        for index, (destination, table) in enumerate(zip(targets, shard_loads)):
             volume = {rank: max(load[0] + load[1], load[2] + load[3]) for rank, load in table.items()}
             top = max(volume, key=lambda rank: (volume[rank], -rank), default=None)
             shards.append(
                 ShardCost(
                     destination.index,
-                    str(destination.spec),
+                    destination.label,
                     shard_bytes[index],
                     shard_local[index],
                     top,
@@ -142,7 +181,7 @@ class RefitStats:
             received=received,
             busiest_sender=busiest,
             busiest_sent=sent.get(busiest, 0) if busiest is not None else 0,
-            lower_bound=max((must_move[key] / holder_count[key] for key in must_move), default=0.0),
+            lower_bound=lower_bound(by_members),
             intra_node_bytes=sum(load[0] for load in loads.values()),
             inter_node_bytes=sum(load[1] for load in loads.values()),
             shards=tuple(shards),
@@ -190,4 +229,4 @@ class RefitStats:
         }
 
 
-__all__ = ["DEFAULT_INTER_GBPS", "DEFAULT_INTRA_GBPS", "RefitStats", "ShardCost"]
+__all__ = ["DEFAULT_INTER_GBPS", "DEFAULT_INTRA_GBPS", "RefitStats", "ShardCost", "lower_bound"]

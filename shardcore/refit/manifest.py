@@ -17,6 +17,7 @@ from math import prod
 from typing import Any
 
 from ..errors import ManifestError
+from ..plan.arguments import shown
 
 ITEMSIZES: dict[str, int] = {
     "float64": 8,
@@ -25,10 +26,18 @@ ITEMSIZES: dict[str, int] = {
     "bfloat16": 2,
     "float8_e4m3fn": 1,
     "float8_e5m2": 1,
+    "float8_e4m3fnuz": 1,
+    "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1,
+    "complex128": 16,
+    "complex64": 8,
     "int64": 8,
     "int32": 4,
     "int16": 2,
     "int8": 1,
+    "uint64": 8,
+    "uint32": 4,
+    "uint16": 2,
     "uint8": 1,
     "bool": 1,
 }
@@ -241,7 +250,7 @@ class Manifest:
         try:
             return self._index[name]
         except KeyError:
-            raise ManifestError(f"no tensor named {name!r} in manifest {self.name!r}") from None
+            raise ManifestError(f"no tensor named {shown(name)} in manifest {shown(self.name)}") from None
 
     @property
     def nbytes(self) -> int:

@@ -1,17 +1,35 @@
-"""Where a manifest tensor lies on a shard: which ranks hold it and which global boxes of it, by index math.
+"""What one side of a refit holds: a *placement*, and the index math that gives a shard's.
 
-A rank's local tensor is the concatenation, along ``tp_dim``, of its slice of every packed block
-(Megatron's layout of SwiGLU's [gate_r; up_r]). Dense tensors live on the decoder grid: split over
-tp, replicated over cp and dp. Expert tensors live on the expert grid: owned by one ep rank, split
-over expt_tp, replicated over expt_dp. Both sit on the pipeline stage(s) of their layer or placement.
+A placement answers, for one side of a refit (the source, or one destination), two questions:
+for a tensor, its *slices* (dense global boxes, each held whole by a set of ranks and starting at
+the same offset in each holder's local tensor), and for a rank, the tensors it holds, with their
+local shapes and its slices of each. A tensor's slices on one side never overlap, so every element
+has one holder set; that is all the planner needs (``planner.py``). Three kinds:
+
+- ``ShardPlacement``: a ``ShardPlan`` and a ``Manifest``, by Megatron's conventions. Dense tensors
+  live on the decoder grid: split over tp, replicated over cp and dp. Expert tensors live on the
+  expert grid: owned by one ep rank, split over expt_tp, replicated over expt_dp. Both sit on the
+  pipeline stage(s) of their layer or placement. A rank's local tensor is the concatenation, along
+  ``tp_dim``, of its slice of every packed block (Megatron's layout of SwiGLU's [gate_r; up_r]).
+  Lazy: a tensor's slices, or a rank's holdings, cost only those.
+- ``ExplicitPlacement``: built from records (tensor, rank, box, local offset), such as the
+  placements of a DTensor state dict give; checked to tile every tensor it names.
+- ``placement.restrict(renumber)``: the same holdings on some ranks only, renumbered (the survivors
+  of a failure, in a new world); a tensor may then have elements nobody holds.
 """
 
 from __future__ import annotations
 
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from math import prod
+from typing import Any, NamedTuple
 
-from ..errors import ManifestError
+from ..errors import ManifestError, RefitError
+from ..plan.arguments import MAX_WORLD_SIZE, check_count, shown
 from ..plan.layout import ShardPlan
 from .manifest import Manifest, TensorSpec
 
@@ -22,8 +40,116 @@ Holding = tuple[Box, tuple[int, ...]]
 """A global box a rank holds, and where it starts in the rank's local tensor."""
 
 
+class HolderSet(NamedTuple):
+    """The ranks holding one slice, ascending. Interned per placement: many slices share one, and
+    two slices of one placement with the same ``key`` have the same holders."""
+
+    key: int
+    ranks: tuple[int, ...]
+    members: frozenset[int]
+
+
+class Slice(NamedTuple):
+    """One dense global box of a tensor, held whole by every rank of ``holders``.
+
+    Attributes:
+        box: Global [start, stop) per dim.
+        offset: Where the box starts in each holder's local tensor, per dim.
+        holders: The ranks holding it.
+        block: The packed block it lies in; -1 for a tensor every holder holds whole.
+        part: Which part of its block it is (a shard's tp rank; an explicit placement's order).
+            With ``block`` it names the slice among its tensor's, and so seeds the planner's choice
+            of sender.
+    """
+
+    box: Box
+    offset: tuple[int, ...]
+    holders: HolderSet
+    block: int
+    part: int
+
+
+class HeldTensor(NamedTuple):
+    """A tensor one rank holds: its position in the manifest, its local shape, and the rank's slices of it."""
+
+    position: int
+    shape: tuple[int, ...]
+    slices: tuple[Slice, ...]
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def meets(first: Box, second: Box) -> bool:
+    """Whether two boxes of one tensor share an element."""
+    return all(a < d and c < b for (a, b), (c, d) in zip(first, second))
+
+
+def overlap(first: Box, second: Box) -> Box:
+    """The box two boxes that meet share."""
+    return tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(first, second))
+
+
+def volume(box: Box) -> int:
+    """Elements in a box."""
+    return prod(stop - start for start, stop in box)
+
+
+class Placement(ABC):
+    """What one side of a refit holds (see the module doc); immutable.
+
+    Attributes:
+        manifest: The model; a tensor's position is its position in the manifest.
+        index: Which side it is, for reports (a shard's index in its layout).
+        label: Its name in reports and errors (a shard's spec).
+    """
+
+    manifest: Manifest
+    index: int
+    label: str
+
+    @property
+    @abstractmethod
+    def ranks(self) -> Collection[int]:
+        """The ranks of this side (for a shard every rank of it, even one that holds nothing)."""
+
+    @abstractmethod
+    def slices(self, position: int) -> Sequence[Slice]:
+        """Every slice of tensor ``position``, in a fixed order; empty when this side holds none of it."""
+
+    def overlapping(self, position: int, box: Box) -> Iterator[Slice]:
+        """The slices of tensor ``position`` that share an element with ``box``, in a fixed order."""
+        return (piece for piece in self.slices(position) if meets(piece.box, box))
+
+    @abstractmethod
+    def held(self, rank: int) -> Iterator[HeldTensor]:
+        """The tensors ``rank`` holds, by ascending position; none for a rank outside this side."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """This side as ranks must agree it is before a refit runs: short, and equal for equal holdings."""
+
+    def restrict(self, renumber: Mapping[int, int]) -> Placement:
+        """These holdings on the ranks ``renumber`` names only, each under its new number.
+
+        Args:
+            renumber: Old rank -> new rank; a rank it does not name is dropped (with its holdings).
+
+        Raises:
+            RefitError: an entry that is not two whole numbers >= 0, or two old ranks given one new one.
+        """
+        return Renumbered(self, renumber)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.label!r})"
+
+
+# -- a shard's holdings, by index math -----------------------------------------------------------
+
+
 @dataclass(frozen=True)
-class Slice:
+class TpPart:
     """One tp rank's part of one packed block along ``tp_dim``: global [start, stop), local start."""
 
     block: int
@@ -40,15 +166,15 @@ def tp_size(tensor: TensorSpec, plan: ShardPlan) -> int:
 
 
 @lru_cache(maxsize=1 << 16)
-def tp_slices(blocks: tuple[int, ...], tp: int, rank: int) -> tuple[Slice, ...]:
-    """The slices tp rank ``rank`` of ``tp`` holds along the split dim: its share of every block, in order."""
-    slices, offset, local = [], 0, 0
+def tp_parts(blocks: tuple[int, ...], tp: int, rank: int) -> tuple[TpPart, ...]:
+    """The parts tp rank ``rank`` of ``tp`` holds along the split dim: its share of every block, in order."""
+    parts, offset, local = [], 0, 0
     for block, size in enumerate(blocks):
         part = size // tp
-        slices.append(Slice(block, offset + rank * part, offset + (rank + 1) * part, local))
+        parts.append(TpPart(block, offset + rank * part, offset + (rank + 1) * part, local))
         offset += size
         local += part
-    return tuple(slices)
+    return tuple(parts)
 
 
 def stages_of(tensor: TensorSpec, plan: ShardPlan, manifest: Manifest) -> tuple[int, ...]:
@@ -116,6 +242,18 @@ def holders(tensor: TensorSpec, plan: ShardPlan, manifest: Manifest, tp_rank: in
     return tuple(sorted(ranks))
 
 
+def _boxes(tensor: TensorSpec, tp: int, tp_rank: int) -> Iterator[tuple[int, Box, tuple[int, ...]]]:
+    """(block, global box, local offset) of each part tp rank ``tp_rank`` of ``tp`` holds; block -1 when unsplit."""
+    full = tuple((0, size) for size in tensor.shape)
+    if tensor.tp_dim is None:
+        yield -1, full, (0,) * len(full)
+        return
+    dim = tensor.tp_dim
+    for part in tp_parts(tensor.blocks, tp, tp_rank):
+        box = (*full[:dim], (part.start, part.stop), *full[dim + 1 :])
+        yield part.block, box, tuple(part.local if d == dim else 0 for d in range(len(full)))
+
+
 def holdings(tensor: TensorSpec, plan: ShardPlan, rank: int, manifest: Manifest) -> tuple[Holding, ...]:
     """The global boxes of ``tensor`` that ``rank`` holds under ``plan``, with their local offsets.
 
@@ -128,18 +266,10 @@ def holdings(tensor: TensorSpec, plan: ShardPlan, rank: int, manifest: Manifest)
         rank: A global rank.
         manifest: The model, for the pipeline split and expert count.
     """
-    if not holds(tensor, plan, rank, manifest):
+    tp_rank = tp_rank_of(tensor, plan, rank)
+    if tp_rank is None or not holds(tensor, plan, rank, manifest):
         return ()
-    full = tuple((0, size) for size in tensor.shape)
-    if tensor.tp_dim is None:
-        return ((full, (0,) * len(full)),)
-    dim = tensor.tp_dim
-    out = []
-    for piece in tp_slices(tensor.blocks, tp_size(tensor, plan), tp_rank_of(tensor, plan, rank)):
-        box = (*full[:dim], (piece.start, piece.stop), *full[dim + 1 :])
-        offset = tuple(piece.local if d == dim else 0 for d in range(len(full)))
-        out.append((box, offset))
-    return tuple(out)
+    return tuple((box, offset) for _, box, offset in _boxes(tensor, tp_size(tensor, plan), tp_rank))
 
 
 def local_shape(tensor: TensorSpec, plan: ShardPlan, rank: int, manifest: Manifest) -> tuple[int, ...] | None:
@@ -198,10 +328,310 @@ def check_fits(manifest: Manifest, plan: ShardPlan) -> None:
             )
 
 
+class ShardPlacement(Placement):
+    """A shard's holdings by index math: ``plan`` and ``manifest`` say which box every rank holds.
+
+    Build it after ``check_fits(manifest, plan)``; ``plan_refit`` does both.
+    """
+
+    def __init__(self, plan: ShardPlan, manifest: Manifest) -> None:
+        self.plan, self.manifest = plan, manifest
+        self.index, self.label = plan.index, str(plan.spec)
+        self._stages: dict[object, tuple[int, ...]] = {}
+        self._holder_sets: dict[tuple[Any, ...], HolderSet] = {}
+        self._parts: dict[tuple[Any, ...], tuple[Slice, ...]] = {}
+
+    @property
+    def ranks(self) -> range:
+        return self.plan.ranks
+
+    def describe(self) -> str:
+        return f"shard {self.index} '{self.label}' [{self.plan.rank_offset}, {self.plan.ranks.stop})"
+
+    def _slices_of(self, tensor: TensorSpec, tp_rank: int) -> tuple[Slice, ...]:
+        """Tp rank ``tp_rank``'s slices of ``tensor``: one per packed block, or the whole tensor if unsplit.
+
+        Cached by what they depend on (shape, split, stages, ep owner, tp rank), which most
+        tensors share with the same weight of other layers: a 30,000-tensor model has a few
+        thousand distinct entries.
+        """
+        where = tensor.layer if tensor.layer is not None else tensor.stage
+        stages = self._stages.get(where)
+        if stages is None:
+            stages = self._stages[where] = stages_of(tensor, self.plan, self.manifest)
+        owner = -1 if tensor.expert is None else ep_owner(tensor, self.plan, self.manifest)
+        key = (tensor.shape, tensor.tp_dim, tensor.blocks, stages, owner, tp_rank)
+        found = self._parts.get(key)
+        if found is None:
+            replicas = (owner, stages, tensor.tp_dim is not None, tp_rank)  # what the holders depend on
+            owners = self._holder_sets.get(replicas)
+            if owners is None:
+                ranks = holders(tensor, self.plan, self.manifest, tp_rank)
+                owners = self._holder_sets[replicas] = HolderSet(len(self._holder_sets), ranks, frozenset(ranks))
+            tp = tp_size(tensor, self.plan)
+            found = self._parts[key] = tuple(
+                Slice(box, offset, owners, block, tp_rank) for block, box, offset in _boxes(tensor, tp, tp_rank)
+            )
+        return found
+
+    def slices(self, position: int) -> tuple[Slice, ...]:
+        tensor = self.manifest.tensors[position]
+        return tuple(piece for u in range(tp_size(tensor, self.plan)) for piece in self._slices_of(tensor, u))
+
+    def overlapping(self, position: int, box: Box) -> Iterator[Slice]:
+        """The slices meeting ``box``, found by arithmetic along the split dim: block, then tp rank."""
+        tensor = self.manifest.tensors[position]
+        if tensor.tp_dim is None:  # one slice, the whole tensor
+            yield from self._slices_of(tensor, 0)
+            return
+        lo, hi = box[tensor.tp_dim]
+        tp, start = tp_size(tensor, self.plan), 0
+        for block, size in enumerate(tensor.blocks):
+            if start < hi and lo < start + size:
+                part = size // tp
+                for k in range((max(lo, start) - start) // part, (min(hi, start + size) - 1 - start) // part + 1):
+                    yield self._slices_of(tensor, k)[block]
+            start += size
+
+    def held(self, rank: int) -> Iterator[HeldTensor]:
+        plan, manifest = self.plan, self.manifest
+        if rank not in plan:
+            return
+        dense, expert = plan.decoder_grid.coords(rank), plan.expert_grid.coords(rank)
+        for position in manifest.on_stage(dense["pp"], plan.spec.pp, expert_range(plan, manifest, expert["ep"])):
+            tensor = manifest.tensors[position]
+            tp_rank = 0 if tensor.tp_dim is None else expert["expt_tp"] if tensor.expert is not None else dense["tp"]
+            yield HeldTensor(position, local_shape_on(tensor, plan), self._slices_of(tensor, tp_rank))
+
+
+# -- explicit holdings, from records ---------------------------------------------------------------
+
+
+class HeldBox(NamedTuple):
+    """One record of an explicit placement: ``rank`` holds ``box`` of ``tensor``, starting at
+    ``offset`` in its local tensor (None: at the origin)."""
+
+    tensor: str
+    rank: int
+    box: Box
+    offset: tuple[int, ...] | None = None
+
+
+def _whole(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RefitError(f"{what}={shown(value)}: expected a whole number >= 0")
+    return value
+
+
+def _rank(value: object, what: str) -> int:
+    return check_count(what, value, minimum=0, maximum=MAX_WORLD_SIZE - 1, error=RefitError)
+
+
+def _record(manifest: Manifest, record: object, where: str) -> tuple[int, int, Holding]:
+    """(position, rank, (box, offset)) of one record, every field checked against the manifest."""
+    if not isinstance(record, tuple) or len(record) not in (3, 4):
+        raise RefitError(f"{where}: {shown(record)} is not a HeldBox(tensor, rank, box, offset)")
+    name, rank, box, offset = (*record, None) if len(record) == 3 else record
+    if not isinstance(name, str):
+        raise RefitError(f"{where}: tensor {shown(name)}: expected the name of a tensor of the manifest")
+    try:
+        position = manifest.index(name)
+    except ManifestError as error:
+        raise RefitError(f"{where}: {error}") from None
+    shape = manifest.tensors[position].shape
+    rank = _rank(rank, f"{where}: rank")
+    what = f"{where}: tensor {name} {list(shape)}"
+    if not isinstance(box, Sequence) or len(box) != len(shape):
+        raise RefitError(f"{what}: box {shown(box)} must give [start, stop) for each of its {len(shape)} dims")
+    for pair, size in zip(box, shape):
+        if not isinstance(pair, Sequence) or len(pair) != 2:
+            raise RefitError(f"{what}: box {shown(box)} must give [start, stop) for each of its {len(shape)} dims")
+        if not _whole(pair[0], f"{what}: box start") < _whole(pair[1], f"{what}: box stop") <= size:
+            raise RefitError(f"{what}: box {shown(box)} is empty or reaches outside the tensor")
+    offset = (0,) * len(shape) if offset is None else offset
+    if not isinstance(offset, Sequence) or len(offset) != len(shape):
+        raise RefitError(f"{what}: offset {shown(offset)} must give one start per dim")
+    return position, rank, (tuple((a, b) for a, b in box), tuple(_whole(o, f"{what}: offset") for o in offset))
+
+
+def _few(ranks: Sequence[int]) -> str:
+    """Ranks for an error message: at most four, then the count."""
+    return ", ".join(map(str, ranks[:4])) + (f", ... ({len(ranks)} ranks)" if len(ranks) > 4 else "")
+
+
+def _check_tiles(tensor: TensorSpec, slices: Sequence[Slice], label: str) -> None:
+    """A tensor's slices, sorted by box, must not overlap and must cover it."""
+    for i, first in enumerate(slices):
+        for second in slices[i + 1 :]:
+            if second.box[0][0] >= first.box[0][1]:  # sorted by start along dim 0: no later box meets first
+                break
+            if meets(first.box, second.box):
+                raise RefitError(
+                    f"{label}: tensor {tensor.name}: box {[list(b) for b in first.box]} (ranks "
+                    f"{_few(first.holders.ranks)}) and box {[list(b) for b in second.box]} (ranks "
+                    f"{_few(second.holders.ranks)}) overlap: each element must lie in one box (replicas give the "
+                    f"same box at the same local offset)"
+                )
+    covered = sum(volume(piece.box) for piece in slices)
+    if covered != tensor.numel:
+        raise RefitError(
+            f"{label}: tensor {tensor.name} {list(tensor.shape)}: its boxes cover {covered} of its {tensor.numel} "
+            f"elements: the boxes of a tensor the placement names must tile it"
+        )
+
+
+def _local_shape(tensor: TensorSpec, rank: int, parts: Sequence[Holding], label: str) -> tuple[int, ...]:
+    """The local shape a rank's boxes of a tensor give, checked to be filled exactly (no overlap, no gap)."""
+    shape = tuple(max(offset[d] + box[d][1] - box[d][0] for box, offset in parts) for d in range(len(tensor.shape)))
+    local = [tuple((o, o + stop - start) for (start, stop), o in zip(box, offset)) for box, offset in parts]
+    overlap = any(meets(a, b) for i, a in enumerate(local) for b in local[i + 1 :])
+    if overlap or sum(volume(box) for box in local) != prod(shape):
+        raise RefitError(
+            f"{label}: rank {rank}'s boxes of tensor {tensor.name} do not fill a local tensor {list(shape)} "
+            f"({'they overlap' if overlap else 'they leave a gap'}): give each box its offset in the local tensor"
+        )
+    return shape
+
+
+class ExplicitPlacement(Placement):
+    """Holdings listed box by box (``HeldBox`` records), e.g. read off a DTensor state dict's placements.
+
+    Records of one tensor with the same box and offset are replicas of one slice. The boxes of
+    every tensor the records name must tile it, and a rank's boxes of a tensor must fill its local
+    tensor, whose shape they give. The result does not depend on the records' order.
+
+    Args:
+        manifest: The model (names, shapes).
+        records: Every rank's boxes.
+        index: The side's index in reports.
+        label: Its name in reports and errors.
+
+    Raises:
+        RefitError: a malformed record (naming it and the field), an unknown tensor, boxes that
+            overlap or leave part of their tensor uncovered, or a rank's boxes that do not fill a
+            local tensor.
+    """
+
+    def __init__(
+        self, manifest: Manifest, records: Iterable[HeldBox], *, index: int = 0, label: str = "explicit"
+    ) -> None:
+        if not isinstance(manifest, Manifest):
+            raise RefitError(f"manifest must be a shardcore.refit.Manifest; got {type(manifest).__name__}")
+        self.manifest, self.index, self.label = manifest, index, label
+        replicas: dict[int, dict[Holding, set[int]]] = {}
+        parts: dict[int, dict[int, set[Holding]]] = {}
+        for number, record in enumerate(records):
+            position, rank, part = _record(manifest, record, f"{label}, record {number}")
+            replicas.setdefault(position, {}).setdefault(part, set()).add(rank)
+            parts.setdefault(rank, {}).setdefault(position, set()).add(part)
+        sets: dict[tuple[int, ...], HolderSet] = {}
+        found: dict[tuple[int, Holding], Slice] = {}
+        self._slices: dict[int, tuple[Slice, ...]] = {}
+        for position, pieces in sorted(replicas.items()):
+            ordered = []
+            for order, ((box, offset), ranks) in enumerate(sorted(pieces.items())):
+                key = tuple(sorted(ranks))
+                owners = sets.setdefault(key, HolderSet(len(sets), key, frozenset(key)))
+                ordered.append(found.setdefault((position, (box, offset)), Slice(box, offset, owners, 0, order)))
+            _check_tiles(manifest.tensors[position], ordered, label)
+            self._slices[position] = tuple(ordered)
+        self._held = {
+            rank: tuple(
+                HeldTensor(
+                    position,
+                    _local_shape(manifest.tensors[position], rank, sorted(held), label),
+                    tuple(found[position, part] for part in sorted(held)),
+                )
+                for position, held in sorted(tensors.items())
+            )
+            for rank, tensors in parts.items()
+        }
+        self._ranks = frozenset(self._held)
+        listing = sorted((p, part, tuple(sorted(r))) for p, pieces in replicas.items() for part, r in pieces.items())
+        self._digest = _digest(repr(listing))
+
+    @property
+    def ranks(self) -> frozenset[int]:
+        return self._ranks
+
+    def describe(self) -> str:
+        return f"{self.label}: boxes on {len(self._ranks)} ranks, digest {self._digest}"
+
+    def slices(self, position: int) -> tuple[Slice, ...]:
+        return self._slices.get(position, ())
+
+    def held(self, rank: int) -> Iterator[HeldTensor]:
+        return iter(self._held.get(rank, ()))
+
+
+# -- restricted and renumbered ---------------------------------------------------------------------
+
+
+class Renumbered(Placement):
+    """``base``'s holdings on the ranks ``renumber`` maps, under their new numbers (``Placement.restrict``)."""
+
+    def __init__(self, base: Placement, renumber: Mapping[int, int]) -> None:
+        if not isinstance(renumber, Mapping):
+            raise RefitError(f"renumber={shown(renumber)}: expected a mapping of old rank to new rank")
+        self._new: dict[int, int] = {}
+        self._old: dict[int, int] = {}
+        for old, new in renumber.items():
+            old, new = _rank(old, "renumber: old rank"), _rank(new, f"renumber[{old}]")
+            if new in self._old:
+                raise RefitError(
+                    f"renumber maps ranks {self._old[new]} and {old} both to {new}: "
+                    f"each new rank takes one old rank's holdings"
+                )
+            self._new[old], self._old[new] = new, old
+        self.base, self.manifest, self.index, self.label = base, base.manifest, base.index, base.label
+        self._ranks = frozenset(new for old, new in self._new.items() if old in base.ranks)
+        self._sets: dict[int, HolderSet | None] = {}
+
+    @property
+    def ranks(self) -> frozenset[int]:
+        return self._ranks
+
+    def describe(self) -> str:
+        renumbered = _digest(repr(sorted(self._new.items())))
+        return f"{self.base.describe()}, on {len(self._ranks)} ranks renumbered (digest {renumbered})"
+
+    def _kept(self, pieces: Iterable[Slice]) -> Iterator[Slice]:
+        """The slices some kept rank holds, with their holders renumbered."""
+        for piece in pieces:
+            key = piece.holders.key
+            if key not in self._sets:
+                ranks = tuple(sorted(self._new[r] for r in piece.holders.ranks if r in self._new))
+                self._sets[key] = HolderSet(key, ranks, frozenset(ranks)) if ranks else None
+            owners = self._sets[key]
+            if owners is not None:
+                yield piece._replace(holders=owners)
+
+    def slices(self, position: int) -> tuple[Slice, ...]:
+        return tuple(self._kept(self.base.slices(position)))
+
+    def overlapping(self, position: int, box: Box) -> Iterator[Slice]:
+        return self._kept(self.base.overlapping(position, box))
+
+    def held(self, rank: int) -> Iterator[HeldTensor]:
+        old = self._old.get(rank)
+        if old is None:
+            return
+        for tensor in self.base.held(old):
+            yield tensor._replace(slices=tuple(self._kept(tensor.slices)))
+
+
 __all__ = [
     "Box",
+    "ExplicitPlacement",
+    "HeldBox",
+    "HeldTensor",
+    "HolderSet",
     "Holding",
+    "Placement",
+    "Renumbered",
+    "ShardPlacement",
     "Slice",
+    "TpPart",
     "check_fits",
     "ep_owner",
     "expert_range",
@@ -210,8 +640,11 @@ __all__ = [
     "holds",
     "local_shape",
     "local_shape_on",
+    "meets",
+    "overlap",
     "stages_of",
+    "tp_parts",
     "tp_rank_of",
     "tp_size",
-    "tp_slices",
+    "volume",
 ]

@@ -1,9 +1,10 @@
-"""plan_refit: which rank sends which global box of every tensor to which rank, from the layouts alone.
+"""Refit planning: which rank sends which global box of every tensor to which rank, from two placements.
 
-The unit of planning is a *tile*: for one tensor, one destination shard and one packed block, the
-overlap of a source tp slice ``v`` with a destination tp slice ``u``. Its holders H are the source
-ranks with slice v (replicas over dp/cp, or expt_dp), its needers D the destination ranks with
-slice u. Every piece's source is a pure function of the tile alone:
+A *placement* (``placement.py``) says what one side of a refit holds: each tensor's slices (dense
+global boxes with the ranks holding them) and each rank's tensors. The unit of planning is a
+*tile*: for one tensor and one destination, the overlap of a source slice with a destination
+slice. Its holders H are the source slice's ranks, its needers D the destination slice's ranks.
+Every piece's source is a pure function of the tile alone:
 
 1. a needer that is also a holder copies the tile locally (collocated ranks send nothing);
 2. with ``ranks_per_node``, the needers on a node that has holders are served by those holders;
@@ -14,30 +15,24 @@ slice u. Every piece's source is a pure function of the tile alone:
 
 A piece is therefore split across replicas when that balances the load, and every rank that
 evaluates a tile derives the same pieces. ``RefitPlan.for_rank(r)`` evaluates only the tiles of
-the tensors r holds (as a destination: its slices; as a source: its slices' tiles in each
-destination shard): its cost is its own tiles and their replica sets, never the whole schedule.
+the slices r holds (as a destination: its slices against the source's; as a source: its slices
+against each destination's): its cost is its own tiles and their replica sets, never the whole
+schedule. ``plan_refit`` plans between shards (``ShardPlacement``, by index math);
+``plan_refit_from`` between any placements (``ExplicitPlacement``, ``Placement.restrict``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from functools import cached_property
+from typing import Any, NamedTuple, cast
 
-from ..errors import RefitError
+from ..errors import LayoutError, RefitError
+from ..plan.arguments import check_count, shown
 from ..plan.layout import Layout, ShardPlan
-from .manifest import Manifest, TensorSpec
-from .placement import (
-    Box,
-    check_fits,
-    expert_range,
-    holders,
-    local_shape_on,
-    stages_of,
-    tp_rank_of,
-    tp_size,
-    tp_slices,
-)
+from .manifest import Manifest
+from .placement import Box, HolderSet, Placement, ShardPlacement, Slice, check_fits, overlap, volume
 
 DEFAULT_MIN_PIECE_BYTES = 1 << 20
 """Pieces are not split across replicas below this size: a message costs more than it balances."""
@@ -122,19 +117,11 @@ class RankRefit:
         return sum(t.bytes for t in self.recvs)
 
 
-class HolderSet(NamedTuple):
-    """The ranks of one shard holding one tp slice of a tensor (cached: many tensors share one)."""
-
-    key: tuple[Any, ...]
-    ranks: tuple[int, ...]
-    members: frozenset[int]
-
-
 class Tile(NamedTuple):
-    """The overlap of source slice v and destination slice u of one block of one tensor in one destination shard."""
+    """The overlap of a source slice and a destination slice of one tensor, toward one destination."""
 
     position: int  # the tensor's position in the manifest
-    shard: int  # position of the destination shard in the plan's destinations
+    shard: int  # position of the destination in the plan's destinations
     box: Box
     src_offset: tuple[int, ...]
     dst_offset: tuple[int, ...]
@@ -156,122 +143,75 @@ Piece = tuple[int, int, int, int]
 """(src, dst, first row, end row) of a tile, rows along dim 0 relative to the tile's box."""
 
 
-def _resolve(layout: Layout, shard: int | ShardPlan, what: str) -> ShardPlan:
-    if isinstance(shard, ShardPlan):
-        if shard.ranks.stop > layout.world_size:
-            raise RefitError(
-                f"{what} shard ('{shard.spec}') has ranks [{shard.rank_offset}, {shard.ranks.stop}) outside the "
-                f"world of {layout.world_size}: a shard of another layout must lie in the same world"
-            )
-        return shard
-    if isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < len(layout.shards):
-        raise RefitError(f"{what} shard {shard!r}: expected a shard index in [0, {len(layout.shards)}) or a ShardPlan")
-    return layout.shards[shard]
-
-
 @dataclass(frozen=True)
 class RefitPlan:
-    """A refit from one source shard to one or more destination shards; evaluated lazily.
+    """A refit from one placement to one or more others; evaluated lazily.
 
-    Build it with ``plan_refit``. ``for_rank`` computes one rank's part alone; ``transfers``
-    enumerates the whole schedule; ``stats`` summarizes its cost (computed once).
+    Build it with ``plan_refit`` (between shards) or ``plan_refit_from`` (between any placements).
+    ``for_rank`` computes one rank's part alone; ``transfers`` enumerates the whole schedule;
+    ``RefitStats.of(plan)`` (``cost.py``) adds up what it costs.
+
+    Attributes:
+        source_placement: What the source side holds.
+        destination_placements: What each destination must hold; no rank is in two.
+        world_size: Ranks of the world the plan runs in (every placement's ranks lie in it).
+        ranks_per_node: Ranks per node (node = rank // K), or None: same-node sources come first.
+        min_piece_bytes: Pieces are not split across replicas below this size.
     """
 
-    layout: Layout
-    source: ShardPlan
-    destinations: tuple[ShardPlan, ...]
-    manifest: Manifest
+    source_placement: Placement
+    destination_placements: tuple[Placement, ...]
+    world_size: int
     ranks_per_node: int | None = None
     min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES
-    _holders: dict[tuple[Any, ...], HolderSet] = field(default_factory=dict, init=False, repr=False, compare=False)
-    _routes: dict[tuple[Any, ...], Routes] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _routes: dict[tuple[int, int, int], Routes] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @property
+    def manifest(self) -> Manifest:
+        """The model every placement of the plan describes."""
+        return self.source_placement.manifest
 
     # -- tiles -------------------------------------------------------------------------------
 
-    def _holder_set(self, tensor: TensorSpec, side: int, tp_rank: int) -> HolderSet:
-        """Holders of slice ``tp_rank`` on side ``side`` (-1: the source, i >= 0: destination i)."""
-        plan = self.source if side < 0 else self.destinations[side]
-        stages = stages_of(tensor, plan, self.manifest)
-        owner = -1 if tensor.expert is None else tensor.expert // (self.manifest.experts // plan.spec.ep)
-        key = (side, owner, stages, tensor.tp_dim is not None, tp_rank)
-        found = self._holders.get(key)
-        if found is None:
-            ranks = holders(tensor, plan, self.manifest, tp_rank)
-            found = self._holders[key] = HolderSet(key, ranks, frozenset(ranks))
-        return found
-
-    def _tile(self, position: int, tensor: TensorSpec, shard: int, block: int, u: int, v: int) -> Tile | None:
-        """The tile of destination slice u and source slice v in ``block``, or None if they do not overlap."""
-        full = tuple((0, size) for size in tensor.shape)
-        zero = (0,) * len(full)
-        seed = position + shard * 7919
-        if tensor.tp_dim is None:
-            return self._make_tile(position, tensor, shard, full, zero, zero, 0, 0, seed)
-        dst_plan = self.destinations[shard]
-        src_slice = tp_slices(tensor.blocks, tp_size(tensor, self.source), v)[block]
-        dst_slice = tp_slices(tensor.blocks, tp_size(tensor, dst_plan), u)[block]
-        start, stop = max(src_slice.start, dst_slice.start), min(src_slice.stop, dst_slice.stop)
-        if start >= stop:
-            return None
-        dim = tensor.tp_dim
-        box = (*full[:dim], (start, stop), *full[dim + 1 :])
-        src_offset = (*zero[:dim], src_slice.local + start - src_slice.start, *zero[dim + 1 :])
-        dst_offset = (*zero[:dim], dst_slice.local + start - dst_slice.start, *zero[dim + 1 :])
-        seed += (block + 1) * 31 + u * 131 + v * 1031
-        return self._make_tile(position, tensor, shard, box, src_offset, dst_offset, u, v, seed)
-
-    def _make_tile(
-        self,
-        position: int,
-        tensor: TensorSpec,
-        shard: int,
-        box: Box,
-        src_offset: tuple[int, ...],
-        dst_offset: tuple[int, ...],
-        u: int,
-        v: int,
-        seed: int,
-    ) -> Tile:
-        row_bytes = tensor.itemsize
+    def _tile(self, position: int, shard: int, source: Slice, target: Slice) -> Tile:
+        """The tile where ``source`` and ``target`` (two slices that meet) overlap."""
+        if source.box == target.box:  # the common case: the same split on both sides
+            box, src_offset, dst_offset = source.box, source.offset, target.offset
+        else:
+            box = overlap(source.box, target.box)
+            src_offset = tuple(o + lo - a for o, (lo, _), (a, _) in zip(source.offset, box, source.box))
+            dst_offset = tuple(o + lo - a for o, (lo, _), (a, _) in zip(target.offset, box, target.box))
+        row_bytes = self.manifest.tensors[position].itemsize
         for start, stop in box[1:]:
             row_bytes *= stop - start
-        sources, needers = self._holder_set(tensor, -1, v), self._holder_set(tensor, shard, u)
-        return Tile(
-            position, shard, box, src_offset, dst_offset, sources, needers, seed, box[0][1] - box[0][0], row_bytes
-        )
+        seed = position + shard * 7919 + (target.block + 1) * 31 + target.part * 131 + source.part * 1031
+        rows = box[0][1] - box[0][0]
+        return Tile(position, shard, box, src_offset, dst_offset, source.holders, target.holders, seed, rows, row_bytes)
 
-    def _tiles_of_slice(
-        self, position: int, tensor: TensorSpec, shard: int, index: int, *, destination: bool
-    ) -> Iterator[Tile]:
-        """Every tile of one tp slice of ``tensor`` toward destination ``shard``: destination slice u
-        (``destination``) or source slice v, cut where the other side's slices meet it."""
-        if tensor.tp_dim is None:
-            yield self._tile(position, tensor, shard, 0, 0, 0)  # type: ignore[misc]
-            return
-        src_tp, dst_tp = tp_size(tensor, self.source), tp_size(tensor, self.destinations[shard])
-        ways, other = (dst_tp, src_tp) if destination else (src_tp, dst_tp)
-        for piece in tp_slices(tensor.blocks, ways, index):
-            part = (piece.stop - piece.start) * ways // other  # the other side's slice size in this block
-            block_start = piece.start - index * (piece.stop - piece.start)
-            for k in range((piece.start - block_start) // part, (piece.stop - 1 - block_start) // part + 1):
-                u, v = (index, k) if destination else (k, index)
-                tile = self._tile(position, tensor, shard, piece.block, u, v)
-                if tile is not None:
-                    yield tile
+    def _tiles_into(self, position: int, shard: int, target: Slice) -> Iterator[Tile]:
+        """Every tile of destination slice ``target``: where the source's slices meet it."""
+        for source in self.source_placement.overlapping(position, target.box):
+            yield self._tile(position, shard, source, target)
+
+    def _tiles_from(self, position: int, shard: int, source: Slice) -> Iterator[Tile]:
+        """Every tile of source slice ``source`` toward destination ``shard``."""
+        for target in self.destination_placements[shard].overlapping(position, source.box):
+            yield self._tile(position, shard, source, target)
 
     def _all_tiles(self) -> Iterator[Tile]:
-        """Every tile, in the global order: destination shard, tensor, destination slice, block, source slice."""
-        for shard, plan in enumerate(self.destinations):
-            for position, tensor in enumerate(self.manifest.tensors):
-                for u in range(tp_size(tensor, plan)):
-                    yield from self._tiles_of_slice(position, tensor, shard, u, destination=True)
+        """Every tile, in the global order: destination, tensor, destination slice, source slice."""
+        for shard, placement in enumerate(self.destination_placements):
+            for position in range(len(self.manifest)):
+                for target in placement.slices(position):
+                    yield from self._tiles_into(position, shard, target)
 
     # -- pieces ------------------------------------------------------------------------------
 
-    def _routes_of(self, sources: HolderSet, needers: HolderSet) -> Routes:
-        """Local copies and work lines of a (holders, needers) pair: with ``ranks_per_node``, needers on a
-        node that has holders form a line served by those holders; the rest one line over all holders."""
-        key = (sources.key, needers.key)
+    def _routes_of(self, tile: Tile) -> Routes:
+        """Local copies and work lines of a tile's (holders, needers) pair: with ``ranks_per_node``, needers
+        on a node that has holders form a line served by those holders; the rest one line over all holders."""
+        sources, needers = tile.sources, tile.needers
+        key = (sources.key, tile.shard, needers.key)
         found = self._routes.get(key)
         if found is not None:
             return found
@@ -339,7 +279,7 @@ class RefitPlan:
             return [(dst, dst, 0, tile.rows)]
         if src is not None and src not in tile.sources.members:
             return []
-        routes = self._routes_of(tile.sources, tile.needers)
+        routes = self._routes_of(tile)
         pieces: list[Piece] = [] if src is not None or dst is not None else [(d, d, 0, tile.rows) for d in routes.local]
         for needers, sources, offset in routes.lines:
             if (src is None or src in sources) and (dst is None or dst in needers):
@@ -367,7 +307,7 @@ class RefitPlan:
 
     def transfers(self) -> Iterator[Transfer]:
         """Every transfer of the plan (local copies included) in the global deterministic order:
-        destination shard, tensor, destination slice, block, source slice, then the tile's pieces."""
+        destination, tensor, destination slice, source slice, then the tile's pieces."""
         for tile in self._all_tiles():
             yield from self._transfers(tile, self._pieces(tile))
 
@@ -376,27 +316,20 @@ class RefitPlan:
         for tile in self._all_tiles():
             yield tile, self._pieces(tile)
 
-    def _held(self, plan: ShardPlan, rank: int) -> Iterator[int]:
-        """Positions of the tensors ``rank`` holds in ``plan``."""
-        stage = plan.decoder_grid.coords(rank)["pp"]
-        experts = expert_range(plan, self.manifest, plan.expert_grid.coords(rank)["ep"])
-        return self.manifest.on_stage(stage, plan.spec.pp, experts)
-
     def fingerprint(self) -> dict[str, str]:
         """What every rank executing this plan must agree on, part by part, as short readable texts:
         equal plans give equal parts (the executor compares them before a byte moves)."""
-
-        def shard(plan: ShardPlan) -> str:
-            return f"shard {plan.index} '{plan.spec}' [{plan.rank_offset}, {plan.ranks.stop})"
-
         manifest = self.manifest
         return {
-            "layout": self.layout.fingerprint(),
-            "source": shard(self.source),
-            "destinations": " + ".join(shard(plan) for plan in self.destinations),
+            "layout": self._world(),
+            "source": self.source_placement.describe(),
+            "destinations": " + ".join(placement.describe() for placement in self.destination_placements),
             "manifest": f"{manifest.name}: {len(manifest)} tensors, {manifest.nbytes} B, digest {manifest.digest()}",
             "options": f"ranks_per_node={self.ranks_per_node}, min_piece_bytes={self.min_piece_bytes}",
         }
+
+    def _world(self) -> str:
+        return f"a world of {self.world_size} ranks"
 
     def for_rank(self, rank: int) -> RankRefit:
         """Rank ``rank``'s sends, receives, local copies and local shapes, computed from its own tiles only.
@@ -404,30 +337,26 @@ class RefitPlan:
         Raises:
             LayoutError: the rank is outside the world.
         """
-        self.layout._check_rank(rank)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {shown(rank)} is outside the world [0, {self.world_size})")
         tensors = self.manifest.tensors
         keyed: list[tuple[int, int, int, Box, Transfer]] = []
         destination_shapes: dict[str, tuple[int, ...]] = {}
-        for shard, plan in enumerate(self.destinations):
-            if rank not in plan:
-                continue
-            for position in self._held(plan, rank):
-                tensor = tensors[position]
-                destination_shapes[tensor.name] = local_shape_on(tensor, plan)
-                u = tp_rank_of(tensor, plan, rank)
-                for tile in self._tiles_of_slice(position, tensor, shard, u, destination=True):  # type: ignore[arg-type]
-                    mine = self._pieces(tile, dst=rank)
-                    keyed += ((t.src, t.dst, position, t.box, t) for t in self._transfers(tile, mine))
+        for shard, placement in enumerate(self.destination_placements):
+            for held in placement.held(rank):
+                destination_shapes[tensors[held.position].name] = held.shape
+                for target in held.slices:
+                    for tile in self._tiles_into(held.position, shard, target):
+                        mine = self._transfers(tile, self._pieces(tile, dst=rank))
+                        keyed += ((t.src, t.dst, held.position, t.box, t) for t in mine)
         source_shapes: dict[str, tuple[int, ...]] = {}
-        if rank in self.source:
-            for position in self._held(self.source, rank):
-                tensor = tensors[position]
-                source_shapes[tensor.name] = local_shape_on(tensor, self.source)
-                v = tp_rank_of(tensor, self.source, rank)
-                for shard in range(len(self.destinations)):
-                    for tile in self._tiles_of_slice(position, tensor, shard, v, destination=False):  # type: ignore[arg-type]
-                        mine = self._pieces(tile, src=rank)
-                        keyed += ((t.src, t.dst, position, t.box, t) for t in self._transfers(tile, mine))
+        for held in self.source_placement.held(rank):
+            source_shapes[tensors[held.position].name] = held.shape
+            for source in held.slices:
+                for shard in range(len(self.destination_placements)):
+                    for tile in self._tiles_from(held.position, shard, source):
+                        mine = self._transfers(tile, self._pieces(tile, src=rank))
+                        keyed += ((t.src, t.dst, held.position, t.box, t) for t in mine)
         keyed.sort(key=lambda item: item[:4])
         ordered = [item[4] for item in keyed]
         return RankRefit(
@@ -440,6 +369,54 @@ class RefitPlan:
         )
 
 
+@dataclass(frozen=True)
+class ShardRefitPlan(RefitPlan):
+    """A refit between shards of layouts (``plan_refit``): a RefitPlan over ``ShardPlacement``s.
+
+    Attributes:
+        layout: The layout whose world the shards live in.
+        source: The source shard.
+        destinations: The destination shards.
+    """
+
+    layout: Layout = field(kw_only=True)
+
+    @cached_property
+    def source(self) -> ShardPlan:
+        return cast(ShardPlacement, self.source_placement).plan
+
+    @cached_property
+    def destinations(self) -> tuple[ShardPlan, ...]:
+        return tuple(cast(ShardPlacement, placement).plan for placement in self.destination_placements)
+
+    def _world(self) -> str:
+        return self.layout.fingerprint()
+
+
+def resolve_shard(layout: Layout, shard: int | ShardPlan, what: str) -> ShardPlan:
+    if isinstance(shard, ShardPlan):
+        if shard.ranks.stop > layout.world_size:
+            raise RefitError(
+                f"{what} shard ('{shard.spec}') has ranks [{shard.rank_offset}, {shard.ranks.stop}) outside the "
+                f"world of {layout.world_size}: a shard of another layout must lie in the same world"
+            )
+        return shard
+    if isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < len(layout.shards):
+        raise RefitError(
+            f"{what} shard {shown(shard)}: expected a shard index in [0, {len(layout.shards)}) or a ShardPlan"
+        )
+    return layout.shards[shard]
+
+
+def _check_options(ranks_per_node: object, min_piece_bytes: object) -> None:
+    if ranks_per_node is not None and (
+        isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
+    ):
+        raise RefitError(f"ranks_per_node={shown(ranks_per_node)}: expected a positive integer")
+    if isinstance(min_piece_bytes, bool) or not isinstance(min_piece_bytes, int) or min_piece_bytes < 0:
+        raise RefitError(f"min_piece_bytes={shown(min_piece_bytes)}: expected a non-negative integer")
+
+
 def plan_refit(
     layout: Layout,
     src: int | ShardPlan,
@@ -448,11 +425,11 @@ def plan_refit(
     ranks_per_node: int | None = None,
     *,
     min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES,
-) -> RefitPlan:
+) -> ShardRefitPlan:
     """Plan moving ``manifest``'s weights from shard ``src`` to shard(s) ``dst``; no model, no collective, no torch.
 
     Args:
-        layout: The layout whose world the shards live in.
+        layout: The layout whose world the shards live in (``shardcore.plan_layout``).
         src: The source shard: an index into ``layout.shards``, or a ShardPlan (for the collocated
             two-layout case, a shard of another layout over the same world).
         dst: One destination shard or a sequence of them, given the same way; they may not overlap.
@@ -462,17 +439,24 @@ def plan_refit(
         min_piece_bytes: Do not split a piece across replicas below this size.
 
     Returns:
-        A lazy RefitPlan; every check that can fail has been made.
+        A lazy ShardRefitPlan; every check that can fail has been made.
 
     Raises:
-        RefitError: bad shard indices, overlapping destinations, bad ranks_per_node.
+        RefitError: a layout that is not a Layout, bad shard indices, overlapping destinations, a
+            manifest that is not a Manifest, bad ranks_per_node or min_piece_bytes.
         ManifestError: a tensor, the layers or the experts do not split over a shard.
     """
-    source = _resolve(layout, src, "source")
+    if not isinstance(layout, Layout):
+        raise RefitError(
+            f"layout={shown(layout)}: expected a Layout; build one with shardcore.plan_layout(world_size, shards)"
+        )
+    source = resolve_shard(layout, src, "source")
+    if isinstance(dst, (str, bytes)) or not isinstance(dst, (int, ShardPlan, Sequence)):
+        raise RefitError(f"dst={shown(dst)}: expected a shard index, a ShardPlan, or a list of them, e.g. dst=[1, 2]")
     items = dst if isinstance(dst, Sequence) else [dst]
     if not items:
         raise RefitError("no destination shard given: name at least one, e.g. dst=1")
-    destinations = tuple(_resolve(layout, item, "destination") for item in items)
+    destinations = tuple(resolve_shard(layout, item, "destination") for item in items)
     for i, first in enumerate(destinations):
         for second in destinations[i + 1 :]:
             if first.rank_offset < second.ranks.stop and second.rank_offset < first.ranks.stop:
@@ -480,17 +464,108 @@ def plan_refit(
                     f"destination shards '{first.spec}' [{first.rank_offset}, {first.ranks.stop}) and "
                     f"'{second.spec}' [{second.rank_offset}, {second.ranks.stop}) overlap: each rank can hold one copy"
                 )
-    if ranks_per_node is not None and (
-        isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
-    ):
-        raise RefitError(f"ranks_per_node={ranks_per_node!r}: expected a positive integer")
-    if isinstance(min_piece_bytes, bool) or not isinstance(min_piece_bytes, int) or min_piece_bytes < 0:
-        raise RefitError(f"min_piece_bytes={min_piece_bytes!r}: expected a non-negative integer")
+    _check_options(ranks_per_node, min_piece_bytes)
     if not isinstance(manifest, Manifest):
         raise RefitError(f"manifest must be a shardcore.refit.Manifest; got {type(manifest).__name__}")
     for plan in (source, *destinations):
         check_fits(manifest, plan)
-    return RefitPlan(layout, source, destinations, manifest, ranks_per_node, min_piece_bytes)
+    return ShardRefitPlan(
+        ShardPlacement(source, manifest),
+        tuple(ShardPlacement(plan, manifest) for plan in destinations),
+        layout.world_size,
+        ranks_per_node,
+        min_piece_bytes,
+        layout=layout,
+    )
 
 
-__all__ = ["DEFAULT_MIN_PIECE_BYTES", "RankRefit", "RefitPlan", "Transfer", "plan_refit"]
+def _check_covered(source: Placement, destinations: Sequence[Placement]) -> None:
+    """Every element a destination holds must have a source holder (a source's slices never overlap,
+    so one whose slices add up to the whole tensor holds all of it)."""
+    for position, tensor in enumerate(source.manifest):
+        needed = [(placement, target) for placement in destinations for target in placement.slices(position)]
+        if not needed or sum(volume(piece.box) for piece in source.slices(position)) == tensor.numel:
+            continue
+        for placement, target in needed:
+            covered = sum(volume(overlap(piece.box, target.box)) for piece in source.overlapping(position, target.box))
+            if covered < volume(target.box):
+                ranks = target.holders.ranks
+                others = f" and {len(ranks) - 1} others" if len(ranks) > 1 else ""
+                raise RefitError(
+                    f"tensor {tensor.name}: {placement.label} needs box {[list(b) for b in target.box]} (rank "
+                    f"{ranks[0]}{others}), but {source.label} holds only {covered} of its {volume(target.box)} "
+                    f"elements: every element a destination needs must be held by a source rank"
+                )
+
+
+def plan_refit_from(
+    source: Placement,
+    destinations: Placement | Sequence[Placement],
+    ranks_per_node: int | None = None,
+    *,
+    min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES,
+    world_size: int | None = None,
+) -> RefitPlan:
+    """Plan moving the weights ``source`` holds to where ``destinations`` need them; no collective, no torch.
+
+    The placements may be of any kind (``ExplicitPlacement`` from records, ``ShardPlacement``, a
+    ``restrict``-ed one) over one manifest; the plan is the one ``plan_refit`` makes for shards.
+
+    Args:
+        source: What the source side holds.
+        destinations: One placement or a sequence of them; no rank may be in two.
+        ranks_per_node: Ranks per node (node = rank // K): same-node sources are chosen first.
+        min_piece_bytes: Do not split a piece across replicas below this size.
+        world_size: The world's size; by default one more than the highest rank of any placement.
+
+    Returns:
+        A lazy RefitPlan; every check that can fail has been made.
+
+    Raises:
+        RefitError: an argument that is not a placement, placements of different manifests,
+            destinations sharing a rank, a world too small for them, bad options, or an element a
+            destination needs that no source rank holds (naming the tensor and the box).
+    """
+    if not isinstance(source, Placement):
+        raise RefitError(f"source={shown(source)}: expected a Placement (e.g. shardcore.refit.ExplicitPlacement)")
+    items = [destinations] if isinstance(destinations, Placement) else destinations
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence) or not items:
+        raise RefitError(f"destinations={shown(destinations)}: expected a Placement or a non-empty list of them")
+    for item in items:
+        if not isinstance(item, Placement):
+            raise RefitError(
+                f"destination {shown(item)}: expected a Placement (e.g. shardcore.refit.ExplicitPlacement)"
+            )
+        if item.manifest is not source.manifest:
+            raise RefitError(
+                f"{item.label} describes manifest {item.manifest.name!r}, {source.label} another one: build every "
+                f"placement of a refit from the same Manifest"
+            )
+    for i, first in enumerate(items):
+        for second in items[i + 1 :]:
+            shared = next((rank for rank in first.ranks if rank in second.ranks), None)
+            if shared is not None:
+                raise RefitError(
+                    f"destinations {first.label} and {second.label} share rank {shared}: each rank can hold one copy"
+                )
+    _check_options(ranks_per_node, min_piece_bytes)
+    needed = 1 + max((max(p.ranks, default=-1) for p in (source, *items)), default=-1)
+    if world_size is None:
+        world_size = needed
+    elif check_count("world_size", world_size, error=RefitError) < needed:
+        raise RefitError(
+            f"world_size={world_size}: the placements hold ranks up to {needed - 1}; give at least {needed}"
+        )
+    _check_covered(source, items)
+    return RefitPlan(source, tuple(items), world_size, ranks_per_node, min_piece_bytes)
+
+
+__all__ = [
+    "DEFAULT_MIN_PIECE_BYTES",
+    "RankRefit",
+    "RefitPlan",
+    "ShardRefitPlan",
+    "Transfer",
+    "plan_refit",
+    "plan_refit_from",
+]

@@ -34,7 +34,7 @@ from .cost import DEFAULT_INTER_GBPS, DEFAULT_INTRA_GBPS, RefitStats
 from .estimate import RefitEstimate, estimate_refit
 from .footprint import Footprint
 from .manifest import Manifest
-from .planner import _resolve, plan_refit
+from .planner import plan_refit, resolve_shard
 
 Progress = Callable[[str], None]
 NEAREST_SPECS = 100_000
@@ -267,7 +267,7 @@ def _check_arguments(
         raise LayoutError(f"layout must be a shardcore Layout; got {type(layout).__name__}")
     if not isinstance(manifest, Manifest):
         raise RefitError(f"manifest must be a shardcore.refit.Manifest; got {type(manifest).__name__}")
-    origin = _resolve(layout, source, "source")
+    origin = resolve_shard(layout, source, "source")
     check_count("ranks", ranks)
     if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, (int, float)) or not memory_bytes > 0:
         raise LayoutError(f"memory_bytes={shown(memory_bytes)}: expected a positive number of bytes per rank")

@@ -24,8 +24,8 @@ from ..refit.placement import (
     holders,
     holdings,
     stages_of,
+    tp_parts,
     tp_size,
-    tp_slices,
 )
 from .fate import holdings_key
 from .renumbering import Renumbering, format_ranks
@@ -100,7 +100,7 @@ def _intervals(tensor: TensorSpec, plan: ShardPlan, index: int) -> list[Interval
     """What slice ``index`` of ``plan`` covers of ``tensor``'s split dim (the whole dim when unsplit)."""
     if tensor.tp_dim is None:
         return [(0, tensor.shape[0])]
-    return [(piece.start, piece.stop) for piece in tp_slices(tensor.blocks, tp_size(tensor, plan), index)]
+    return [(piece.start, piece.stop) for piece in tp_parts(tensor.blocks, tp_size(tensor, plan), index)]
 
 
 def _subtract(intervals: Iterable[Interval], covered: Iterable[Interval]) -> list[Interval]:

@@ -9,9 +9,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from shardcore import ShardcoreError, build_shards, destroy_shards, my_shard
-from shardcore_dtensor.refit import refit
+from shardcore_dtensor import refit
 
-SHAPES = {"embed": (24, 8), "qkv": (16, 12), "proj": (12, 16), "norm": (12,), "odd": (7, 5)}
+SHAPES = {"embed": (24, 8), "qkv": (16, 12), "proj": (12, 16), "norm": (12,), "odd": (7, 5), "scale": ()}
 
 
 def global_tensors(dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
@@ -49,14 +49,23 @@ SRC_2D = {
     "proj": [Replicate(), Shard(1)],
     "norm": [Replicate(), Replicate()],
     "odd": [Shard(1), Shard(0)],
+    "scale": [Replicate(), Replicate()],
 }
-DST_1D = {"embed": [Shard(1)], "qkv": [Shard(0)], "proj": [Shard(0)], "norm": [Replicate()], "odd": [Shard(0)]}
+DST_1D = {
+    "embed": [Shard(1)],
+    "qkv": [Shard(0)],
+    "proj": [Shard(0)],
+    "norm": [Replicate()],
+    "odd": [Shard(0)],
+    "scale": [Replicate()],
+}
 DST_2D = {
     "embed": [Shard(0), Shard(0)],
     "qkv": [Shard(1), Replicate()],
     "proj": [Replicate(), Shard(1)],
     "norm": [Shard(0), Replicate()],
     "odd": [Replicate(), Shard(1)],
+    "scale": [Replicate(), Replicate()],
 }
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...plan.layout import DEFAULT_ORDER, ShardPlan, plan_layout
 from ...refit.documents import model_manifest
-from ...refit.planner import RefitPlan, plan_refit
+from ...refit.planner import ShardRefitPlan, plan_refit
 from ..transfer.execute import DEFAULT_BUCKET_BYTES
 from .launch import LIVE_CHECK_TIMEOUT, OnEvent, run_joined_job, run_local_job
 
@@ -124,7 +124,7 @@ class RefitCheckOptions:
         return {"timeout": self.timeout, "bucket_bytes": self.bucket_bytes, "verify": self.verify}
 
 
-def plan_from_options(options: RefitCheckOptions, world_size: int) -> RefitPlan:
+def plan_from_options(options: RefitCheckOptions, world_size: int) -> ShardRefitPlan:
     """The plan the CLI describes: layout, source and destination shards, model, ranks per node.
 
     Raises:
