@@ -22,13 +22,15 @@ PACKAGE = ROOT / "shardcore"
 PLUGINS = sorted(ROOT.glob("plugins/*/shardcore_*"))
 TORCH_FREE = ("plan", "views", "refit", "replan")
 """Subpackages that must run without torch or numpy."""
+LEAVES = {"errors", "version"}
+"""Modules every part may import: they import nothing of shardcore."""
 MAY_IMPORT = {
-    "plan": {"plan", "errors"},
-    "views": {"plan", "views", "errors"},
-    "refit": {"plan", "refit", "errors"},
-    "replan": {"plan", "views", "refit", "replan", "errors"},
-    "engine": {"plan", "refit", "replan", "engine", "errors"},
-    "cli": {"plan", "views", "refit", "replan", "engine", "cli", "errors"},
+    "plan": {"plan", *LEAVES},
+    "views": {"plan", "views", *LEAVES},
+    "refit": {"plan", "refit", *LEAVES},
+    "replan": {"plan", "views", "refit", "replan", *LEAVES},
+    "engine": {"plan", "refit", "replan", "engine", *LEAVES},
+    "cli": {"plan", "views", "refit", "replan", "engine", "cli", *LEAVES},
 }
 """For each subpackage, the shardcore parts it may import."""
 
