@@ -8,12 +8,12 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from ..errors import RefitError
-from ..plan.arguments import format_bytes
+from ..plan.arguments import check_size, format_bytes
 from ..plan.layout import DEFAULT_ORDER, ORDER_ALIASES, Layout, Order, plan_layout
 from ..refit.cost import DEFAULT_INTER_GBPS, DEFAULT_INTRA_GBPS, RefitStats
 from ..refit.documents import model_manifest
 from ..refit.models import PRESETS
-from ..refit.planner import RankRefit, ShardRefitPlan, plan_refit
+from ..refit.planner import DEFAULT_MIN_PIECE_BYTES, RankRefit, ShardRefitPlan, plan_refit, tensors_matching
 from ..views.tables import format_table
 from .arguments import NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_SECONDS, missing_flags
 from .search import add_search_arguments, run_search
@@ -56,16 +56,23 @@ def summary_table(plan: ShardRefitPlan, stats: RefitStats, intra_gbps: float, in
         "none" if stats.busiest_sender is None else f"rank {stats.busiest_sender}, {format_bytes(stats.busiest_sent)}"
     )
     nodes = "" if plan.ranks_per_node else " (no --ranks-per-node: all inter-node)"
+    subset = "" if plan.tensors is None else f", {len(plan.tensors)} of them refitted"
+    relayed = (
+        f"; fan-out relayed {format_bytes(stats.relayed_bytes)} inside nodes, "
+        f"{format_bytes(stats.inter_node_bytes_without_fan_out)} inter-node without it"
+        if plan.fan_out
+        else ""
+    )
     lines = [
         (
-            f"refit {plan.manifest.name} ({len(plan.manifest)} tensors, {format_bytes(plan.manifest.nbytes)}) "
+            f"refit {plan.manifest.name} ({len(plan.manifest)} tensors{subset}, {format_bytes(plan.manifest.nbytes)}) "
             f"from shard {source.index} ('{source.spec}', ranks [{source.rank_offset}, {source.ranks.stop}))"
         ),
         format_table(rows, header),
         (
             f"moved {format_bytes(stats.total_bytes)} in {stats.transfers} transfers "
             f"({format_bytes(stats.intra_node_bytes)} intra-node, {format_bytes(stats.inter_node_bytes)} inter-node), "
-            f"local copies {format_bytes(stats.local_bytes)}"
+            f"local copies {format_bytes(stats.local_bytes)}{relayed}"
         ),
         f"busiest sender: {busiest}; lower bound {format_bytes(stats.lower_bound)} (x{stats.balance:.3f})",
         (
@@ -99,12 +106,36 @@ def _plan(args: argparse.Namespace) -> tuple[Layout, ShardRefitPlan]:
     for flag, value in (("--intra-gbps", args.intra_gbps), ("--inter-gbps", args.inter_gbps)):
         if not value > 0:
             raise RefitError(f"{flag} {value}: expected a positive bandwidth in GB/s")
+    floor, patterns = _planner_options(args)
     layout = plan_layout(args.world, args.shards, order=args.order, allow_idle=args.allow_idle)
     if args.rank is not None:
         layout.shard_of(args.rank)  # a rank outside the world fails before any work
-    return layout, plan_refit(
-        layout, args.src, _shard_indices(args.dst), model_manifest(args.model), args.ranks_per_node
+    manifest = model_manifest(args.model)
+    plan = plan_refit(
+        layout,
+        args.src,
+        _shard_indices(args.dst),
+        manifest,
+        args.ranks_per_node,
+        min_piece_bytes=floor,
+        fan_out=args.fan_out,
     )
+    return layout, plan.subset(tensors_matching(manifest, patterns)) if patterns else plan
+
+
+def _planner_options(args: argparse.Namespace) -> tuple[int, tuple[str, ...]]:
+    """``--min-piece`` in bytes and the ``--tensors`` patterns, checked before anything is planned."""
+    if args.fan_out and args.ranks_per_node is None:
+        raise RefitError("--fan-out relays tiles inside nodes: give --ranks-per-node K too")
+    floor = (
+        DEFAULT_MIN_PIECE_BYTES
+        if args.min_piece is None
+        else check_size("--min-piece", args.min_piece, error=RefitError)
+    )
+    patterns = () if args.tensors is None else tuple(p.strip() for p in args.tensors.split(",") if p.strip())
+    if args.tensors is not None and not patterns:
+        raise RefitError("--tensors is empty: give name patterns separated by commas, e.g. --tensors '*.experts.*'")
+    return floor, patterns
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -112,6 +143,7 @@ def _check(args: argparse.Namespace) -> int:
     from ..engine.live import refit_check
 
     joined = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    floor, patterns = _planner_options(args)
     options = refit_check.RefitCheckOptions(
         model=args.model,
         shards=args.shards,
@@ -121,6 +153,9 @@ def _check(args: argparse.Namespace) -> int:
         ranks_per_node=args.ranks_per_node,
         timeout=args.timeout,
         bucket_bytes=args.bucket_bytes,
+        min_piece_bytes=floor,
+        fan_out=args.fan_out,
+        tensors=patterns,
     )
     world = int(os.environ["WORLD_SIZE"]) if joined else args.nproc
     plan = refit_check.plan_from_options(options, world)  # bad input fails here, before any process starts
@@ -138,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(PRESETS))
         return 0
     if args.search:
+        if args.fan_out or args.min_piece is not None or args.tensors is not None:
+            raise RefitError("--search ranks whole refits by estimate: drop --fan-out, --min-piece and --tensors")
         return run_search(args)
     if args.check:
         if args.world is not None:
@@ -154,6 +191,8 @@ def run(args: argparse.Namespace) -> int:
         data["model"] = plan.manifest.name
         data["source"] = plan.source.index
         data["destinations"] = [destination.index for destination in plan.destinations]
+        data["min_piece_bytes"], data["fan_out"] = plan.min_piece_bytes, plan.fan_out
+        data["refitted_tensors"] = len(plan.manifest) if plan.tensors is None else len(plan.tensors)
         data["tensors"] = {
             t.name: {"shape": list(t.shape), "dtype": t.dtype, "itemsize": t.itemsize} for t in plan.manifest
         }
@@ -224,6 +263,21 @@ def add_refit_parser(subparsers: Any, common: argparse.ArgumentParser) -> argpar
         type=POSITIVE_INT,
         metavar="K",
         help="node = rank // K: prefer same-node sources and split traffic by node",
+    )
+    parser.add_argument(
+        "--fan-out",
+        action="store_true",
+        help="with --ranks-per-node: send each tile once into a node without its sources, relayed there",
+    )
+    parser.add_argument(
+        "--min-piece",
+        metavar="SIZE",
+        help=f"floor on piece size, e.g. 1MiB, 512kB, 0 for none (default {DEFAULT_MIN_PIECE_BYTES >> 20}MiB)",
+    )
+    parser.add_argument(
+        "--tensors",
+        metavar="PATTERNS",
+        help="refit only the tensors matching these comma-separated patterns, e.g. '*.experts.*' (a partial refit)",
     )
     parser.add_argument("--rank", type=NON_NEGATIVE_INT, metavar="R", help="also print rank R's transfers")
     parser.add_argument("--json", action="store_true", help="print the stats (and tensors) as JSON")

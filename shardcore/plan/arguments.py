@@ -9,6 +9,7 @@ digits)`` from printing a huge integer). Torch-free: the plan, the engine and th
 from __future__ import annotations
 
 import math
+import re
 import reprlib
 from collections.abc import Collection, Iterable
 from datetime import timedelta
@@ -146,6 +147,32 @@ def format_bytes(size: float) -> str:
     return f"{size:.0f} B" if step == 0 else f"{size:.3g} {units[step]}"
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+MAX_SIZE = 1 << 50
+"""Largest size accepted in bytes (a petabyte): any larger one is a typo."""
+
+
+def check_size(name: str, value: object, *, error: type[ShardcoreError] = LayoutError) -> int:
+    """``value`` as a whole number of bytes in [0, MAX_SIZE]: an int, or a text such as ``'1MiB'``, ``'512 kB'``
+    or ``'4096'`` (units B, kB, MB, GB, KiB, MiB, GiB, any case; a fraction only with a unit).
+
+    Raises:
+        LayoutError (or ``error``): naming ``name``, the value and the accepted forms.
+    """
+    accepted = "expected a size: whole bytes >= 0 or a number with a unit (B, kB, MB, GB, KiB, MiB, GiB), e.g. 1MiB"
+    size: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    elif isinstance(value, str) and len(value) <= 40:
+        found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", value)
+        unit = _SIZE_UNITS.get(found.group(2).lower()) if found else None
+        if found and unit is not None and ("." not in found.group(1) or found.group(2)):
+            size = int(float(found.group(1)) * unit) if "." in found.group(1) else int(found.group(1)) * unit
+    if size is None or not 0 <= size <= MAX_SIZE:
+        raise error(f"{name}={shown(value)}: {accepted}; at most 2**50 bytes")
+    return size
+
+
 def check_count(
     name: str,
     value: object,
@@ -234,6 +261,7 @@ def as_timedelta(timeout: object, name: str = "timeout") -> timedelta:
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "MAX_SIZE",
     "MAX_TIMEOUT",
     "MAX_WORLD_SIZE",
     "LongNumber",
@@ -242,6 +270,7 @@ __all__ = [
     "check_count",
     "check_flag",
     "check_names",
+    "check_size",
     "format_bytes",
     "number_or_long",
     "shown",

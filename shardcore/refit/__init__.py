@@ -10,10 +10,12 @@ The manifest and planner are pure Python (no torch); only execution imports torc
 - Placements, what one side of a refit holds: ``Placement`` (``slices(position)``, ``held(rank)``,
   ``restrict(renumber)``), ``ShardPlacement(plan, manifest)`` by index math, and
   ``ExplicitPlacement(manifest, [HeldBox(tensor, rank, box, offset), ...])`` from records.
-- ``plan_refit(layout, src, dst, manifest, ranks_per_node=None)`` -> ``ShardRefitPlan`` between
-  shards; ``plan_refit_from(source, destinations)`` -> ``RefitPlan`` between any placements:
-  ``.for_rank(r)`` -> ``RankRefit`` (sends, recvs, copies, shapes), ``.transfers()`` -> every
-  ``Transfer`` in the global order; ``RefitStats.of(plan)``: what it costs.
+- ``plan_refit(layout, src, dst, manifest, ranks_per_node=None, *, min_piece_bytes=1MiB, fan_out=False)``
+  -> ``ShardRefitPlan`` between shards; ``plan_refit_from(source, destinations)`` -> ``RefitPlan``
+  between any placements: ``.for_rank(r)`` -> ``RankRefit`` (sends, recvs, copies, shapes),
+  ``.transfers()`` -> every ``Transfer`` in the global order, ``.subset(names or predicate)`` -> the
+  plan of a partial refit (``tensors_matching(manifest, patterns)`` finds names);
+  ``RefitStats.of(plan)``: what it costs.
 - ``search(layout, src, manifest, ranks, memory_bytes)`` -> ``SearchResult``: every destination spec of
   R ranks that the model splits over and whose weights fit, ranked by estimated refit time
   (``Candidate``s, the Pareto front marked); ``Footprint`` (what a rank of a spec holds, whether the
@@ -41,7 +43,7 @@ from .placement import (
     holdings,
     local_shape,
 )
-from .planner import RankRefit, RefitPlan, ShardRefitPlan, Transfer, plan_refit, plan_refit_from
+from .planner import RankRefit, RefitPlan, ShardRefitPlan, Transfer, plan_refit, plan_refit_from, tensors_matching
 from .search import Candidate, SearchResult, search
 
 __all__ = [
@@ -77,4 +79,5 @@ __all__ = [
     "plan_refit_from",
     "preset",
     "search",
+    "tensors_matching",
 ]

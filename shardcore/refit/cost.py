@@ -3,14 +3,16 @@
 The lower bound (``lower_bound``) is on the bytes the busiest sender sends, in any plan. The time
 estimate assumes every rank sends and receives at once, intra-node traffic at ``intra_gbps`` and
 inter-node traffic at ``inter_gbps`` (GB/s, 1e9 bytes), and no other contention: a rank's time is
-the larger of its send and receive time, the plan's the largest rank's.
+the larger of its send and receive time, a hop's the largest rank's. With fan-out the relays'
+forwards are a second hop, after the first (the executor runs them so): the plan's time is the
+sum of the two hops' times.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .planner import RefitPlan
@@ -28,7 +30,8 @@ def lower_bound(must_move: Mapping[frozenset[int], int]) -> float:
     """Bytes the busiest sender sends at least, in any plan, given the bytes each holder set must move.
 
     ``must_move[H]`` counts the elements whose holders are exactly the source ranks H, once per
-    destination rank that needs the element and does not hold it already. Only a rank of H can send
+    destination rank that needs the element and does not hold it already (with fan-out: once per rank
+    that receives it from a holder; the relays forward it to the others). Only a rank of H can send
     such an element, so for any set R of source ranks, the bytes of every H inside R are sent by
     ranks of R, and some rank of R sends at least their sum / |R|. Each R gives a valid bound. The
     best R over all sets is the exact optimum when pieces may be split freely (max-flow/min-cut:
@@ -61,8 +64,7 @@ def lower_bound(must_move: Mapping[frozenset[int], int]) -> float:
     return max(best, max(size / len(outer) for outer, size in inside.items()))
 
 
-def _seconds(loads: dict[int, Load], intra_gbps: float, inter_gbps: float) -> float:
-    intra, inter = intra_gbps * 1e9, inter_gbps * 1e9
+def _hop_seconds(loads: Mapping[int, Load], intra: float, inter: float) -> float:
     return max(
         (
             max(s_in / intra + s_out / inter, r_in / intra + r_out / inter)
@@ -70,6 +72,19 @@ def _seconds(loads: dict[int, Load], intra_gbps: float, inter_gbps: float) -> fl
         ),
         default=0.0,
     )
+
+
+def _seconds(loads: Mapping[int, Load], relayed: Mapping[int, Load], intra_gbps: float, inter_gbps: float) -> float:
+    """The first hop's time (``loads`` less ``relayed``), then the relays' forwards' (``relayed``)."""
+    intra, inter = intra_gbps * 1e9, inter_gbps * 1e9
+    first = {
+        rank: [a - b for a, b in zip(load, relayed[rank])] if rank in relayed else load for rank, load in loads.items()
+    }
+    return _hop_seconds(first, intra, inter) + _hop_seconds(relayed, intra, inter)
+
+
+def _new_loads() -> defaultdict[int, Load]:
+    return defaultdict(lambda: [0, 0, 0, 0])
 
 
 @dataclass(frozen=True)
@@ -84,10 +99,11 @@ class ShardCost:
     busiest_rank: int | None
     busiest_bytes: int
     loads: dict[int, Load]
+    relay_loads: dict[int, Load] = field(default_factory=dict)
 
     def estimate_seconds(self, intra_gbps: float = DEFAULT_INTRA_GBPS, inter_gbps: float = DEFAULT_INTER_GBPS) -> float:
         """Estimated time of this shard's transfers alone."""
-        return _seconds(self.loads, intra_gbps, inter_gbps)
+        return _seconds(self.loads, self.relay_loads, intra_gbps, inter_gbps)
 
 
 @dataclass(frozen=True)
@@ -104,7 +120,10 @@ class RefitStats:
         lower_bound: Bytes the busiest sender must send at least, in any plan (``lower_bound``).
         intra_node_bytes / inter_node_bytes: Split by node when the plan has ``ranks_per_node``;
             without it every byte counts as inter-node.
+        relayed_bytes: Bytes relays forwarded inside their node (fan-out; 0 without it).
         shards: Per destination shard.
+        loads: Per rank, every hop: [sent intra, sent inter, received intra, received inter] bytes.
+        relay_loads: The same for the relays' forwards alone (the second hop).
     """
 
     model_bytes: int
@@ -120,35 +139,38 @@ class RefitStats:
     inter_node_bytes: int
     shards: tuple[ShardCost, ...]
     loads: dict[int, Load]
+    relay_loads: dict[int, Load] = field(default_factory=dict)
+    relayed_bytes: int = 0
 
     @classmethod
     def of(cls, plan: RefitPlan) -> RefitStats:
         """Walk every tile of ``plan`` once and add up its pieces."""
         per_node = plan.ranks_per_node
-        loads: dict[int, Load] = defaultdict(lambda: [0, 0, 0, 0])
+        loads, relayed = _new_loads(), _new_loads()
         targets = plan.destination_placements
-        shard_loads: list[dict[int, Load]] = [defaultdict(lambda: [0, 0, 0, 0]) for _ in targets]
+        shard_loads = [_new_loads() for _ in targets]
+        shard_relayed = [_new_loads() for _ in targets]
         shard_bytes = [0] * len(targets)
         shard_local = [0] * len(targets)
         must_move: dict[int, int] = defaultdict(int)
         holder_sets: dict[int, frozenset[int]] = {}
         count = local = 0
         for tile, pieces in plan.tiles():
-            row_bytes, rows = tile.row_bytes, tile.rows
-            remote = sum(1 for d in tile.needers.ranks if d not in tile.sources.members)
-            must_move[tile.sources.key] += remote * rows * row_bytes
+            row_bytes = tile.row_bytes
             holder_sets[tile.sources.key] = tile.sources.members
             count += len(pieces)
-            into = shard_loads[tile.shard]
-            for src, dst, lo, hi in pieces:
+            for src, dst, lo, hi, hop in pieces:
                 size = (hi - lo) * row_bytes
                 if src == dst:
                     local += size
                     shard_local[tile.shard] += size
                     continue
+                if not hop:  # what the holders must send; relays forward the rest
+                    must_move[tile.sources.key] += size
                 shard_bytes[tile.shard] += size
                 inter = 1 if per_node is None or src // per_node != dst // per_node else 0
-                for table in (loads, into):
+                tables = (loads, shard_loads[tile.shard])
+                for table in (*tables, relayed, shard_relayed[tile.shard]) if hop else tables:
                     table[src][inter] += size
                     table[dst][2 + inter] += size
         sent = {rank: load[0] + load[1] for rank, load in sorted(loads.items()) if load[0] + load[1]}
@@ -170,6 +192,7 @@ class RefitStats:
                     top,
                     volume.get(top, 0) if top is not None else 0,
                     dict(table),
+                    dict(shard_relayed[index]),
                 )
             )
         return cls(
@@ -186,7 +209,15 @@ class RefitStats:
             inter_node_bytes=sum(load[1] for load in loads.values()),
             shards=tuple(shards),
             loads=dict(loads),
+            relay_loads=dict(relayed),
+            relayed_bytes=sum(load[0] + load[1] for load in relayed.values()),
         )
+
+    @property
+    def inter_node_bytes_without_fan_out(self) -> int:
+        """Inter-node bytes the same refit moves without fan-out: every forwarded copy would cross the link
+        (a relay and the needers it forwards to share a node, and no holder is on it)."""
+        return self.inter_node_bytes + self.relayed_bytes
 
     @property
     def balance(self) -> float:
@@ -194,8 +225,8 @@ class RefitStats:
         return self.busiest_sent / self.lower_bound if self.lower_bound else 1.0
 
     def estimate_seconds(self, intra_gbps: float = DEFAULT_INTRA_GBPS, inter_gbps: float = DEFAULT_INTER_GBPS) -> float:
-        """Estimated time of the whole plan, all destination shards at once."""
-        return _seconds(self.loads, intra_gbps, inter_gbps)
+        """Estimated time of the whole plan, all destination shards at once (with fan-out: both hops)."""
+        return _seconds(self.loads, self.relay_loads, intra_gbps, inter_gbps)
 
     def to_dict(self, intra_gbps: float = DEFAULT_INTRA_GBPS, inter_gbps: float = DEFAULT_INTER_GBPS) -> dict[str, Any]:
         """JSON form, estimates at the given bandwidths."""
@@ -210,6 +241,8 @@ class RefitStats:
             "balance": self.balance,
             "intra_node_bytes": self.intra_node_bytes,
             "inter_node_bytes": self.inter_node_bytes,
+            "inter_node_bytes_without_fan_out": self.inter_node_bytes_without_fan_out,
+            "relayed_bytes": self.relayed_bytes,
             "bandwidth_gbps": {"intra_node": intra_gbps, "inter_node": inter_gbps},
             "estimate_seconds": self.estimate_seconds(intra_gbps, inter_gbps),
             "sent": {str(rank): size for rank, size in self.sent.items()},

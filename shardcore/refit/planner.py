@@ -9,33 +9,51 @@ Every piece's source is a pure function of the tile alone:
 1. a needer that is also a holder copies the tile locally (collocated ranks send nothing);
 2. with ``ranks_per_node``, the needers on a node that has holders are served by those holders;
 3. the rest form a *work line*: their copies of the tile laid end to end (in rows of dim 0),
-   cut into K equal segments, segment k sent by holder ``(k + seed) % |H|``. K is |H| unless that
-   would make pieces smaller than ``min_piece_bytes``; ``seed`` (from the tile's identity)
-   rotates which holders take small tiles, so whole small tensors also spread over replicas.
+   cut into at most |H| segments, segment k sent by holder ``(k + seed) % |H|``; ``seed`` (from
+   the tile's identity) rotates which holders take small tiles, so whole small tensors also
+   spread over replicas.
+
+**The floor on piece size** (``min_piece_bytes``, default 1 MiB; 0 turns it off): a line has no
+more segments than it has floors of bytes, and a cut that would leave less than a floor between
+it and the edge of a copy moves onto that edge; cuts fall on whole ``unit`` rows when the tensor is
+split along dim 0. So no piece is smaller than the floor unless the tile itself is. Off, a line
+has min(|H|, rows) equal segments wherever they fall.
+
+**Fan-out** (``fan_out=True``, with ``ranks_per_node``): the needers of a tile are those of every
+destination slice with the same box (replicas of one destination shard, and ranks of other
+destination shards sliced alike). On a node that holds no source of the tile, one needer is the
+*relay* (rotated by the seed): only the relays join the work line, so the tile crosses the slow
+link once per node, and each relay forwards the whole tile to the node's other needers in a
+second hop (``Transfer.hop == 1``: from the relay's destination tensor, after its first-hop
+receives). Sender, relay and forwardee still derive the same pieces from the tile alone.
 
 A piece is therefore split across replicas when that balances the load, and every rank that
 evaluates a tile derives the same pieces. ``RefitPlan.for_rank(r)`` evaluates only the tiles of
 the slices r holds (as a destination: its slices against the source's; as a source: its slices
 against each destination's): its cost is its own tiles and their replica sets, never the whole
 schedule. ``plan_refit`` plans between shards (``ShardPlacement``, by index math);
-``plan_refit_from`` between any placements (``ExplicitPlacement``, ``Placement.restrict``).
+``plan_refit_from`` between any placements (``ExplicitPlacement``, ``Placement.restrict``);
+``plan.subset(...)`` keeps some tensors only (a partial refit).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
-from functools import cached_property
-from typing import Any, NamedTuple, cast
+import fnmatch
+import hashlib
+from bisect import bisect_left, bisect_right
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property, lru_cache
+from typing import Any, NamedTuple, Self, cast
 
-from ..errors import LayoutError, RefitError
-from ..plan.arguments import check_count, shown
+from ..errors import LayoutError, ManifestError, RefitError
+from ..plan.arguments import check_count, check_size, shown
 from ..plan.layout import Layout, ShardPlan
-from .manifest import Manifest
+from .manifest import Manifest, TensorSpec
 from .placement import Box, HolderSet, Placement, ShardPlacement, Slice, check_fits, overlap, volume
 
 DEFAULT_MIN_PIECE_BYTES = 1 << 20
-"""Pieces are not split across replicas below this size: a message costs more than it balances."""
+"""The floor on piece size: below it a message costs more than the balance it buys."""
 
 
 @dataclass(frozen=True, order=True)
@@ -52,6 +70,9 @@ class Transfer:
         src_offset: Where the box starts in the source rank's local tensor, per dim.
         dst_offset: Where the box starts in the destination rank's local tensor, per dim.
         bytes: Size of the box in bytes.
+        hop: 0 when the bytes come from the sender's source tensor; 1 when a relay forwards them (fan-out):
+            they come from the relay's destination tensor (``src_offset`` is there), once its hop-0
+            receives have landed.
     """
 
     tensor: str
@@ -61,6 +82,7 @@ class Transfer:
     src_offset: tuple[int, ...]
     dst_offset: tuple[int, ...]
     bytes: int
+    hop: int = 0
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -82,6 +104,7 @@ class Transfer:
             "src_offset": list(self.src_offset),
             "dst_offset": list(self.dst_offset),
             "bytes": self.bytes,
+            "hop": self.hop,
         }
 
 
@@ -89,12 +112,12 @@ class Transfer:
 class RankRefit:
     """One rank's part of a refit plan.
 
-    ``sends`` and ``recvs`` are sorted by (src, dst, tensor position in the manifest, box), so a
+    ``sends`` and ``recvs`` are sorted by (src, dst, tensor position in the manifest, box, hop), so a
     sender's sends to a peer and that peer's receives from it come in the same order.
 
     Attributes:
         rank: The global rank.
-        sends: Transfers with src == rank and dst != rank.
+        sends: Transfers with src == rank and dst != rank (with fan-out, a relay's forwards too: hop 1).
         recvs: Transfers with dst == rank and src != rank.
         copies: Transfers with src == dst == rank.
         source_shapes: Local shape of every tensor the rank holds in the source layout.
@@ -130,17 +153,55 @@ class Tile(NamedTuple):
     seed: int
     rows: int  # extent of the box along dim 0, the dim pieces are cut along
     row_bytes: int  # bytes of one row of the box
+    group: tuple[tuple[int, Slice], ...] = ()
+    """With fan-out: (destination, slice) of every destination slice with this tile's box, this one included."""
+
+
+Line = tuple[tuple[int, ...], tuple[int, ...], int]
+"""One work line: its needers, its sources and the offset of its seed."""
 
 
 class Routes(NamedTuple):
     """How one (holders, needers) pair is served, shared by every tile with that pair."""
 
     local: tuple[int, ...]  # needers that hold the tile already
-    lines: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]  # (needers, sources, seed offset) per work line
+    lines: tuple[Line, ...]
+    far: tuple[tuple[int, ...], ...] = ()  # fan-out: the needers of each node without holders, by node
 
 
-Piece = tuple[int, int, int, int]
-"""(src, dst, first row, end row) of a tile, rows along dim 0 relative to the tile's box."""
+Piece = tuple[int, int, int, int, int]
+"""(src, dst, first row, end row, hop) of a tile, rows along dim 0 relative to the tile's box."""
+
+
+@lru_cache(maxsize=1 << 14)
+def line_cuts(rows: int, copies: int, holders: int, row_bytes: int, floor: int, grain: int) -> tuple[int, ...]:
+    """Where a work line of ``copies`` copies of ``rows`` rows is cut into segments, one per sending holder at most.
+
+    Without a floor (0): min(holders, rows of the line) equal segments. With one: counted in
+    grains of ``grain`` rows, no more segments than floors of bytes fit in the line, and a cut
+    nearer than a floor to the edge of a copy moves onto that edge; then every piece (a segment's
+    part inside one copy) has at least ``floor`` bytes, or is a whole copy. Cuts never decrease,
+    so a segment may be empty.
+
+    Returns:
+        The count + 1 cut positions, in rows from the start of the line: 0 first, the line's end last.
+    """
+    if not floor:
+        width = copies * rows
+        count = max(1, min(holders, width))
+        return tuple(k * width // count for k in range(count + 1))
+    per_copy = rows // grain
+    width = copies * per_copy
+    least = -(-floor // (row_bytes * grain))  # grains a piece needs to reach the floor
+    count = max(1, min(holders, width // least))
+    cuts = []
+    for k in range(count + 1):
+        at = k * width // count
+        inside = at % per_copy
+        if inside < least or per_copy - inside < least:  # too near an edge of its copy: onto the nearer edge
+            at += -inside if inside <= per_copy - inside else per_copy - inside
+        cuts.append(at * grain)
+    return tuple(cuts)
 
 
 @dataclass(frozen=True)
@@ -156,7 +217,9 @@ class RefitPlan:
         destination_placements: What each destination must hold; no rank is in two.
         world_size: Ranks of the world the plan runs in (every placement's ranks lie in it).
         ranks_per_node: Ranks per node (node = rank // K), or None: same-node sources come first.
-        min_piece_bytes: Pieces are not split across replicas below this size.
+        min_piece_bytes: The floor on piece size (0: none): see the module doc.
+        fan_out: Relay each tile once into every node that holds no source of it (needs ranks_per_node).
+        tensors: Positions of the tensors this plan moves (``subset``); None: every tensor.
     """
 
     source_placement: Placement
@@ -164,7 +227,9 @@ class RefitPlan:
     world_size: int
     ranks_per_node: int | None = None
     min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES
-    _routes: dict[tuple[int, int, int], Routes] = field(default_factory=dict, init=False, repr=False, compare=False)
+    fan_out: bool = False
+    tensors: frozenset[int] | None = None
+    _routes: dict[tuple[Any, ...], Routes] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def manifest(self) -> Manifest:
@@ -173,8 +238,9 @@ class RefitPlan:
 
     # -- tiles -------------------------------------------------------------------------------
 
-    def _tile(self, position: int, shard: int, source: Slice, target: Slice) -> Tile:
-        """The tile where ``source`` and ``target`` (two slices that meet) overlap."""
+    def _tile(self, position: int, shard: int, source: Slice, target: Slice, group: tuple[Any, ...] = ()) -> Tile:
+        """The tile where ``source`` and ``target`` (two slices that meet) overlap; with fan-out, ``group`` is
+        the target's fan-out group (``_group``), whose first member seeds the tile."""
         if source.box == target.box:  # the common case: the same split on both sides
             box, src_offset, dst_offset = source.box, source.offset, target.offset
         else:
@@ -184,24 +250,44 @@ class RefitPlan:
         row_bytes = self.manifest.tensors[position].itemsize
         for start, stop in box[1:]:
             row_bytes *= stop - start
-        seed = position + shard * 7919 + (target.block + 1) * 31 + target.part * 131 + source.part * 1031
+        first, seeding = group[0] if group else (shard, target)
+        seed = position + first * 7919 + (seeding.block + 1) * 31 + seeding.part * 131 + source.part * 1031
         rows = box[0][1] - box[0][0]
-        return Tile(position, shard, box, src_offset, dst_offset, source.holders, target.holders, seed, rows, row_bytes)
+        return Tile(
+            position, shard, box, src_offset, dst_offset, source.holders, target.holders, seed, rows, row_bytes, group
+        )
+
+    def _group(self, position: int, shard: int, target: Slice) -> tuple[tuple[int, Slice], ...]:
+        """With fan-out, every destination slice with ``target``'s box, by destination; without, nothing."""
+        if not self.fan_out:
+            return ()
+        return tuple(
+            (index, piece) if index != shard else (shard, target)
+            for index, placement in enumerate(self.destination_placements)
+            for piece in placement.overlapping(position, target.box)
+            if piece.box == target.box
+        )
 
     def _tiles_into(self, position: int, shard: int, target: Slice) -> Iterator[Tile]:
         """Every tile of destination slice ``target``: where the source's slices meet it."""
+        group = self._group(position, shard, target)
         for source in self.source_placement.overlapping(position, target.box):
-            yield self._tile(position, shard, source, target)
+            yield self._tile(position, shard, source, target, group)
 
     def _tiles_from(self, position: int, shard: int, source: Slice) -> Iterator[Tile]:
         """Every tile of source slice ``source`` toward destination ``shard``."""
         for target in self.destination_placements[shard].overlapping(position, source.box):
-            yield self._tile(position, shard, source, target)
+            yield self._tile(position, shard, source, target, self._group(position, shard, target))
+
+    def _positions(self) -> Iterable[int]:
+        """The tensors this plan moves, by position."""
+        every = range(len(self.manifest))
+        return every if self.tensors is None else (p for p in every if p in self.tensors)
 
     def _all_tiles(self) -> Iterator[Tile]:
         """Every tile, in the global order: destination, tensor, destination slice, source slice."""
         for shard, placement in enumerate(self.destination_placements):
-            for position in range(len(self.manifest)):
+            for position in self._positions():
                 for target in placement.slices(position):
                     yield from self._tiles_into(position, shard, target)
 
@@ -209,16 +295,22 @@ class RefitPlan:
 
     def _routes_of(self, tile: Tile) -> Routes:
         """Local copies and work lines of a tile's (holders, needers) pair: with ``ranks_per_node``, needers
-        on a node that has holders form a line served by those holders; the rest one line over all holders."""
-        sources, needers = tile.sources, tile.needers
-        key = (sources.key, tile.shard, needers.key)
+        on a node that has holders form a line served by those holders; the rest one line over all holders.
+        With fan-out the needers are the whole group's, and a node without holders sends one relay to that line."""
+        sources = tile.sources
+        if tile.group:
+            key: tuple[Any, ...] = (sources.key, -1, tuple((shard, piece.holders.key) for shard, piece in tile.group))
+            needers = sorted(rank for _, piece in tile.group for rank in piece.holders.ranks)
+        else:
+            key, needers = (sources.key, tile.shard, tile.needers.key), list(tile.needers.ranks)
         found = self._routes.get(key)
         if found is not None:
             return found
         members = sources.members
-        local = tuple(d for d in needers.ranks if d in members)
-        remote = tuple(d for d in needers.ranks if d not in members)
-        lines: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+        local = tuple(d for d in needers if d in members)
+        remote = tuple(d for d in needers if d not in members)
+        lines: list[Line] = []
+        far_nodes: tuple[tuple[int, ...], ...] = ()
         per_node = self.ranks_per_node
         if per_node is None:
             lines.append((remote, sources.ranks, 0))
@@ -227,80 +319,115 @@ class RefitPlan:
             for s in sources.ranks:
                 near.setdefault(s // per_node, []).append(s)
             by_node: dict[int, list[int]] = {}
-            rest = []
+            far: dict[int, list[int]] = {}
             for d in remote:
-                if d // per_node in near:
-                    by_node.setdefault(d // per_node, []).append(d)
-                else:
-                    rest.append(d)
+                (by_node if d // per_node in near else far).setdefault(d // per_node, []).append(d)
             lines += [(tuple(group), tuple(near[node]), node) for node, group in by_node.items()]
-            lines.append((tuple(rest), sources.ranks, 0))
-        found = self._routes[key] = Routes(local, tuple(line for line in lines if line[0]))
+            if self.fan_out:  # the far line's needers are the relays, one per node, chosen per tile
+                far_nodes = tuple(tuple(group) for group in far.values())
+            else:
+                lines.append((tuple(d for group in far.values() for d in group), sources.ranks, 0))
+        found = self._routes[key] = Routes(local, tuple(line for line in lines if line[0]), far_nodes)
         return found
 
     def _spread(
         self, tile: Tile, needers: Sequence[int], sources: Sequence[int], seed: int, src: int | None, dst: int | None
     ) -> list[Piece]:
-        """One work line: ``needers``' copies of the tile cut into equal segments, one per source (see module doc).
+        """One work line: ``needers``' copies of the tile cut into segments (``line_cuts``), one per source.
 
         With ``src`` (or ``dst``) given, only the segments that rank sends (or receives) are cut: one
         rank's cost is its own pieces.
         """
         rows = tile.rows
-        width = len(needers) * rows
-        by_size = -(-width * tile.row_bytes // self.min_piece_bytes) if self.min_piece_bytes else width
-        count = max(1, min(len(sources), width, by_size))
+        tensor = self.manifest.tensors[tile.position]
+        grain = tensor.unit if tensor.tp_dim == 0 and rows % tensor.unit == 0 else 1
+        cuts = line_cuts(rows, len(needers), len(sources), tile.row_bytes, self.min_piece_bytes, grain)
+        count = len(cuts) - 1
         segments: Iterable[int] = range(count)
-        if dst is not None:  # the segments overlapping copy i: those holding its first and last row, and between
+        if dst is not None:  # the segments overlapping copy i
             i = needers.index(dst)
-            segments = range(((i * rows + 1) * count - 1) // width, ((i + 1) * rows * count - 1) // width + 1)
+            segments = range(bisect_right(cuts, i * rows) - 1, bisect_left(cuts, (i + 1) * rows))
         elif src is not None:  # a source takes at most one segment
             k = (sources.index(src) - seed) % len(sources)
             segments = (k,) if k < count else ()
         pieces: list[Piece] = []
         for k in segments:
-            start, stop = k * width // count, (k + 1) * width // count
+            start, stop = cuts[k], cuts[k + 1]
             source = sources[(k + seed) % len(sources)]
             copy = start // rows
             while start < stop:
                 end = min(stop, (copy + 1) * rows)
                 if dst is None or needers[copy] == dst:
-                    pieces.append((source, needers[copy], start - copy * rows, end - copy * rows))
+                    pieces.append((source, needers[copy], start - copy * rows, end - copy * rows, 0))
                 start, copy = end, copy + 1
         return pieces
 
     def _pieces(self, tile: Tile, src: int | None = None, dst: int | None = None) -> list[Piece]:
-        """Who sends which rows of the tile to whom: a pure function of the tile.
+        """Who sends which rows of the tile to the tile's needers: a pure function of the tile.
 
-        ``src`` / ``dst`` restrict the answer to the pieces that rank sends to others / receives
-        (its local copy included), computing only those.
+        ``src`` / ``dst`` restrict the answer to the pieces that rank sends to others from its source
+        tensor / receives (its local copy included), computing only those.
         """
         if dst is not None and dst in tile.sources.members:
-            return [(dst, dst, 0, tile.rows)]
+            return [(dst, dst, 0, tile.rows, 0)]
         if src is not None and src not in tile.sources.members:
             return []
         routes = self._routes_of(tile)
-        pieces: list[Piece] = [] if src is not None or dst is not None else [(d, d, 0, tile.rows) for d in routes.local]
+        rows, seed = tile.rows, tile.seed
+        pieces: list[Piece] = [] if src is not None or dst is not None else [(d, d, 0, rows, 0) for d in routes.local]
         for needers, sources, offset in routes.lines:
             if (src is None or src in sources) and (dst is None or dst in needers):
-                pieces += self._spread(tile, needers, sources, tile.seed + offset, src, dst)
+                pieces += self._spread(tile, needers, sources, seed + offset, src, dst)
+        if routes.far:  # fan-out: the relays' line, then each relay's forwards
+            relays = [group[seed % len(group)] for group in routes.far]
+            if dst is None or dst in relays:
+                pieces += self._spread(tile, relays, tile.sources.ranks, seed, src, dst)
+            if src is None:
+                pieces += [
+                    (relay, d, 0, rows, 1)
+                    for relay, group in zip(relays, routes.far)
+                    for d in group
+                    if d != relay and (dst is None or d == dst)
+                ]
+        if tile.group:
+            own = tile.needers.members
+            pieces = [piece for piece in pieces if piece[1] in own]
         return pieces
+
+    def _forwards(self, tile: Tile, relay: int) -> list[Piece]:
+        """With fan-out: the whole tile that ``relay`` forwards to the other needers of its node (any destination)."""
+        if not tile.group:
+            return []
+        for group in self._routes_of(tile).far:
+            if len(group) > 1 and group[tile.seed % len(group)] == relay:
+                return [(relay, d, 0, tile.rows, 1) for d in group if d != relay]
+        return []
+
+    def _offset_in(self, tile: Tile, rank: int) -> tuple[int, ...]:
+        """Where the tile starts in destination rank ``rank``'s local tensor (``rank`` needs it: in its group)."""
+        if rank in tile.needers.members or not tile.group:
+            return tile.dst_offset
+        for _, target in tile.group:
+            if rank in target.holders.members:
+                return tuple(o + lo - a for o, (lo, _), (a, _) in zip(target.offset, tile.box, target.box))
+        raise RefitError(f"rank {rank} needs no part of tile {tile.box} of tensor {tile.position}")  # a planner bug
 
     def _transfers(self, tile: Tile, pieces: Sequence[Piece]) -> Iterator[Transfer]:
         name = self.manifest.tensors[tile.position].name
         (first, _), rest = tile.box[0], tile.box[1:]
         row_bytes = tile.row_bytes
-        src0, src_rest = tile.src_offset[0], tile.src_offset[1:]
-        dst0, dst_rest = tile.dst_offset[0], tile.dst_offset[1:]
-        for src, dst, lo, hi in pieces:
+        for src, dst, lo, hi, hop in pieces:
+            origin = self._offset_in(tile, src) if hop else tile.src_offset
+            target = tile.dst_offset if dst in tile.needers.members else self._offset_in(tile, dst)
             yield Transfer(
                 name,
                 src,
                 dst,
                 ((first + lo, first + hi), *rest),
-                (src0 + lo, *src_rest),
-                (dst0 + lo, *dst_rest),
+                (origin[0] + lo, *origin[1:]),
+                (target[0] + lo, *target[1:]),
                 (hi - lo) * row_bytes,
+                hop,
             )
 
     # -- public ------------------------------------------------------------------------------
@@ -324,9 +451,57 @@ class RefitPlan:
             "layout": self._world(),
             "source": self.source_placement.describe(),
             "destinations": " + ".join(placement.describe() for placement in self.destination_placements),
-            "manifest": f"{manifest.name}: {len(manifest)} tensors, {manifest.nbytes} B, digest {manifest.digest()}",
-            "options": f"ranks_per_node={self.ranks_per_node}, min_piece_bytes={self.min_piece_bytes}",
+            "manifest": f"{manifest.name}: {len(manifest)} tensors, {manifest.nbytes} B, digest {manifest.digest()}"
+            + self._subset_text(),
+            "options": f"ranks_per_node={self.ranks_per_node}, min_piece_bytes={self.min_piece_bytes}"
+            + (", fan_out=True" if self.fan_out else ""),
         }
+
+    def _subset_text(self) -> str:
+        """The subset in the fingerprint: its size and a digest of its tensors' names (empty for every tensor)."""
+        if self.tensors is None:
+            return ""
+        names = "\n".join(self.manifest.tensors[p].name for p in sorted(self.tensors))
+        return f"; a subset of {len(self.tensors)} tensors, digest {hashlib.sha256(names.encode()).hexdigest()[:16]}"
+
+    def subset(self, selection: str | Iterable[str] | Callable[[TensorSpec], bool]) -> Self:
+        """This plan for some of its tensors only (a partial refit): LoRA adapters, the tensors that changed,
+        some experts. The result is a plan like any other (``for_rank``, ``transfers``, ``RefitStats``); its
+        fingerprint names the subset, so ranks that execute different subsets are stopped before a byte moves.
+
+        Args:
+            selection: Tensor names (or one name), or a predicate on each ``TensorSpec`` of this plan,
+                e.g. ``lambda t: t.expert in (0, 1)``.
+
+        Returns:
+            A plan of the same kind over the selected tensors (each tensor a rank holds outside them is
+            absent from its ``source_shapes`` and ``destination_shapes``: it is neither read nor written).
+
+        Raises:
+            RefitError: a selection that is neither names nor a predicate, a name outside this plan's
+                tensors, or a selection of no tensor.
+        """
+        manifest = self.manifest
+        kept = set(self._positions())
+        if callable(selection):
+            chosen = {p for p in kept if selection(manifest.tensors[p])}
+        else:
+            names = [selection] if isinstance(selection, str) else selection
+            if not isinstance(names, Iterable) or isinstance(names, (bytes, Mapping)):
+                raise RefitError(f"subset({shown(selection)}): expected tensor names or a predicate on a TensorSpec")
+            chosen = set()
+            for name in names:
+                position = _position(manifest, name)
+                if position is None or position not in kept:
+                    where = "the manifest" if position is None else "this plan's tensors"
+                    raise RefitError(
+                        f"subset: tensor {shown(name)} is not in {where}: name tensors of {manifest.name!r} "
+                        f"(shardcore.refit.tensors_matching finds them by pattern)"
+                    )
+                chosen.add(position)
+        if not chosen:
+            raise RefitError(f"subset({shown(selection)}) selects no tensor: select at least one")
+        return replace(self, tensors=frozenset(chosen))
 
     def _world(self) -> str:
         return f"a world of {self.world_size} ranks"
@@ -340,25 +515,30 @@ class RefitPlan:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {shown(rank)} is outside the world [0, {self.world_size})")
         tensors = self.manifest.tensors
-        keyed: list[tuple[int, int, int, Box, Transfer]] = []
+        keyed: list[tuple[int, int, int, Box, int, Transfer]] = []
         destination_shapes: dict[str, tuple[int, ...]] = {}
+        chosen = self.tensors
         for shard, placement in enumerate(self.destination_placements):
             for held in placement.held(rank):
+                if chosen is not None and held.position not in chosen:
+                    continue
                 destination_shapes[tensors[held.position].name] = held.shape
                 for target in held.slices:
                     for tile in self._tiles_into(held.position, shard, target):
-                        mine = self._transfers(tile, self._pieces(tile, dst=rank))
-                        keyed += ((t.src, t.dst, held.position, t.box, t) for t in mine)
+                        mine = self._transfers(tile, self._pieces(tile, dst=rank) + self._forwards(tile, rank))
+                        keyed += ((t.src, t.dst, held.position, t.box, t.hop, t) for t in mine)
         source_shapes: dict[str, tuple[int, ...]] = {}
         for held in self.source_placement.held(rank):
+            if chosen is not None and held.position not in chosen:
+                continue
             source_shapes[tensors[held.position].name] = held.shape
             for source in held.slices:
                 for shard in range(len(self.destination_placements)):
                     for tile in self._tiles_from(held.position, shard, source):
                         mine = self._transfers(tile, self._pieces(tile, src=rank))
-                        keyed += ((t.src, t.dst, held.position, t.box, t) for t in mine)
-        keyed.sort(key=lambda item: item[:4])
-        ordered = [item[4] for item in keyed]
+                        keyed += ((t.src, t.dst, held.position, t.box, t.hop, t) for t in mine)
+        keyed.sort(key=lambda item: item[:5])
+        ordered = [item[5] for item in keyed]
         return RankRefit(
             rank=rank,
             sends=tuple(t for t in ordered if t.src == rank and t.dst != rank),
@@ -393,6 +573,37 @@ class ShardRefitPlan(RefitPlan):
         return self.layout.fingerprint()
 
 
+def _position(manifest: Manifest, name: object) -> int | None:
+    """The position of tensor ``name``, None when the manifest has no such tensor."""
+    try:
+        return manifest.index(name) if isinstance(name, str) else None
+    except ManifestError:
+        return None
+
+
+def tensors_matching(manifest: Manifest, patterns: str | Iterable[str]) -> tuple[str, ...]:
+    """The names of ``manifest``'s tensors that match any of the shell-style ``patterns`` (``fnmatch``: ``*``,
+    ``?``, ``[...]``), in manifest order; for ``plan.subset`` and the CLI's ``--tensors``.
+
+    Raises:
+        RefitError: a pattern that is not text, or one that matches no tensor (naming it).
+    """
+    given = [patterns] if isinstance(patterns, str) else list(patterns)
+    names = [tensor.name for tensor in manifest]
+    found: set[str] = set()
+    for pattern in given:
+        if not isinstance(pattern, str):
+            raise RefitError(f"tensor pattern {shown(pattern)}: expected text such as 'decoder.layers.*.mlp.*'")
+        matched = fnmatch.filter(names, pattern)
+        if not matched:
+            raise RefitError(
+                f"tensor pattern {shown(pattern)} matches no tensor of {manifest.name!r}: names look like "
+                f"{shown(names[0])}; * matches any text"
+            )
+        found.update(matched)
+    return tuple(name for name in names if name in found)
+
+
 def resolve_shard(layout: Layout, shard: int | ShardPlan, what: str) -> ShardPlan:
     if isinstance(shard, ShardPlan):
         if shard.ranks.stop > layout.world_size:
@@ -408,13 +619,17 @@ def resolve_shard(layout: Layout, shard: int | ShardPlan, what: str) -> ShardPla
     return layout.shards[shard]
 
 
-def _check_options(ranks_per_node: object, min_piece_bytes: object) -> None:
+def _check_options(ranks_per_node: object, min_piece_bytes: object, fan_out: object) -> int:
+    """The planner's options, checked; returns the floor in bytes."""
     if ranks_per_node is not None and (
         isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1
     ):
         raise RefitError(f"ranks_per_node={shown(ranks_per_node)}: expected a positive integer")
-    if isinstance(min_piece_bytes, bool) or not isinstance(min_piece_bytes, int) or min_piece_bytes < 0:
-        raise RefitError(f"min_piece_bytes={shown(min_piece_bytes)}: expected a non-negative integer")
+    if not isinstance(fan_out, bool):
+        raise RefitError(f"fan_out={shown(fan_out)}: expected True or False")
+    if fan_out and ranks_per_node is None:
+        raise RefitError("fan_out=True needs ranks_per_node: fan-out relays a tile inside each node, so give the nodes")
+    return check_size("min_piece_bytes", min_piece_bytes, error=RefitError)
 
 
 def plan_refit(
@@ -424,7 +639,8 @@ def plan_refit(
     manifest: Manifest,
     ranks_per_node: int | None = None,
     *,
-    min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES,
+    min_piece_bytes: int | str = DEFAULT_MIN_PIECE_BYTES,
+    fan_out: bool = False,
 ) -> ShardRefitPlan:
     """Plan moving ``manifest``'s weights from shard ``src`` to shard(s) ``dst``; no model, no collective, no torch.
 
@@ -436,14 +652,17 @@ def plan_refit(
         manifest: The model's tensors.
         ranks_per_node: Ranks per node (node = rank // K): same-node sources are chosen first and
             the stats split traffic into intra- and inter-node.
-        min_piece_bytes: Do not split a piece across replicas below this size.
+        min_piece_bytes: The floor on piece size, in bytes or as a size such as ``'1MiB'``; 0: none.
+        fan_out: Send each tile once into every node that holds no source of it, through a relay
+            there (see the module doc); needs ``ranks_per_node``.
 
     Returns:
         A lazy ShardRefitPlan; every check that can fail has been made.
 
     Raises:
         RefitError: a layout that is not a Layout, bad shard indices, overlapping destinations, a
-            manifest that is not a Manifest, bad ranks_per_node or min_piece_bytes.
+            manifest that is not a Manifest, bad ranks_per_node, fan_out without it, or a
+            min_piece_bytes that is not a size.
         ManifestError: a tensor, the layers or the experts do not split over a shard.
     """
     if not isinstance(layout, Layout):
@@ -464,7 +683,7 @@ def plan_refit(
                     f"destination shards '{first.spec}' [{first.rank_offset}, {first.ranks.stop}) and "
                     f"'{second.spec}' [{second.rank_offset}, {second.ranks.stop}) overlap: each rank can hold one copy"
                 )
-    _check_options(ranks_per_node, min_piece_bytes)
+    floor = _check_options(ranks_per_node, min_piece_bytes, fan_out)
     if not isinstance(manifest, Manifest):
         raise RefitError(f"manifest must be a shardcore.refit.Manifest; got {type(manifest).__name__}")
     for plan in (source, *destinations):
@@ -474,7 +693,8 @@ def plan_refit(
         tuple(ShardPlacement(plan, manifest) for plan in destinations),
         layout.world_size,
         ranks_per_node,
-        min_piece_bytes,
+        floor,
+        fan_out,
         layout=layout,
     )
 
@@ -503,7 +723,8 @@ def plan_refit_from(
     destinations: Placement | Sequence[Placement],
     ranks_per_node: int | None = None,
     *,
-    min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES,
+    min_piece_bytes: int | str = DEFAULT_MIN_PIECE_BYTES,
+    fan_out: bool = False,
     world_size: int | None = None,
 ) -> RefitPlan:
     """Plan moving the weights ``source`` holds to where ``destinations`` need them; no collective, no torch.
@@ -515,7 +736,8 @@ def plan_refit_from(
         source: What the source side holds.
         destinations: One placement or a sequence of them; no rank may be in two.
         ranks_per_node: Ranks per node (node = rank // K): same-node sources are chosen first.
-        min_piece_bytes: Do not split a piece across replicas below this size.
+        min_piece_bytes: The floor on piece size, in bytes or as a size such as ``'1MiB'``; 0: none.
+        fan_out: Relay each tile once into every node without a source of it (needs ranks_per_node).
         world_size: The world's size; by default one more than the highest rank of any placement.
 
     Returns:
@@ -523,8 +745,9 @@ def plan_refit_from(
 
     Raises:
         RefitError: an argument that is not a placement, placements of different manifests,
-            destinations sharing a rank, a world too small for them, bad options, or an element a
-            destination needs that no source rank holds (naming the tensor and the box).
+            destinations sharing a rank, a world too small for them, bad options (a floor that is
+            not a size, fan_out without ranks_per_node), or an element a destination needs that no
+            source rank holds (naming the tensor and the box).
     """
     if not isinstance(source, Placement):
         raise RefitError(f"source={shown(source)}: expected a Placement (e.g. shardcore.refit.ExplicitPlacement)")
@@ -548,7 +771,7 @@ def plan_refit_from(
                 raise RefitError(
                     f"destinations {first.label} and {second.label} share rank {shared}: each rank can hold one copy"
                 )
-    _check_options(ranks_per_node, min_piece_bytes)
+    floor = _check_options(ranks_per_node, min_piece_bytes, fan_out)
     needed = 1 + max((max(p.ranks, default=-1) for p in (source, *items)), default=-1)
     if world_size is None:
         world_size = needed
@@ -557,7 +780,7 @@ def plan_refit_from(
             f"world_size={world_size}: the placements hold ranks up to {needed - 1}; give at least {needed}"
         )
     _check_covered(source, items)
-    return RefitPlan(source, tuple(items), world_size, ranks_per_node, min_piece_bytes)
+    return RefitPlan(source, tuple(items), world_size, ranks_per_node, floor, fan_out)
 
 
 __all__ = [
@@ -566,6 +789,8 @@ __all__ = [
     "RefitPlan",
     "ShardRefitPlan",
     "Transfer",
+    "line_cuts",
     "plan_refit",
     "plan_refit_from",
+    "tensors_matching",
 ]

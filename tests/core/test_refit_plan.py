@@ -8,6 +8,7 @@ rank's local tensors must equal what it must hold, each element written exactly 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from itertools import product
 from math import prod
 
@@ -58,8 +59,10 @@ def _sources(plan: ShardPlan, manifest: Manifest) -> dict[tuple[int, str], list[
 
 
 def simulate(refit: RefitPlan) -> list[Transfer]:
-    """Apply every transfer; check exactly-once delivery, values, holders and locality. Returns the transfers."""
+    """Apply every transfer, hop 0 before hop 1 (as the executor runs them: a relay forwards what it received);
+    check exactly-once delivery, values, holders and locality. Returns the transfers."""
     manifest, source = refit.manifest, refit.source
+    chosen = {t.name for p, t in enumerate(manifest) if refit.tensors is None or p in refit.tensors}
     have = _sources(source, manifest)
     transfers = list(refit.transfers())
     received: dict[tuple[int, str], list[object]] = {}
@@ -68,14 +71,20 @@ def simulate(refit: RefitPlan) -> list[Transfer]:
         for rank in destination.ranks:
             for tensor in manifest:
                 shape = local_shape(tensor, destination, rank, manifest)
-                if shape is not None:
+                if shape is not None and tensor.name in chosen:
                     received[rank, tensor.name] = [None] * prod(shape)
                     writes[rank, tensor.name] = [0] * prod(shape)
-    for transfer in transfers:
+    for transfer in sorted(transfers, key=lambda t: t.hop):
         tensor = manifest.tensor(transfer.tensor)
         assert transfer.bytes == prod(transfer.shape) * tensor.itemsize > 0
-        src_data = have[transfer.src, transfer.tensor]  # KeyError: the source holds none of it
-        src_shape = local_shape(tensor, source, transfer.src, manifest)
+        assert transfer.hop in (0, 1) and not (transfer.hop and transfer.is_local), transfer
+        if transfer.hop:  # a relay forwards from its destination tensor, inside its node
+            assert refit.fan_out and transfer.src // refit.ranks_per_node == transfer.dst // refit.ranks_per_node  # type: ignore[operator]
+            src_data = received[transfer.src, transfer.tensor]
+            src_shape = local_shape(tensor, _shard_of(refit, transfer.src), transfer.src, manifest)
+        else:
+            src_data = have[transfer.src, transfer.tensor]  # KeyError: the source holds none of it
+            src_shape = local_shape(tensor, source, transfer.src, manifest)
         dst_shape = local_shape(tensor, _shard_of(refit, transfer.dst), transfer.dst, manifest)
         assert src_shape is not None and dst_shape is not None
         if not transfer.is_local:  # the destination must not already hold any of it
@@ -90,7 +99,7 @@ def simulate(refit: RefitPlan) -> list[Transfer]:
             writes[transfer.dst, transfer.tensor][at] += 1
     for key, counts in writes.items():
         assert set(counts) == {1}, f"{key}: elements written {sorted(set(counts))} times"
-    assert received == {key: have_value for key, have_value in _expected(refit).items()}
+    assert received == {key: value for key, value in _expected(refit).items() if key[1] in chosen}
     return transfers
 
 
@@ -110,18 +119,19 @@ def check_for_rank(refit: RefitPlan, transfers: list[Transfer]) -> None:
     position = {tensor.name: i for i, tensor in enumerate(refit.manifest)}
 
     def key(t: Transfer) -> tuple[object, ...]:
-        return (t.src, t.dst, position[t.tensor], t.box)
+        return (t.src, t.dst, position[t.tensor], t.box, t.hop)
 
+    moved = {t.name for p, t in enumerate(refit.manifest) if refit.tensors is None or p in refit.tensors}
     for rank in range(refit.layout.world_size):
         mine = refit.for_rank(rank)
         assert list(mine.sends) == sorted((t for t in transfers if t.src == rank != t.dst), key=key)
         assert list(mine.recvs) == sorted((t for t in transfers if t.dst == rank != t.src), key=key)
         assert list(mine.copies) == sorted((t for t in transfers if t.src == rank == t.dst), key=key)
         for tensor in refit.manifest:
-            held = local_shape(tensor, refit.source, rank, refit.manifest)
+            held = local_shape(tensor, refit.source, rank, refit.manifest) if tensor.name in moved else None
             assert mine.source_shapes.get(tensor.name) == held
             need = [local_shape(tensor, plan, rank, refit.manifest) for plan in refit.destinations if rank in plan]
-            assert mine.destination_shapes.get(tensor.name) == (need[0] if need else None)
+            assert mine.destination_shapes.get(tensor.name) == (need[0] if need and tensor.name in moved else None)
 
 
 def check_stats(refit: RefitPlan, transfers: list[Transfer]) -> None:
@@ -139,6 +149,28 @@ def check_stats(refit: RefitPlan, transfers: list[Transfer]) -> None:
     if refit.ranks_per_node is not None:
         per = refit.ranks_per_node
         assert stats.intra_node_bytes == sum(t.bytes for t in moved if t.src // per == t.dst // per)
+    assert stats.relayed_bytes == sum(t.bytes for t in transfers if t.hop)
+    if refit.fan_out:  # what fan-out saves is what the same plan without it sends across nodes
+        direct = RefitStats.of(replace(refit, fan_out=False))
+        assert stats.inter_node_bytes_without_fan_out == direct.inter_node_bytes >= stats.inter_node_bytes
+        assert stats.total_bytes == direct.total_bytes
+
+
+def check_pieces(refit: RefitPlan) -> None:
+    """The floor: no piece under ``min_piece_bytes`` unless it is the whole tile. Fan-out: a tile's rows enter a
+    node without holders once, whichever destinations need them there."""
+    entering: dict[tuple[object, ...], int] = {}
+    per = refit.ranks_per_node
+    for tile, pieces in refit.tiles():
+        for src, dst, lo, hi, hop in pieces:
+            assert 0 <= lo < hi <= tile.rows, (tile, lo, hi)
+            if src != dst and (hi - lo) * tile.row_bytes < refit.min_piece_bytes:
+                assert (lo, hi) == (0, tile.rows), (tile, lo, hi)
+            if refit.fan_out and per is not None and not hop and src // per != dst // per:
+                key = (tile.position, tile.box, dst // per)
+                entering[key] = entering.get(key, 0) + hi - lo
+    for key, rows in entering.items():
+        assert rows <= key[1][0][1] - key[1][0][0], key  # type: ignore[index]
 
 
 # -- random layouts and manifests ----------------------------------------------------------------
@@ -189,8 +221,9 @@ def refits(draw: st.DrawFn) -> RefitPlan:
     manifest = draw(manifests())
     source = draw(shard_specs())
     targets = draw(st.lists(shard_specs(max_ranks=12), min_size=1, max_size=2))
-    per_node = draw(st.sampled_from([None, 2, 4]))
-    min_piece = draw(st.sampled_from([0, 0, 16, 1 << 20]))
+    per_node = draw(st.sampled_from([None, 1, 2, 4]))
+    fan_out = per_node is not None and draw(st.booleans())
+    min_piece = draw(st.sampled_from([0, 0, 16, 40, 1 << 20]))
     if draw(st.booleans()):  # disaggregated: one layout, the destinations after the source
         layout = plan_layout(sum(s.world_size for s in (source, *targets)), [source, *targets])
         src: int | ShardPlan = 0
@@ -200,7 +233,11 @@ def refits(draw: st.DrawFn) -> RefitPlan:
         layout = plan_layout(world, [source], allow_idle=True)
         other = plan_layout(world, targets, allow_idle=True)
         src, dst = 0, list(other.shards)
-    return plan_refit(layout, src, dst, manifest, per_node, min_piece_bytes=min_piece)
+    plan = plan_refit(layout, src, dst, manifest, per_node, min_piece_bytes=min_piece, fan_out=fan_out)
+    if draw(st.integers(0, 3)) == 0:  # a partial refit
+        names = [t.name for t in manifest]
+        return plan.subset(draw(st.lists(st.sampled_from(names), min_size=1, unique=True)))
+    return plan
 
 
 @SIM
@@ -209,6 +246,7 @@ def test_simulated_refit_delivers_every_element_once(refit: RefitPlan) -> None:
     transfers = simulate(refit)
     check_for_rank(refit, transfers)
     check_stats(refit, transfers)
+    check_pieces(refit)
 
 
 # -- named cases ----------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...plan.layout import DEFAULT_ORDER, ShardPlan, plan_layout
 from ...refit.documents import model_manifest
-from ...refit.planner import ShardRefitPlan, plan_refit
+from ...refit.planner import DEFAULT_MIN_PIECE_BYTES, ShardRefitPlan, plan_refit, tensors_matching
 from ..transfer.execute import DEFAULT_BUCKET_BYTES
 from .launch import LIVE_CHECK_TIMEOUT, OnEvent, run_joined_job, run_local_job
 
@@ -118,6 +118,10 @@ class RefitCheckOptions:
     timeout: float = LIVE_CHECK_TIMEOUT
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     verify: str = "size"
+    min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES
+    fan_out: bool = False
+    tensors: tuple[str, ...] = ()
+    """Name patterns of a partial refit (``plan.subset``); empty: every tensor."""
 
     def execute_options(self) -> dict[str, Any]:
         """The keyword arguments of ``execute_refit`` these options set."""
@@ -125,14 +129,23 @@ class RefitCheckOptions:
 
 
 def plan_from_options(options: RefitCheckOptions, world_size: int) -> ShardRefitPlan:
-    """The plan the CLI describes: layout, source and destination shards, model, ranks per node.
+    """The plan the CLI describes: layout, source and destination shards, model, planner options, subset.
 
     Raises:
         ShardcoreError: a bad spec, shard index or model (the parent calls it before starting anything).
     """
     layout = plan_layout(world_size, options.shards, order=options.order, allow_idle=True)
     manifest = model_manifest(options.model)
-    return plan_refit(layout, options.src, list(options.dst), manifest, options.ranks_per_node)
+    plan = plan_refit(
+        layout,
+        options.src,
+        list(options.dst),
+        manifest,
+        options.ranks_per_node,
+        min_piece_bytes=options.min_piece_bytes,
+        fan_out=options.fan_out,
+    )
+    return plan.subset(tensors_matching(manifest, options.tensors)) if options.tensors else plan
 
 
 def refit_check_job(options: RefitCheckOptions, on_stage: Callable[[str], None] = lambda stage: None) -> RefitReport:

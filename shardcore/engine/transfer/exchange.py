@@ -13,6 +13,9 @@ so that the end meeting does not wait for it.
 
 Every received message is checked against its sender's ledger: its size always, and with
 ``verify="checksum"`` a checksum the sender computed over the bytes it sent.
+
+A relay's forwards (hop 1, fan-out) are sent from its destination tensors, which its hop-0 batches,
+all run before, have filled.
 """
 
 from __future__ import annotations
@@ -108,16 +111,16 @@ class Exchange:
     lost: dict[int, str] = field(default_factory=dict)
     """Peers whose connection failed (died, or hung past the deadline), with why."""
     integrity: Integrity = field(default_factory=Integrity)
-    posted: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    posted: dict[tuple[int, ...], int] = field(default_factory=dict)
     """Bytes this rank actually posted for each of its sends: what its ledgers state."""
-    sent_sums: dict[tuple[int, int, int], int] = field(default_factory=dict)
-    received_sums: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    sent_sums: dict[tuple[int, ...], int] = field(default_factory=dict)
+    received_sums: dict[tuple[int, ...], int] = field(default_factory=dict)
     bytes_sent: int = 0
     bytes_received: int = 0
     wrote: bool = False
     """Whether any destination byte may have been written (a receive posted or a local copy made)."""
     _polled: float = 0.0
-    _directions: dict[tuple[int, bool], dict[tuple[int, int, int], Message]] = field(default_factory=dict)
+    _directions: dict[tuple[int, bool], dict[tuple[int, ...], Message]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for batch in self.batches:
@@ -240,19 +243,24 @@ class Exchange:
                 self._fill_ledger(message, wire)
         return wires
 
+    def _sent_from(self, message: Message) -> Mapping[str, torch.Tensor]:
+        """The tensors a send reads: the sources, or for a relay's forward (hop 1) its destinations."""
+        return self.destinations if message.hop else self.sources
+
     def _in_place(self, message: Message) -> torch.Tensor | None:
         if len(message.pieces) != 1:
             return None
         piece = message.pieces[0][0]
-        tensors = self.sources if message.send else self.destinations
+        tensors = self._sent_from(message) if message.send else self.destinations
         view = view_of(tensors[piece.tensor], piece.src_offset if message.send else piece.dst_offset, piece.shape)
         return as_bytes(view) if view.is_contiguous() else None
 
     def _pack(self, message: Message, wire: torch.Tensor, staged: bool) -> None:
         """Copy a staged send's pieces into its slot; sum the message when verifying."""
         if staged:
+            tensors = self._sent_from(message)
             for piece, offset in message.pieces:
-                view = view_of(self.sources[piece.tensor], piece.src_offset, piece.shape)
+                view = view_of(tensors[piece.tensor], piece.src_offset, piece.shape)
                 wire[offset : offset + piece.nbytes].view(view.dtype).view(piece.shape).copy_(view)
         if self.verify == "checksum":
             self.sent_sums[message.key] = checksum(wire)
@@ -266,7 +274,7 @@ class Exchange:
         """Every message of this direction of the pair: (bytes sent, checksum); all are bound by now."""
         entries = wire.view(-1, 2)
         for index in range(entries.shape[0]):
-            key = (index, ledger.key[1], ledger.key[2])
+            key = (index, *ledger.key[1:])
             entries[index, 0] = self.posted.get(key, -1)
             entries[index, 1] = self.sent_sums.get(key, 0)
 
@@ -294,7 +302,7 @@ class Exchange:
         """Compare what the sender says it sent with what this rank expected and received."""
         expected = self._directions.get((ledger.peer, False), {})
         for index, (size, summed) in enumerate(wire.view(-1, 2).tolist()):
-            message = expected[(index, ledger.key[1], ledger.key[2])]
+            message = expected[(index, *ledger.key[1:])]
             if size != message.nbytes:
                 said = "nothing" if size < 0 else f"{size} bytes"
                 self.integrity.faults.append(

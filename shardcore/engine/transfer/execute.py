@@ -335,9 +335,8 @@ def _checked_tensors(
     Raises:
         RefitInputError: every problem of this rank's tensors, in one message.
     """
-    problems = _side_problems(
-        "source", sources, mine.source_shapes, {t.tensor for t in (*mine.sends, *mine.copies)}, manifest
-    )
+    read = {t.tensor for t in (*mine.sends, *mine.copies) if not getattr(t, "hop", 0)}  # forwards read destinations
+    problems = _side_problems("source", sources, mine.source_shapes, read, manifest)
     problems += _side_problems(
         "destination", destinations, mine.destination_shapes, set(mine.destination_shapes), manifest
     )

@@ -21,12 +21,20 @@ most ``max_ops // FAN`` messages and ``bucket_bytes // FAN`` bytes, and batch (s
 of every pair of super-round s. So a batch has at most ``max_ops`` ops and ``bucket_bytes`` bytes,
 and both ends of every message post it in the same batch, whatever the plan.
 
-**Why no plan can deadlock.** Every rank posts its batches in increasing (s, c) and waits for each
-before the next; a batch needs only its partners' same batch, which contains the matching ops. Take
-the smallest batch any unfinished rank is waiting in: each of its partners has posted that batch
-too (it cannot be past it, since completing it needs this rank's ops, nor before it, by
-minimality), so every op in it is matched and it completes. Induction on the batch order does the
-rest.
+**Hops (fan-out).** A relay forwards bytes it received (``Transfer.hop == 1``: read from its
+destination tensor). Every message has the hop of its transfers (a pair's transfers are cut into
+messages, with a ledger, per hop), and batch keys are (hop, s, c): every rank runs all its hop-0
+batches, each waited for and unpacked, before its first hop-1 batch. So a relay's forward reads its
+destination only after every hop-0 receive it has landed there, and the forwarded box is one the
+relay receives in full at hop 0 (the planner forwards a tile only from a needer of the same tile).
+
+**Why no plan can deadlock.** Every rank posts its batches in increasing (hop, s, c) and waits for
+each before the next; a batch needs only its partners' same batch, which contains the matching ops
+(both ends derive the key from the message alone: its hop, and the pair's round). Take the
+smallest batch any unfinished rank is waiting in: each of its partners has posted that batch too
+(it cannot be past it, since completing it needs this rank's ops, nor before it, by minimality), so
+every op in it is matched and it completes. Induction on the batch order does the rest; the hop is
+just the most significant part of the order, so the argument holds for any number of hops.
 """
 
 from __future__ import annotations
@@ -60,8 +68,8 @@ class Message:
     """One message between this rank and ``peer``: its key (the order both ends agree on), its pieces with
     their byte offsets in the message, and its size. A ledger carries no pieces."""
 
-    key: tuple[int, int, int]
-    """(index within its direction of the pair, src, dst)."""
+    key: tuple[int, int, int, int]
+    """(index within its direction and hop of the pair, src, dst, hop)."""
     peer: int
     send: bool
     pieces: tuple[tuple[Piece, int], ...]
@@ -73,13 +81,18 @@ class Message:
         """Bytes of tensor data the message carries."""
         return sum(piece.nbytes for piece, _ in self.pieces)
 
+    @property
+    def hop(self) -> int:
+        """0: sent from the sender's source tensors; 1: forwarded from its destination tensors (a relay)."""
+        return self.key[3]
+
 
 @dataclass
 class Batch:
     """One ``batch_isend_irecv`` of this rank: its place in the order every rank shares, and its messages."""
 
-    key: tuple[int, int]
-    """(super-round, chunk)."""
+    key: tuple[int, int, int]
+    """(hop, super-round, chunk)."""
     messages: list[Message] = field(default_factory=list)
 
     @property
@@ -148,10 +161,11 @@ def tournament_round(i: int, j: int, world: int) -> int:
     return (i + j) * (n // 2) % last
 
 
-def _by_peer(transfers: Sequence[Any], attr: str) -> dict[int, list[Any]]:
-    peers: dict[int, list[Any]] = {}
+def _by_peer(transfers: Sequence[Any], attr: str) -> dict[tuple[int, int], list[Any]]:
+    """Transfers by (peer, hop): each direction of a pair has its messages and its ledger per hop."""
+    peers: dict[tuple[int, int], list[Any]] = {}
     for transfer in transfers:
-        peers.setdefault(getattr(transfer, attr), []).append(transfer)
+        peers.setdefault((getattr(transfer, attr), getattr(transfer, "hop", 0)), []).append(transfer)
     return peers
 
 
@@ -167,24 +181,25 @@ def rank_batches(mine: Any, rank: int, world: int, bucket_bytes: int, max_ops: i
     """
     pair_bytes = max(ALIGN, bucket_bytes // FAN)
     pair_ops = max(2, max_ops // FAN)
-    lists: dict[int, list[Message]] = {}
+    lists: dict[tuple[int, int], list[Message]] = {}
     for send, transfers in ((True, mine.sends), (False, mine.recvs)):
-        for peer, pair in _by_peer(transfers, "dst" if send else "src").items():
+        for (peer, hop), pair in _by_peer(transfers, "dst" if send else "src").items():
             src, dst = (rank, peer) if send else (peer, rank)
             found = pair_messages(pair, pair_bytes)
-            messages = lists.setdefault(peer, [])
+            messages = lists.setdefault((peer, hop), [])
             messages += [
-                Message((index, src, dst), peer, send, pieces, size) for index, (pieces, size) in enumerate(found)
+                Message((index, src, dst, hop), peer, send, pieces, size) for index, (pieces, size) in enumerate(found)
             ]
             messages.append(
-                Message((len(found), src, dst), peer, send, (), LEDGER_ENTRY_BYTES * len(found), ledger=True)
+                Message((len(found), src, dst, hop), peer, send, (), LEDGER_ENTRY_BYTES * len(found), ledger=True)
             )
-    batches: dict[tuple[int, int], Batch] = {}
-    for peer, messages in lists.items():
+    batches: dict[tuple[int, int, int], Batch] = {}
+    for (peer, hop), messages in lists.items():
         messages.sort(key=lambda message: message.key)
         superround = tournament_round(rank, peer, world) // FAN
         for chunk, part in enumerate(_chunks(messages, pair_ops, pair_bytes)):
-            batches.setdefault((superround, chunk), Batch((superround, chunk))).messages += part
+            key = (hop, superround, chunk)
+            batches.setdefault(key, Batch(key)).messages += part
     ordered = [batches[key] for key in sorted(batches)]
     for batch in ordered:
         batch.messages.sort(key=lambda message: (message.peer, message.key))

@@ -1,0 +1,217 @@
+"""Where a tile's pieces come from and how big they are: the floor on piece size, and fan-out over nodes.
+
+The random plans of ``test_refit_plan`` (simulated element by element, floors and fan-out drawn) cover
+delivery; these are the named cases: the cut of a work line, slivers gone, relays inside a node, the
+bytes fan-out saves, and bad options.
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardcore.errors import RefitError
+from shardcore.plan.layout import plan_layout
+from shardcore.refit import Manifest, RefitStats, TensorSpec, plan_refit, preset
+from shardcore.refit.planner import DEFAULT_MIN_PIECE_BYTES, line_cuts
+from tests.core.test_refit_plan import _tiny, check_for_rank, check_pieces, check_stats, simulate
+
+MiB = 1 << 20
+
+
+# -- the floor ------------------------------------------------------------------------------------
+
+
+def _pieces_of(cuts: tuple[int, ...], rows: int) -> list[tuple[int, int]]:
+    """(copy, rows) of every piece: each segment cut at the copies' edges."""
+    out = []
+    for start, stop in pairwise(cuts):
+        while start < stop:
+            end = min(stop, (start // rows + 1) * rows)
+            out.append((start // rows, end - start))
+            start = end
+    return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    rows=st.integers(1, 64),
+    copies=st.integers(1, 9),
+    holders=st.integers(1, 40),
+    row_bytes=st.sampled_from([1, 2, 96, 4096]),
+    floor=st.sampled_from([0, 1, 100, 4096, 10**5]),
+    grain=st.sampled_from([1, 2, 4]),
+)
+def test_line_cuts_leave_no_piece_under_the_floor_unless_a_whole_copy(
+    rows: int, copies: int, holders: int, row_bytes: int, floor: int, grain: int
+) -> None:
+    rows *= grain
+    cuts = line_cuts(rows, copies, holders, row_bytes, floor, grain)
+    assert cuts[0] == 0 and cuts[-1] == copies * rows and 2 <= len(cuts) <= holders + 1
+    assert list(cuts) == sorted(cuts)
+    for _, size in _pieces_of(cuts, rows):
+        assert size == rows or size * row_bytes >= floor, (cuts, size)
+    if floor:
+        assert all(cut % grain == 0 for cut in cuts)
+    else:  # off: min(holders, rows) equal segments, wherever they fall (the planner before the floor)
+        count = min(holders, copies * rows)
+        assert cuts == tuple(k * copies * rows // count for k in range(count + 1))
+
+
+def test_the_floor_removes_the_slivers_of_segments_straddling_copies() -> None:
+    # 8 source replicas, 3 destination replicas of eight 24 KiB tensors, an 8 KiB floor: 8 equal segments of each
+    # 72 KiB line cut copies 0-2 at 9 KiB steps, leaving 3 and 6 KiB slivers at the copies' edges. With the
+    # floor one line is uneven (no sliver-free cut of it is even), but the seeds rotate which holders take
+    # the longer segments, so over the model the balance stays within 1.1 of the bound
+    floor = 8 << 10
+    manifest = Manifest(tuple(TensorSpec(f"w{i}", (96, 64), "float32", tp_dim=0, stage=("all",)) for i in range(8)))
+    layout = plan_layout(11, "tp=1,dp=8 + tp=1,dp=3")
+    off = plan_refit(layout, 0, 1, manifest, min_piece_bytes=0)
+    on = plan_refit(layout, 0, 1, manifest, min_piece_bytes=floor)
+    assert min(t.bytes for t in off.transfers()) < floor
+    assert min(t.bytes for t in on.transfers()) >= floor
+    for plan in (off, on):
+        check_for_rank(plan, simulate(plan))
+        check_pieces(plan)
+    assert RefitStats.of(off).balance == 1.0
+    assert RefitStats.of(on).balance <= 1.1
+    assert RefitStats.of(on).transfers < RefitStats.of(off).transfers
+
+
+def test_small_tensors_travel_whole_and_units_are_not_cut() -> None:
+    # qkv-like: split along dim 0 in units of 3 rows; the floor cuts on whole units only
+    floor = 1 << 10
+    manifest = Manifest(
+        (
+            TensorSpec("qkv", (3 * 64, 16), "bfloat16", tp_dim=0, unit=3, stage=("all",)),
+            TensorSpec("norm", (16,), "float32", stage=("all",)),
+        )
+    )
+    plan = plan_refit(plan_layout(12, "tp=1,dp=8 + tp=1,dp=4"), 0, 1, manifest, min_piece_bytes=floor)
+    transfers = simulate(plan)
+    qkv = [t for t in transfers if t.tensor == "qkv"]
+    assert len({t.src for t in qkv}) > 1  # still split across replicas
+    assert all(start % 3 == 0 and stop % 3 == 0 for t in qkv for start, stop in t.box[:1])
+    assert all(t.bytes >= floor for t in qkv)
+    norms = [t for t in transfers if t.tensor == "norm"]
+    assert len(norms) == 4 and all(t.box == ((0, 16),) for t in norms)
+
+
+def test_the_floor_on_the_issues_deepseek_decode_rank() -> None:
+    """Decode rank 1088 of the issue's DeepSeek-V3 layout: with the default floor, every piece under 1 MiB it
+    receives is a whole tensor (a layer norm); without the floor it receives thousands of slivers."""
+    spec = "tp=8,dp=128,ep=64,expt_tp=1,role=train + tp=8,dp=8,ep=64,expt_tp=1 + tp=4,dp=32,ep=128,expt_tp=1"
+    layout, manifest = plan_layout(1216, spec), preset("deepseek-v3")
+    floored = plan_refit(layout, 0, [1, 2], manifest, 8).for_rank(1088).recvs
+    assert MiB == DEFAULT_MIN_PIECE_BYTES
+    small = [t for t in floored if t.bytes < MiB]
+    assert small and all(t.shape == manifest.tensor(t.tensor).shape for t in small)
+    unfloored = plan_refit(layout, 0, [1, 2], manifest, 8, min_piece_bytes=0).for_rank(1088).recvs
+    assert sum(t.bytes < MiB for t in unfloored) > 10 * len(small)
+    assert sum(t.bytes for t in floored) == sum(t.bytes for t in unfloored)
+
+
+@pytest.mark.parametrize(
+    ("value", "floor"), [("1MiB", MiB), ("512 kB", 512_000), ("2GiB", 2 << 30), (0, 0), ("4096", 4096)]
+)
+def test_the_floor_is_a_size(value: object, floor: int) -> None:
+    plan = plan_refit(plan_layout(4, "tp=2 + tp=2"), 0, 1, preset("tiny-dense"), min_piece_bytes=value)  # type: ignore[arg-type]
+    assert plan.min_piece_bytes == floor
+    assert f"min_piece_bytes={floor}" in plan.fingerprint()["options"]
+
+
+@pytest.mark.parametrize("value", ["1 parsec", "1.5", -1, 0.5, True, None, "MiB", 10**400, "x" * 5000])
+def test_a_floor_that_is_not_a_size_is_a_refit_error(value: object) -> None:
+    with pytest.raises(RefitError, match=r"min_piece_bytes=.*expected a size: .*e\.g\. 1MiB") as caught:
+        plan_refit(plan_layout(4, "tp=2 + tp=2"), 0, 1, preset("tiny-dense"), min_piece_bytes=value)  # type: ignore[arg-type]
+    assert len(str(caught.value)) < 300
+
+
+# -- fan-out --------------------------------------------------------------------------------------
+
+TWO_NODES = "tp=4,role=train + tp=2,role=decode + tp=2,role=decode"
+"""Node 0 (ranks 0-3, 4 per node) trains; node 1 holds two destination shards sliced alike."""
+
+
+def test_two_destinations_on_one_node_receive_each_byte_across_nodes_once() -> None:
+    layout, manifest = plan_layout(8, TWO_NODES), _tiny(layers=2, experts=2)
+    direct = plan_refit(layout, 0, [1, 2], manifest, 4)
+    relayed = plan_refit(layout, 0, [1, 2], manifest, 4, fan_out=True)
+    transfers = simulate(relayed)
+    check_for_rank(relayed, transfers)
+    check_stats(relayed, transfers)
+    check_pieces(relayed)
+    before, after = RefitStats.of(direct), RefitStats.of(relayed)
+    assert before.inter_node_bytes == before.inter_node_bytes_without_fan_out == before.total_bytes
+    assert after.inter_node_bytes == manifest.nbytes  # every element crosses once, into one relay
+    assert after.relayed_bytes == before.total_bytes - manifest.nbytes
+    assert after.inter_node_bytes_without_fan_out == before.inter_node_bytes
+    forwards = [t for t in transfers if t.hop]
+    assert forwards and all(t.src // 4 == t.dst // 4 == 1 for t in forwards)
+    assert {t.src for t in forwards} == set(range(4, 8))  # relays rotate over the node's ranks
+    assert after.estimate_seconds() < before.estimate_seconds()  # 25 GB/s across nodes, 200 inside
+    assert relayed.fingerprint()["options"].endswith("fan_out=True")
+    assert relayed.fingerprint() != direct.fingerprint()
+
+
+def test_replicas_of_one_destination_fan_out_per_node() -> None:
+    # dp=4 destination on nodes 1 and 2, two replicas of each slice per node: each slice crosses once per node
+    layout, manifest = plan_layout(12, "tp=4,role=train + tp=2,dp=4"), _tiny(layers=2, experts=2)
+    plan = plan_refit(layout, 0, 1, manifest, 4, fan_out=True)
+    transfers = simulate(plan)
+    check_for_rank(plan, transfers)
+    check_stats(plan, transfers)
+    stats = RefitStats.of(plan)
+    assert stats.inter_node_bytes_without_fan_out == stats.total_bytes  # no node holds a source
+    assert stats.inter_node_bytes == 2 * manifest.nbytes  # each element into each of the two nodes once
+
+
+def test_a_relay_forwards_from_its_destination_only_what_it_received() -> None:
+    plan = plan_refit(plan_layout(8, TWO_NODES), 0, [1, 2], _tiny(layers=2, experts=2), 4, fan_out=True)
+    for rank in range(4, 8):
+        mine = plan.for_rank(rank)
+        forwards = [t for t in mine.sends if t.hop]
+        assert forwards and not [t for t in mine.sends if not t.hop]
+        received = {(t.tensor, t.box) for t in mine.recvs if not t.hop}
+        for t in forwards:  # the whole tile: the union of its hop-0 pieces, into this rank
+            pieces = [r for r in mine.recvs if r.tensor == t.tensor and not r.hop and _inside(r.box, t.box)]
+            assert sum(r.bytes for r in pieces) == t.bytes, t
+            assert (t.tensor, t.box) in received or len(pieces) > 1
+        assert not mine.source_shapes  # forwards read destinations: no source tensor needed
+
+
+def _inside(inner: tuple[tuple[int, int], ...], outer: tuple[tuple[int, int], ...]) -> bool:
+    return all(c <= a and b <= d for (a, b), (c, d) in zip(inner, outer))
+
+
+def test_needers_on_a_node_with_holders_are_served_there_with_or_without_fan_out() -> None:
+    # collocated: sources on every node, so nothing is relayed and nothing crosses nodes
+    train, other = plan_layout(8, "tp=1,dp=8"), plan_layout(8, "tp=2 + tp=2 + tp=2 + tp=2")
+    plan = plan_refit(train, 0, list(other.shards), _tiny(layers=2, experts=0), 4, fan_out=True)
+    stats = RefitStats.of(plan)
+    assert stats.inter_node_bytes == stats.relayed_bytes == 0
+    assert not [t for t in simulate(plan) if t.hop]
+
+
+def test_fan_out_off_is_the_plan_without_it() -> None:
+    layout, manifest = plan_layout(8, TWO_NODES), preset("tiny-moe")
+    plain = plan_refit(layout, 0, [1, 2], manifest, 4)
+    assert plain.fan_out is False
+    off = plan_refit(layout, 0, [1, 2], manifest, 4, fan_out=False)
+    assert list(off.transfers()) == list(plain.transfers()) and not any(t.hop for t in off.transfers())
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"fan_out": True}, "fan_out=True needs ranks_per_node"),
+        ({"fan_out": "yes", "ranks_per_node": 4}, "fan_out='yes': expected True or False"),
+        ({"fan_out": 1, "ranks_per_node": 4}, "fan_out=1: expected True or False"),
+    ],
+)
+def test_bad_fan_out_is_a_refit_error(options: dict[str, object], match: str) -> None:
+    with pytest.raises(RefitError, match=match):
+        plan_refit(plan_layout(8, TWO_NODES), 0, [1, 2], preset("tiny-dense"), **options)  # type: ignore[arg-type]
