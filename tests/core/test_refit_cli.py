@@ -70,6 +70,13 @@ def test_list_models(capsys: pytest.CaptureFixture[str]) -> None:
         (("--rank", "99"), "rank 99 is outside the world"),
         (("--shards", "tp=3+tp=4,dp=3"), "over tp=3 of shard 0"),
         (("--intra-gbps", "0"), "--intra-gbps 0.0"),
+        (
+            ("--min-piece", "1 parsec"),
+            "--min-piece='1 parsec': expected a size: whole bytes >= 0 or a number with a unit",
+        ),
+        (("--min-piece", "-5"), "--min-piece='-5': expected a size"),
+        (("--tensors", "*lora*"), "tensor pattern '*lora*' matches no tensor of 'tiny-moe'"),
+        (("--tensors", ","), "--tensors is empty"),
     ],
 )
 def test_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], argv: tuple[str, ...], message: str) -> None:
@@ -85,6 +92,40 @@ def test_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], argv: tuple[s
     code, out, err = _run(capsys, *args)
     assert code == 2 and out == ""
     assert err.startswith("shardcore: error: ") and message in err and err.count("\n") == 1
+
+
+def test_fan_out_floor_and_subset_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    two_nodes = ("refit", "--world", "8", "--shards", "tp=4,role=train + tp=2 + tp=2", "--from", "0", "--to", "1,2")
+    argv = (*two_nodes, "--model", "tiny-dense", "--ranks-per-node", "4", "--fan-out", "--min-piece", "64KiB")
+    code, out, _ = _run(capsys, *argv, "--json", "--transfers")
+    assert code == 0
+    data = json.loads(out)
+    plan = plan_refit(
+        plan_layout(8, "tp=4,role=train + tp=2 + tp=2"),
+        0,
+        [1, 2],
+        preset("tiny-dense"),
+        4,
+        fan_out=True,
+        min_piece_bytes=64 << 10,
+    )
+    stats = RefitStats.of(plan)
+    assert data["transfers"] == [t.to_dict() for t in plan.transfers()] and any(
+        t["hop"] == 1 for t in data["transfers"]
+    )
+    assert (data["fan_out"], data["min_piece_bytes"], data["refitted_tensors"]) == (True, 64 << 10, len(plan.manifest))
+    assert data["inter_node_bytes"] == stats.inter_node_bytes < data["inter_node_bytes_without_fan_out"]
+    assert data["relayed_bytes"] == stats.relayed_bytes > 0
+    code, out, _ = _run(capsys, *argv)
+    assert code == 0 and "fan-out relayed" in out and "inter-node without it" in out
+    code, out, _ = _run(capsys, *BASE, "--tensors", "*.experts.*,embedding.*", "--json")
+    part = plan_refit(plan_layout(16, SPEC), 0, [1, 2], preset("tiny-moe")).subset(
+        lambda t: ".experts." in t.name or t.name.startswith("embedding.")
+    )
+    assert code == 0 and json.loads(out)["total_bytes"] == RefitStats.of(part).total_bytes
+    assert json.loads(out)["refitted_tensors"] == len(part.tensors)  # type: ignore[arg-type]
+    code, _, err = _run(capsys, *two_nodes, "--model", "tiny-dense", "--fan-out")
+    assert code == 2 and "--fan-out relays tiles inside nodes: give --ranks-per-node K too" in err
 
 
 def test_missing_arguments(capsys: pytest.CaptureFixture[str]) -> None:

@@ -62,13 +62,15 @@ def _local(placement: Placement, rank: int) -> dict[str, list[object]]:
 
 
 def simulate(plan: RefitPlan) -> list[Transfer]:
-    """Apply every transfer: exactly-once delivery, right values, and for_rank equal to the rank's share."""
+    """Apply every transfer, hop 0 first (a relay forwards what it received): exactly-once delivery, right
+    values, and for_rank equal to the rank's share; a subset plan delivers its tensors only."""
     world = range(plan.world_size)
+    chosen = {t.name for p, t in enumerate(plan.manifest) if plan.tensors is None or p in plan.tensors}
     have = {rank: _local(plan.source_placement, rank) for rank in world}
     want: dict[int, dict[str, list[object]]] = {rank: {} for rank in world}
     for placement in plan.destination_placements:
         for rank in world:
-            want[rank].update(_local(placement, rank))
+            want[rank].update({name: data for name, data in _local(placement, rank).items() if name in chosen})
     got = {rank: {name: [None] * len(data) for name, data in tensors.items()} for rank, tensors in want.items()}
     shapes = {
         (side, rank, plan.manifest.tensors[held.position].name): held.shape
@@ -76,13 +78,15 @@ def simulate(plan: RefitPlan) -> list[Transfer]:
         for placement in placements
         for rank in world
         for held in placement.held(rank)
+        if plan.manifest.tensors[held.position].name in chosen
     }
     transfers = list(plan.transfers())
-    for t in transfers:
-        src_shape, dst_shape = shapes["src", t.src, t.tensor], shapes["dst", t.dst, t.tensor]
+    for t in sorted(transfers, key=lambda t: t.hop):
+        origin = got if t.hop else have
+        src_shape, dst_shape = shapes["dst" if t.hop else "src", t.src, t.tensor], shapes["dst", t.dst, t.tensor]
         for cell in _cells(t.box):
             rel = [c - b[0] for c, b in zip(cell, t.box)]
-            value = have[t.src][t.tensor][_flat([r + o for r, o in zip(rel, t.src_offset)], src_shape)]
+            value = origin[t.src][t.tensor][_flat([r + o for r, o in zip(rel, t.src_offset)], src_shape)]
             assert value == (t.tensor, _flat(cell, plan.manifest.tensor(t.tensor).shape)), (t, cell)
             at = _flat([r + o for r, o in zip(rel, t.dst_offset)], dst_shape)
             assert got[t.dst][t.tensor][at] is None, f"{t}: an element written twice"
@@ -92,7 +96,8 @@ def simulate(plan: RefitPlan) -> list[Transfer]:
     for rank in world:
         mine = plan.for_rank(rank)
         ours = sorted(
-            (t for t in transfers if rank in (t.src, t.dst)), key=lambda t: (t.src, t.dst, position[t.tensor], t.box)
+            (t for t in transfers if rank in (t.src, t.dst)),
+            key=lambda t: (t.src, t.dst, position[t.tensor], t.box, t.hop),
         )
         assert [*mine.sends, *mine.recvs, *mine.copies] == [
             *[t for t in ours if t.src == rank != t.dst],
@@ -188,8 +193,11 @@ def test_explicit_placements_of_shards_deliver_what_the_shard_plan_does(refit: R
         [explicit(p) for p in refit.destination_placements],
         refit.ranks_per_node,
         min_piece_bytes=refit.min_piece_bytes,
+        fan_out=refit.fan_out,
         world_size=world,
     )
+    if refit.tensors is not None:
+        plan = plan.subset([refit.manifest.tensors[p].name for p in refit.tensors])
     transfers = simulate(plan)
     shard, ours = RefitStats.of(refit), RefitStats.of(plan)
     assert (ours.total_bytes, ours.local_bytes, ours.received) == (shard.total_bytes, shard.local_bytes, shard.received)

@@ -12,7 +12,7 @@ from shardcore.engine.live.refit_check import check_refit
 from shardcore.errors import ShardcoreError
 from shardcore.plan.layout import plan_layout
 from shardcore.refit.models import PRESET_CONFIGS, manifest_from_config, preset
-from shardcore.refit.planner import plan_refit
+from shardcore.refit.planner import DEFAULT_MIN_PIECE_BYTES, plan_refit, tensors_matching
 
 # (label, model, source layout, source shard, destination layout or None (same), destination shards)
 CASES_8 = [
@@ -40,18 +40,120 @@ def _manifest(name: str) -> Any:
     return preset(name)
 
 
+# the same, with the planner's options: ranks_per_node, fan_out, min_piece_bytes, and tensors (name patterns)
+CASES_OPTIONS_8 = [
+    (
+        "fan-out: two tp=2 destinations on the node without the tp=4 source",
+        "tiny-dense",
+        "tp=4,role=train + tp=2 + tp=2",
+        0,
+        None,
+        [1, 2],
+        {"ranks_per_node": 4, "fan_out": True},
+    ),
+    (
+        "fan-out: dp=6 replicas over three nodes of 2, bf16",
+        "bf16",
+        "tp=2,role=train + tp=1,dp=6",
+        0,
+        None,
+        [1],
+        {"ranks_per_node": 2, "fan_out": True},
+    ),
+    (
+        "partial, collocated: experts only, ep 4->2 and expt_tp 1->2",
+        "tiny-moe",
+        "tp=2,dp=4,ep=4",
+        0,
+        "tp=4,dp=2,ep=2,expt_tp=2",
+        [0],
+        {"tensors": ("*.experts.*",)},
+    ),
+    (
+        "partial with fan-out and a 64 KiB floor: the MLP weights",
+        "tiny-dense",
+        "tp=4,role=train + tp=2 + tp=2",
+        0,
+        None,
+        [1, 2],
+        {"ranks_per_node": 4, "fan_out": True, "min_piece_bytes": 64 << 10, "tensors": ("*.mlp.*",)},
+    ),
+]
+
+
 def _plan(world: int, case: tuple) -> Any:
-    _, model, src_spec, src, dst_spec, dst = case
+    _, model, src_spec, src, dst_spec, dst, *more = case
+    options = dict(more[0]) if more else {}
+    patterns = options.pop("tensors", ())
+    manifest = _manifest(model)
     layout = plan_layout(world, src_spec, allow_idle=True)
-    if dst_spec is None:
-        return plan_refit(layout, src, dst, _manifest(model))
-    other = plan_layout(world, dst_spec, allow_idle=True)
-    return plan_refit(layout, src, [other.shards[i] for i in dst], _manifest(model))
+    targets = dst if dst_spec is None else [plan_layout(world, dst_spec, allow_idle=True).shards[i] for i in dst]
+    plan = plan_refit(
+        layout,
+        src,
+        targets,
+        manifest,
+        options.pop("ranks_per_node", None),
+        min_piece_bytes=options.pop("min_piece_bytes", DEFAULT_MIN_PIECE_BYTES),
+        **options,
+    )
+    return plan.subset(tensors_matching(manifest, patterns)) if patterns else plan
 
 
 def run_cases(rank: int, world: int, cases: list[tuple], bucket_bytes: int) -> list[dict[str, Any]]:
     """Check every case on this world: per case, this rank's report as a dict."""
     return [asdict(check_refit(_plan(world, case), rank, bucket_bytes=bucket_bytes, timeout=120)) for case in cases]
+
+
+def run_cases_each_bucket(rank: int, world: int, cases: list[tuple], buckets: list[int]) -> list[list[dict[str, Any]]]:
+    """``run_cases`` once per bucket size, in one world."""
+    return [run_cases(rank, world, cases, bucket_bytes) for bucket_bytes in buckets]
+
+
+def partial_refits(rank: int, world: int) -> dict[str, Any]:
+    """A partial refit writes its tensors only (the others keep their bytes); ranks that bring different
+    subsets are stopped, every one, before a byte moves."""
+    import torch
+
+    from shardcore.engine.live.refit_check import cut, known_tensor
+
+    full = plan_refit(plan_layout(world, "tp=2,role=train + tp=1,dp=2"), 0, [1], preset("tiny-dense"))
+    manifest, mine = full.manifest, full.for_rank(rank)
+    sources = {
+        name: cut(
+            known_tensor(manifest.tensor(name), manifest.index(name)),
+            manifest.tensor(name),
+            full.source,
+            rank,
+            manifest,
+        )
+        for name in mine.source_shapes
+    }
+    destinations = {name: torch.full(shape, -1.0) for name, shape in mine.destination_shapes.items()}
+    out: dict[str, Any] = {}
+    mixed = full.subset(tensors_matching(manifest, "*.mlp.*" if rank == 0 else "*.self_attention.*"))
+    try:
+        execute_refit(mixed, sources, destinations, timeout=30)
+        out["mixed"] = "no error"
+    except ShardcoreError as error:
+        out["mixed"] = f"{type(error).__name__}: {error}"
+    out["untouched after mixed"] = all(bool((t == -1).all()) for t in destinations.values())
+    part = full.subset(tensors_matching(manifest, "*.mlp.*"))
+    stats = execute_refit(part, sources, destinations, timeout=30)
+    target = full.destinations[0]
+    out["bytes_received"] = stats.bytes_received
+    out["written"], out["kept"], out["wrong"] = [], [], []
+    for name, got in destinations.items():
+        if ".mlp." in name:
+            expected = cut(
+                known_tensor(manifest.tensor(name), manifest.index(name)), manifest.tensor(name), target, rank, manifest
+            )
+            (out["written"] if torch.equal(got, expected) else out["wrong"]).append(name)
+        elif bool((got == -1).all()):
+            out["kept"].append(name)
+        else:
+            out["wrong"].append(name)
+    return out
 
 
 def bad_inputs(rank: int, world: int) -> dict[str, str]:

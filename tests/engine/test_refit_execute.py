@@ -89,3 +89,40 @@ def test_staging_stays_within_bucket_bytes_on_a_live_world() -> None:
                 assert (messages > 0) == bool(mine.sends or mine.recvs), (case[0], rank)
                 if bucket_bytes == 64 << 20:
                     assert peak <= bucket_bytes, (case[0], rank, peak)
+
+
+def test_fan_out_floor_and_partial_refits_arrive_bitwise() -> None:
+    """Fan-out (relays forward from their destinations in a second hop), a floor and subsets, executed on one
+    live world at a small bucket (many batches per hop) and the default: every destination byte checked."""
+    from shardcore.refit import RefitStats
+
+    buckets = [1 << 16, 64 << 20]
+    results = run_world(8, workers.run_cases_each_bucket, workers.CASES_OPTIONS_8, buckets, timeout=900)
+    for index, case in enumerate(workers.CASES_OPTIONS_8):
+        plan = workers._plan(8, case)
+        stats = RefitStats.of(plan)
+        if plan.fan_out:
+            assert stats.relayed_bytes > 0 and stats.inter_node_bytes < stats.inter_node_bytes_without_fan_out, case[0]
+        for bucket, per_bucket in enumerate(buckets):
+            reports = [results[rank][bucket][index] for rank in range(8)]
+            assert not [m for r in reports for m in r["mismatches"]], (case[0], per_bucket)
+            checked = [r for r in reports if r["shard"] is not None]
+            assert checked and all(r["checked"] for r in checked), case[0]
+            if plan.tensors is not None:  # a partial refit checks and moves its tensors only
+                assert sum(r["checked"] for r in checked) == sum(
+                    len(plan.for_rank(r).destination_shapes) for r in range(8)
+                )
+            assert (
+                sum(r["bytes_received"] for r in reports) == sum(r["bytes_sent"] for r in reports) == stats.total_bytes
+            )
+
+
+def test_a_partial_refit_writes_its_tensors_only_and_ranks_must_agree_on_it() -> None:
+    results = run_world(4, workers.partial_refits, timeout=300)
+    for rank, out in enumerate(results):
+        assert out["mixed"].startswith("RefitMismatchError"), (rank, out["mixed"])
+        assert "a subset of" in out["mixed"], out["mixed"]
+        assert out["untouched after mixed"], rank
+        assert not out["wrong"], (rank, out["wrong"])
+        if rank >= 2:  # the destination ranks
+            assert out["written"] and out["kept"] and out["bytes_received"] > 0, (rank, out)

@@ -68,6 +68,7 @@ class _Transfer:
     src_offset: tuple[int, ...]
     dst_offset: tuple[int, ...]
     bytes: int
+    hop: int = 0
 
 
 @dataclass
@@ -77,13 +78,15 @@ class _Part:
 
 
 def _random_plan(world: int, pairs: int, seed: int) -> list[_Part]:
-    """Any plan: random transfers between random ranks, sizes from one byte to a few MB."""
+    """Any plan: random transfers between random ranks, sizes from one byte to a few MB, a third of them
+    forwarded (hop 1), so that a pair may exchange both hops, in both directions."""
     rng = random.Random(seed)
     parts = [_Part([], []) for _ in range(world)]
     for index in range(pairs):
         src, dst = rng.sample(range(world), 2)
         rows = rng.choice([1, 3, 64, 4096])
-        transfer = _Transfer(f"t{index}", src, dst, ((0, rows),), (0,), (0,), rows * rng.choice([1, 4, 512]))
+        size = rows * rng.choice([1, 4, 512])
+        transfer = _Transfer(f"t{index}", src, dst, ((0, rows),), (0,), (0,), size, int(rng.random() < 1 / 3))
         parts[src].sends.append(transfer)
         parts[dst].recvs.append(transfer)
     return parts
@@ -138,3 +141,50 @@ def test_no_plan_deadlocks(world: int, pairs: int, seed: int, max_ops: int) -> N
     parts = _random_plan(world, pairs, seed)
     batches = [rank_batches(part, rank, world, 1 << 16, max_ops) for rank, part in enumerate(parts)]
     assert _completes(batches)
+    for mine in batches:  # every message in a batch of its own hop; all of a rank's hop 0 before its hop 1
+        assert all(message.hop == batch.key[0] for batch in mine for message in batch.messages)
+        hops = [batch.key[0] for batch in mine]
+        assert hops == sorted(hops)
+
+
+FANOUT_CASES = [
+    ("two destinations sliced alike on one node", "tiny-dense", "tp=4 + tp=2 + tp=2", 0, None, [1, 2]),
+    ("replicas of one destination on three nodes", "tiny-moe", "tp=2 + tp=1,dp=6,ep=2", 0, None, [1]),
+]
+
+
+@pytest.mark.parametrize("case", FANOUT_CASES, ids=[case[0] for case in FANOUT_CASES])
+@pytest.mark.parametrize(("bucket_bytes", "max_ops"), [(1 << 12, 8), (64 << 20, 256)])
+def test_a_relay_forwards_only_what_an_earlier_batch_brought_it(case: tuple, bucket_bytes: int, max_ops: int) -> None:
+    """On fan-out plans: both ends of every message in the same batch, and each forward (hop 1) reads rows of its
+    relay's destination that the relay's own hop-0 batches, all earlier, received whole."""
+    per_node = 4 if case[0].startswith("two") else 2
+    plan = workers._plan(8, (*case, {"ranks_per_node": per_node, "fan_out": True}))
+    placed: dict[tuple[tuple[int, ...], bool], tuple[object, ...]] = {}
+    forwards = 0
+    for rank in range(8):
+        batches = rank_batches(plan.for_rank(rank), rank, 8, bucket_bytes, max_ops)
+        landed: dict[str, set[tuple[int, ...]]] = {}
+        for batch in batches:
+            for message in batch.messages:
+                pieces = tuple((p.tensor, p.shape, p.src_offset, p.dst_offset) for p, _ in message.pieces)
+                placed[(message.key, message.send)] = (batch.key, message.nbytes, pieces)
+                if message.send and message.hop:
+                    for piece, _ in message.pieces:
+                        assert _cells(piece.src_offset, piece.shape) <= landed.get(piece.tensor, set()), (rank, piece)
+                        forwards += 1
+            for message in batch.messages:  # what this batch lands, usable by later batches only
+                if not message.send and not message.hop:
+                    for piece, _ in message.pieces:
+                        landed.setdefault(piece.tensor, set()).update(_cells(piece.dst_offset, piece.shape))
+    for (key, send), value in placed.items():
+        assert placed[(key, not send)] == value, key
+    assert forwards > 0
+
+
+def _cells(offset: tuple[int, ...], shape: tuple[int, ...]) -> set[tuple[int, ...]]:
+    """The local indices a piece covers (small test tensors only)."""
+    cells: set[tuple[int, ...]] = {()}
+    for start, size in zip(offset, shape):
+        cells = {(*cell, i) for cell in cells for i in range(start, start + size)}
+    return cells

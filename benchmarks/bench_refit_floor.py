@@ -1,0 +1,72 @@
+"""The floor on piece size on the issue's DeepSeek-V3 layout: transfers per rank and per pair, balance, planning time.
+
+``tp=8,dp=128,ep=64,expt_tp=1,role=train`` to ``tp=8,dp=8,ep=64,expt_tp=1`` + ``tp=4,dp=32,ep=128,expt_tp=1``
+(1,216 ranks, 8 per node), one row per floor: every transfer of the plan counted per receiving rank
+and per (sender, receiver) pair, decode rank 1088 (the issue's) on its own, the busiest sender
+against the lower bound, and the time to plan (``plan_refit`` + a cold ``for_rank(1088)``, and
+``RefitStats.of`` over the whole schedule).
+
+Run: ``python benchmarks/bench_refit_floor.py [--floor BYTES ...]`` (default 0, 1 MiB, 4 MiB). It uses
+only what the planner had before the floor, so the same command with ``PYTHONPATH`` pointing at an
+older checkout gives the "before" rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import Counter
+
+from shardcore.plan.layout import plan_layout
+from shardcore.refit import RefitStats, plan_refit, preset
+
+SPEC = "tp=8,dp=128,ep=64,expt_tp=1,role=train + tp=8,dp=8,ep=64,expt_tp=1 + tp=4,dp=32,ep=128,expt_tp=1"
+WORLD, PER_NODE, RANK = 1216, 8, 1088
+MB = 1e6
+
+
+def row(floor: int) -> str:
+    layout, manifest = plan_layout(WORLD, SPEC), preset("deepseek-v3")
+    started = time.perf_counter()
+    plan = plan_refit(layout, 0, [1, 2], manifest, PER_NODE, min_piece_bytes=floor)
+    mine = plan.for_rank(RANK)
+    plan_ms = (time.perf_counter() - started) * 1e3
+    started = time.perf_counter()
+    stats = RefitStats.of(plan)
+    stats_s = time.perf_counter() - started
+    into: Counter[int] = Counter()
+    pairs: Counter[tuple[int, int]] = Counter()
+    small = 0
+    for tile, pieces in plan.tiles():
+        for piece in pieces:
+            src, dst, lo, hi = piece[:4]
+            if src != dst:
+                into[dst] += 1
+                pairs[src, dst] += 1
+                small += (hi - lo) * tile.row_bytes < MB
+    busiest, most = into.most_common(1)[0]
+    peers = len({t.src for t in mine.recvs})
+    rank_small = sum(t.bytes < MB for t in mine.recvs)
+    return (
+        f"| {floor:,} | {stats.transfers:,} | {small:,} | {most:,} (rank {busiest}) | {pairs.most_common(1)[0][1]:,} | "
+        f"{len(mine.recvs):,} from {peers} peers, {rank_small:,} < 1 MB | {stats.busiest_sent / 1e9:.3f} / "
+        f"{stats.lower_bound / 1e9:.3f} GB (x{stats.balance:.4f}) | {stats.estimate_seconds():.3f} | "
+        f"{plan_ms:.0f} | {stats_s:.1f} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--floor", type=int, nargs="+", default=[0, 1 << 20, 4 << 20], help="floors, in bytes")
+    args = parser.parse_args()
+    print(
+        "| floor B | transfers | pieces < 1 MB | most into one rank | most in one pair | rank 1088 receives | "
+        "busiest sender / bound | estimate s | plan + for_rank(1088) ms | RefitStats s |"
+    )
+    print("|" + "---:|" * 10)
+    for floor in args.floor:
+        print(row(floor), flush=True)
+
+
+if __name__ == "__main__":
+    main()
