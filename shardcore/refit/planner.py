@@ -407,10 +407,8 @@ class RefitPlan:
         """Where the tile starts in destination rank ``rank``'s local tensor (``rank`` needs it: in its group)."""
         if rank in tile.needers.members or not tile.group:
             return tile.dst_offset
-        for _, target in tile.group:
-            if rank in target.holders.members:
-                return tuple(o + lo - a for o, (lo, _), (a, _) in zip(target.offset, tile.box, target.box))
-        raise RefitError(f"rank {rank} needs no part of tile {tile.box} of tensor {tile.position}")  # a planner bug
+        target = next(target for _, target in tile.group if rank in target.holders.members)
+        return tuple(o + lo - a for o, (lo, _), (a, _) in zip(target.offset, tile.box, target.box))
 
     def _transfers(self, tile: Tile, pieces: Sequence[Piece]) -> Iterator[Transfer]:
         name = self.manifest.tensors[tile.position].name

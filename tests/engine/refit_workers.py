@@ -116,20 +116,11 @@ def partial_refits(rank: int, world: int) -> dict[str, Any]:
     import torch
 
     from shardcore.engine.live.refit_check import cut, known_tensor
+    from tests.engine.trust_workers import _tensors
 
     full = plan_refit(plan_layout(world, "tp=2,role=train + tp=1,dp=2"), 0, [1], preset("tiny-dense"))
-    manifest, mine = full.manifest, full.for_rank(rank)
-    sources = {
-        name: cut(
-            known_tensor(manifest.tensor(name), manifest.index(name)),
-            manifest.tensor(name),
-            full.source,
-            rank,
-            manifest,
-        )
-        for name in mine.source_shapes
-    }
-    destinations = {name: torch.full(shape, -1.0) for name, shape in mine.destination_shapes.items()}
+    manifest = full.manifest
+    sources, destinations = _tensors(full, rank)
     out: dict[str, Any] = {}
     mixed = full.subset(tensors_matching(manifest, "*.mlp.*" if rank == 0 else "*.self_attention.*"))
     try:
