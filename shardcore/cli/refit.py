@@ -7,6 +7,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
+from ..engine import DEFAULT_BUCKET_BYTES
 from ..errors import RefitError
 from ..plan.arguments import format_bytes
 from ..plan.layout import DEFAULT_ORDER, ORDER_ALIASES, Layout, Order, plan_layout
@@ -251,7 +252,13 @@ def add_refit_parser(subparsers: Any, common: argparse.ArgumentParser) -> argpar
     parser.add_argument(
         "--timeout", type=POSITIVE_SECONDS, default=120.0, help="with --check: seconds before a peer is an error"
     )
-    parser.add_argument("--bucket-bytes", type=POSITIVE_INT, help="with --check: bound on each pairwise send buffer")
+    parser.add_argument(
+        "--bucket-bytes",
+        type=POSITIVE_INT,
+        default=DEFAULT_BUCKET_BYTES,
+        help="with --check: bytes one batch of messages may hold, and so the staging memory a rank uses "
+        "(default: %(default)s)",
+    )
     add_search_arguments(parser)
     parser.set_defaults(func=run)
     return parser
