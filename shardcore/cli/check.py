@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ..plan.layout import Layout
 
 TORCH_HINT = (
-    "shardcore check needs torch: pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu "
+    "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu "
     "(CPU build; without --index-url, Linux gets the CUDA build), then a backend: pip install ./plugins/dtensor"
 )
 MAX_LOCAL_NPROC = 1024
@@ -99,6 +99,16 @@ def check_machine(nproc: int) -> list[str]:
     return warnings
 
 
+def require_torch(command: str) -> None:
+    """Refuse a live command before anything starts when torch is not installed.
+
+    Raises:
+        CheckError: naming the command and how to install torch.
+    """
+    if importlib.util.find_spec("torch") is None:
+        raise CheckError(f"shardcore {command} needs torch: {TORCH_HINT}")
+
+
 class Progress:
     """Progress lines on stderr: per stage, ranks done of N with the time since start.
 
@@ -168,8 +178,7 @@ def _header(prepared: Prepared, options: CheckOptions, world: str) -> str:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Check in this process what can be checked, then run the check and print it."""
-    if importlib.util.find_spec("torch") is None:
-        raise CheckError(TORCH_HINT)
+    require_torch("check")
     from ..engine.live import check
 
     options = _options(args)
@@ -252,4 +261,4 @@ def summary(reports: list[RankReport], layout: Layout) -> tuple[str, bool]:
     return table + ("\n" + "\n".join(details) if details else ""), ok
 
 
-__all__ = ["CheckError", "Progress", "check_machine", "cmd_check", "local_limit", "summary"]
+__all__ = ["CheckError", "Progress", "check_machine", "cmd_check", "local_limit", "require_torch", "summary"]

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 from ..errors import RefitError
+from ..plan.arguments import check_count, number_or_long, shown
 from ..plan.layout import DEFAULT_ORDER, ORDER_ALIASES, Layout, Order, plan_layout
 from ..refit.cost import DEFAULT_INTER_GBPS, DEFAULT_INTRA_GBPS, RefitStats
 from ..refit.documents import model_manifest
@@ -15,6 +17,7 @@ from ..refit.models import PRESETS
 from ..refit.planner import RankRefit, RefitPlan, plan_refit
 from ..views.tables import format_table
 from .arguments import NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_SECONDS
+from .check import check_machine, require_torch
 
 if TYPE_CHECKING:
     from ..engine.live.refit_check import RefitReport
@@ -29,13 +32,14 @@ def format_bytes(size: float) -> str:
 
 
 def _shard_indices(text: str) -> list[int]:
+    """``--to 1,2``: shard indices, each checked like any count (a typo, a sign, 5,000 digits)."""
     try:
-        indices = [int(item) for item in text.split(",") if item.strip()]
+        numbers = [number_or_long(item) for item in text.split(",") if item.strip()]
     except ValueError:
-        raise RefitError(f"--to {text!r}: expected shard indices separated by commas, e.g. --to 1,2") from None
-    if not indices:
+        raise RefitError(f"--to {shown(text)}: expected shard indices separated by commas, e.g. --to 1,2") from None
+    if not numbers:
         raise RefitError("--to is empty: name at least one destination shard, e.g. --to 1")
-    return indices
+    return [check_count("--to shard", number, minimum=0, error=RefitError) for number in numbers]
 
 
 def summary_table(plan: RefitPlan, stats: RefitStats, intra_gbps: float, inter_gbps: float) -> str:
@@ -157,8 +161,12 @@ def run(args: argparse.Namespace) -> int:
         if args.world is not None:
             raise RefitError("--check takes its world from --nproc (or torchrun), not --world")
         joined = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        warnings = [] if joined else check_machine(args.nproc)
+        require_torch("refit --check")
         args.world = int(os.environ["WORLD_SIZE"]) if joined else args.nproc
         _plan(args)
+        for warning in warnings:
+            print(f"shardcore: warning: {warning}", file=sys.stderr)
         return _check(args)
     _, plan = _plan(args)
     stats = RefitStats.of(plan)
@@ -226,7 +234,7 @@ def add_refit_parser(subparsers: Any, common: argparse.ArgumentParser) -> argpar
     )
     parser.add_argument("--world", type=POSITIVE_INT, help="total number of ranks")
     parser.add_argument("--shards", help="e.g. 'tp=8,pp=4,dp=4,role=train+tp=8,role=decode', or @file.yaml")
-    parser.add_argument("--order", default=DEFAULT_ORDER, choices=[*Order, *ORDER_ALIASES])
+    parser.add_argument("--order", default=DEFAULT_ORDER, choices=[*map(str, Order), *ORDER_ALIASES])
     parser.add_argument("--allow-idle", action="store_true", help="allow ranks after the last shard to stay idle")
     parser.add_argument(
         "--from", dest="src", type=NON_NEGATIVE_INT, metavar="I", help="source shard index (e.g. training)"

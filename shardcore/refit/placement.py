@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ..errors import ManifestError
+from ..plan.arguments import shown
 from ..plan.layout import ShardPlan
-from .manifest import Manifest, TensorSpec
+from .manifest import Manifest, TensorSpec, tensor_label
 
 Box = tuple[tuple[int, int], ...]
 """A global box: [start, stop) per dim."""
@@ -193,7 +194,8 @@ def check_fits(manifest: Manifest, plan: ShardPlan) -> None:
             what = f"block of {bad}" if len(tensor.blocks) > 1 else f"dim {tensor.tp_dim} ({bad})"
             units = f" of whole {tensor.unit}-element units" if tensor.unit > 1 else ""
             raise ManifestError(
-                f"tensor {tensor.name} {list(tensor.shape)}: its {what} does not split into {tp} equal parts{units} "
+                f"tensor {tensor_label(tensor.name)} {shown(list(tensor.shape))}: its {what} does not split "
+                f"into {tp} equal parts{units} "
                 f"over {name}={tp} of {where}: choose a {name} that divides it"
             )
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..errors import LayoutError
+from ..plan.arguments import shown
 from .tables import counted
 from .topology import TOPOLOGY_GROUPS, check_ranks_per_node
 
@@ -305,7 +306,7 @@ def render_svg(layout: Layout, ranks_per_node: int = DEFAULT_RANKS_PER_NODE, hig
     """The layout as SVG text: rank cells while they fit (``draws_ranks``), node cells beyond."""
     k = check_ranks_per_node(ranks_per_node)
     if highlight is not None and highlight not in TOPOLOGY_GROUPS:
-        raise LayoutError(f"highlight={highlight!r}: expected a group name, one of {', '.join(TOPOLOGY_GROUPS)}")
+        raise LayoutError(f"highlight={shown(highlight)}: expected a group name, one of {', '.join(TOPOLOGY_GROUPS)}")
     by_rank = draws_ranks(layout, k)
     svg = ET.Element("svg", {"xmlns": "http://www.w3.org/2000/svg", "font-family": FONT})
     if by_rank:
