@@ -254,7 +254,8 @@ def one_input(rng: random.Random, folder: Path) -> tuple[str, Any, str]:
 
 
 SPEC_TARGETS = ("build_shards", "parse_shards", "plan_layout", "plan_cli")
-"""Targets held to the time and memory budget (refit's read files and plan refits that cost more)."""
+"""Targets held to the time and memory budget; refit's read files (and plan_document_cli's documents) of
+up to 100 KB, or plan refits, which may cost more."""
 MAX_SECONDS = 0.1
 MAX_BYTES = 100 * 2**20
 

@@ -479,7 +479,7 @@ def plan_line(rng: random.Random) -> list[str]:
 
 def cli_input(rng: random.Random, folder: Path) -> Input:
     argv = refit_line(rng, folder) if rng.random() < 0.75 else plan_line(rng)
-    return "refit_cli" if argv[0] == "refit" else "plan_cli", lambda: main(argv), repr(argv)[:300]
+    return "refit_cli" if argv[0] == "refit" else "plan_document_cli", lambda: main(argv), repr(argv)[:300]
 
 
 def random_input(rng: random.Random, folder: Path, cli_share: float = 0.15) -> Input:

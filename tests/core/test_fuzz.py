@@ -227,7 +227,7 @@ def test_malformed_refit_inputs(tmp_path: Path) -> None:
         if problem is not None:
             problems.append(f"input {index} ({kind}): {problem} | {described}")
     assert not problems, f"{len(problems)} problems, the first: " + "\n".join(problems[:5])
-    assert set(counts) == {"manifest_dict", "manifest_file", "manifest_api", "refit_cli", "plan_cli"}
+    assert set(counts) == {"manifest_dict", "manifest_file", "manifest_api", "refit_cli", "plan_document_cli"}
     assert min(counts.values()) >= 150, counts
 
 
