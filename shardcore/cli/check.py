@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING, TextIO
 
 from ..errors import ShardcoreError
+from ..plan.arguments import number_or_long, shown
 from ..views.tables import counted, format_table
 
 if TYPE_CHECKING:
@@ -44,10 +45,10 @@ class CheckError(ShardcoreError, ValueError):
 def _parse_option(text: str) -> tuple[str, object]:
     key, sep, value = text.partition("=")
     if not sep or not key:
-        raise CheckError(f"--option {text!r}: expected KEY=VALUE, e.g. --option device_type=cpu")
+        raise CheckError(f"--option {shown(text)}: expected KEY=VALUE, e.g. --option device_type=cpu")
     try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
+        return key, json.loads(value, parse_int=number_or_long)  # a 5,000-digit number reaches the check
+    except (ValueError, RecursionError):  # not JSON, or nested too deeply for it: the text itself
         return key, value
 
 
