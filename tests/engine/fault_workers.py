@@ -47,7 +47,7 @@ def killed_in_creation(
 ) -> tuple[str, str, str, float]:
     """``victim`` dies (os._exit) on its ``call``-th group creation, after the agreement."""
     if rank == victim:
-        from shardcore.engine import groups
+        from shardcore.engine.groups import create as groups
 
         real, calls = groups._new_group, [0]
 
@@ -66,7 +66,7 @@ def slow_in_creation(
 ) -> tuple[str, str, str, float]:
     """``slow`` sleeps ``delay`` seconds before its first group creation, longer than the timeout."""
     if rank == slow:
-        from shardcore.engine import groups
+        from shardcore.engine.groups import create as groups
 
         real, calls = groups._new_group, [0]
 

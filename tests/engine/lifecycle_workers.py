@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from shardcore import build_shards
-from shardcore.engine import shards as shards_module
+from shardcore.engine.build import shards as shards_module
 from shardcore.engine.build.shards import Shard, destroy_shards, my_shard
 from shardcore.errors import BackendUnavailableError, GroupCreationError, ShardcoreError
 from shardcore.plan.layout import distinct_groups
