@@ -415,7 +415,8 @@ def api_input(rng: random.Random) -> Input:
 
 
 REFIT_SHARDS = ["tp=2+tp=2", "tp=2,pp=2+tp=4", "tp=1,dp=4+tp=2,dp=2", "tp=2,ep=2+tp=1,dp=2", "tp=4+tp=4"]
-COUNTS = ["0", "1", "2", "4", "8", "-1", "x", "", "1.5", "9" * HUGE_DIGITS, "\u0662"]
+COUNTS = ["0", "1", "2", "4", "8", "-1", "x", "", "1.5", "9" * 4000, "9" * HUGE_DIGITS, "\u0662"]
+"""Flag values; 4,000 digits is a number int() still reads (its limit is 4,300), and too long to show."""
 REFIT_FLAGS = [
     "--json",
     "--transfers",

@@ -122,9 +122,8 @@ def _plan(args: argparse.Namespace) -> tuple[Layout, RefitPlan]:
     layout = plan_layout(args.world, args.shards, order=args.order, allow_idle=args.allow_idle)
     if args.rank is not None:
         layout.shard_of(args.rank)  # a rank outside the world fails before any work
-    return layout, plan_refit(
-        layout, args.src, _shard_indices(args.dst), model_manifest(args.model), args.ranks_per_node
-    )
+    src = check_count("--from", args.src, minimum=0, error=RefitError)  # a 4,000-digit index is shown short
+    return layout, plan_refit(layout, src, _shard_indices(args.dst), model_manifest(args.model), args.ranks_per_node)
 
 
 def _check(args: argparse.Namespace) -> int:

@@ -132,6 +132,7 @@ def test_bad_manifest_file_is_one_line(
     [
         ("--to", "9" * 5000, "--to shard=999999999999... (5000 digits): too many digits"),
         ("--to", "-1", "--to shard=-1: expected a whole number from 0"),
+        ("--from", "9" * 4000, "--from=999999999999... (4000 digits): expected a whole number from 0"),
         ("--to", "1," + "x" * 5000, "expected shard indices separated by commas"),
         ("--model", "x" * 5000, "(5000 characters): File name too long"),
         ("--order", "x" * 5000, "characters)... xxxx"),
