@@ -104,7 +104,7 @@ def _load(name: str) -> Backend | None:
     try:
         plugin_manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=name)
     except ImportError as error:
-        raise BackendUnavailableError(f"backend {name!r} failed to import: {error}") from error
+        raise BackendUnavailableError(f"backend {shown(name)} failed to import: {error}") from error
     return _collect(plugin_manager).get(name)
 
 
@@ -130,7 +130,7 @@ def get_backend(name: str | None = None, *, require_available: bool = True) -> B
     if require_available:
         reason = backend.unavailable_reason()
         if reason:
-            raise BackendUnavailableError(f"backend {chosen!r} is installed but unavailable here: {reason}")
+            raise BackendUnavailableError(f"backend {shown(chosen)} is installed but unavailable here: {reason}")
     return backend
 
 
@@ -141,12 +141,12 @@ def _not_found(chosen: str, from_env: bool) -> str:
     where = f" (from ${BACKEND_ENV})" if from_env else ""
     listing = f"installed: {', '.join(installed)}" if installed else "no backend is installed"
     if chosen in SHIPPED_BACKENDS:
-        return f"backend {chosen!r}{where} is not installed ({listing}): pip install ./plugins/{chosen}"
+        return f"backend {shown(chosen)}{where} is not installed ({listing}): pip install ./plugins/{chosen}"
     by_lower = {name.lower(): name for name in [*installed, *SHIPPED_BACKENDS]}
     close = difflib.get_close_matches(chosen.lower(), list(by_lower), n=1, cutoff=0.6)
     hint = f"; did you mean {by_lower[close[0]]!r}?" if close else ""
     fix = f"set {BACKEND_ENV} to an installed name" if from_env else "choose an installed name"
-    return f"no backend named {chosen!r}{where}; {listing}{hint} ({fix})"
+    return f"no backend named {shown(chosen)}{where}; {listing}{hint} ({fix})"
 
 
 def list_backends() -> list[BackendInfo]:
