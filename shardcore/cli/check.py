@@ -15,6 +15,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, TextIO
 
+from ..engine import DEFAULT_BACKEND, install_hint
 from ..errors import CheckError
 from ..plan.arguments import number_or_long, shown
 from ..views.tables import counted, format_table
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 
 TORCH_HINT = (
     "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu "
-    "(CPU build; without --index-url, Linux gets the CUDA build), then a backend: pip install ./plugins/dtensor"
+    f"(CPU build; without --index-url, Linux gets the CUDA build), then a backend: {install_hint(DEFAULT_BACKEND)}"
 )
 MAX_LOCAL_NPROC = 1024
 """Most local processes ``check`` starts; a bigger world is checked under torchrun across nodes."""

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import __version__
-from ..engine.groups.strategy import Strategy
+from ..engine import Strategy, install_hint
 from ..errors import ShardcoreError
 from ..plan.arguments import clipped
 from ..plan.layout import DEFAULT_ORDER, ORDER_ALIASES, Order, plan_layout
@@ -124,7 +124,7 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     print(
         format_table(rows, ("backend", "distribution", "version", "status", "device", "description"))
         if rows
-        else "no backends installed: pip install ./plugins/dtensor (or megatron, hyperparallel)"
+        else f"no backends installed: {install_hint()}"
     )
     for note in notes:
         print(f"\n{note}")

@@ -519,8 +519,12 @@ class Terms:
         parts = []
         for name in names:
             value = getattr(self, name)
-            if isinstance(value, str) and against is not None and len(value) > _SHOWN_CHARS:
-                value = first_difference(value, str(getattr(against, name)))
+            if isinstance(value, str) and len(value) > _SHOWN_CHARS:
+                value = (
+                    first_difference(value, str(getattr(against, name)))
+                    if against is not None
+                    else f"{value[:_SHOWN_CHARS]}... ({len(value)} characters)"
+                )
             elif isinstance(value, tuple):
                 value = ",".join(map(str, value))
             parts.append(f"{name} {value!r}" if isinstance(value, str) else f"{name} {value}")

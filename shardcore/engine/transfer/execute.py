@@ -361,7 +361,7 @@ def _side_problems(
     if not isinstance(given, Mapping):
         return [f"{kind}s must be a mapping of tensor name -> torch.Tensor, got {type(given).__name__}"]
     problems = [
-        f"{kind} tensor {name!r} is missing (expected local shape {list(shapes[name])})"
+        f"{kind} tensor {shown(name)} is missing (expected local shape {list(shapes[name])})"
         for name in sorted(needed - set(given))
     ]
     for name, tensor in given.items():
@@ -371,17 +371,19 @@ def _side_problems(
             continue
         if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
             what = type(tensor).__name__ if not isinstance(tensor, torch.Tensor) else f"{tensor.layout} tensor"
-            problems.append(f"{kind} tensor {name!r} is a {what}, not a dense torch.Tensor")
+            problems.append(f"{kind} tensor {shown(name)} is a {what}, not a dense torch.Tensor")
             continue
         if tuple(tensor.shape) != tuple(shapes[name]):
-            problems.append(f"{kind} tensor {name!r} has shape {list(tensor.shape)}, expected {list(shapes[name])}")
+            problems.append(
+                f"{kind} tensor {shown(name)} has shape {list(tensor.shape)}, expected {list(shapes[name])}"
+            )
         expected = getattr(torch, manifest.tensor(name).dtype)
         if tensor.dtype != expected:
-            problems.append(f"{kind} tensor {name!r} has dtype {tensor.dtype}, expected {expected}")
+            problems.append(f"{kind} tensor {shown(name)} has dtype {tensor.dtype}, expected {expected}")
         if kind == "destination" and _overlapping(tensor):
             problems.append(
-                f"destination tensor {name!r} has overlapping memory (strides {list(tensor.stride())}): it cannot be "
-                f"written in place; pass the tensor itself, not an expanded view"
+                f"destination tensor {shown(name)} has overlapping memory (strides {list(tensor.stride())}): it "
+                f"cannot be written in place; pass the tensor itself, not an expanded view"
             )
     return problems
 
