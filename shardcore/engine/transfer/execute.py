@@ -217,7 +217,7 @@ def execute_refit(
     previous = held_version(destinations)
     exchange = Exchange(
         rank,
-        rank_batches(mine, rank, dist().get_world_size(), bucket_bytes, max_ops),
+        rank_batches(mine, rank, dist().get_world_size(), bucket_bytes, max_ops, _global_shapes(plan.manifest, mine)),
         sources,
         destinations,
         TAG_BASE + epoch % TAG_BASE,
@@ -244,6 +244,12 @@ def execute_refit(
         stats.peers,
     )
     return stats
+
+
+def _global_shapes(manifest: Any, mine: Any) -> dict[str, tuple[int, ...]]:
+    """The global shape of every tensor this rank moves (what ``schedule.may_stage`` reads)."""
+    names = {t.tensor for t in (*mine.sends, *mine.recvs)}
+    return {name: tuple(manifest.tensor(name).shape) for name in names}
 
 
 def _require_world() -> int:
@@ -355,7 +361,7 @@ def _side_problems(
     kind: str, given: Any, shapes: Mapping[str, tuple[int, ...]], needed: set[str], manifest: Any
 ) -> list[str]:
     """Problems of one side's tensors: needed ones missing, any given one unknown, misshapen, of another dtype,
-    or (a destination) not writable in place."""
+    or not contiguous (the schedule counts staging memory alike at both ends for contiguous tensors only)."""
     import torch
 
     if not isinstance(given, Mapping):
@@ -380,10 +386,10 @@ def _side_problems(
         expected = getattr(torch, manifest.tensor(name).dtype)
         if tensor.dtype != expected:
             problems.append(f"{kind} tensor {shown(name)} has dtype {tensor.dtype}, expected {expected}")
-        if kind == "destination" and _overlapping(tensor):
+        if not tensor.is_contiguous():
             problems.append(
-                f"destination tensor {shown(name)} has overlapping memory (strides {list(tensor.stride())}): it "
-                f"cannot be written in place; pass the tensor itself, not an expanded view"
+                f"{kind} tensor {shown(name)} is not contiguous (strides {list(tensor.stride())}): pass a contiguous "
+                f"tensor (for a source, .contiguous(); a parameter's .data is)"
             )
     return problems
 
@@ -394,17 +400,6 @@ def _in_manifest(manifest: Any, name: object) -> bool:
     except (KeyError, TypeError, ShardcoreError):
         return False
     return True
-
-
-def _overlapping(tensor: torch.Tensor) -> bool:
-    """Whether two elements of a strided tensor share memory (an expanded view), so writes would collide."""
-    dims = sorted((stride, size) for stride, size in zip(tensor.stride(), tensor.shape) if size > 1)
-    span = 1
-    for stride, size in dims:
-        if stride < span:
-            return True
-        span = stride * size
-    return False
 
 
 def _device_problems(tensors: Mapping[str, Any]) -> list[str]:
