@@ -15,7 +15,7 @@ checksum), so the receiver checks what arrived against what the sender sent.
 ops (pytorch #174288: hangs at ~1,000 ops, none at 256) or when one end posts a message in another
 batch than the other (NVIDIA/nccl #2130). So ranks are paired by a round-robin tournament (the
 circle method, as pytorch PR #174942 proposed): in round r each rank has at most one partner, and
-ranks i and j meet in exactly one round, which both compute alike. ``fan(world)`` consecutive rounds
+ranks i and j meet in exactly one round, which both compute alike. ``fan(world, max_ops)`` consecutive rounds
 form a *super-round* (all of them in a world of up to 17 ranks); each pair's messages (both
 directions, in key order) are cut into chunks of at most ``max_ops // fan`` messages and
 ``bucket_bytes // fan`` staged bytes, and batch (s, c) holds chunk c of every pair of super-round s.
@@ -161,9 +161,10 @@ def _by_peer(transfers: Sequence[Any], attr: str) -> dict[int, list[Any]]:
     return peers
 
 
-def fan(world: int) -> int:
-    """Tournament rounds per super-round in a world of ``world`` ranks: every round when they are few."""
-    return max(1, min(MAX_FAN, world - 1 + world % 2))
+def fan(world: int, max_ops: int) -> int:
+    """Tournament rounds per super-round in a world of ``world`` ranks: every round when they are few, and
+    few enough that each partner's chunk gets two ops (a send and a receive) of the batch's ``max_ops``."""
+    return max(1, min(MAX_FAN, world - 1 + world % 2, max_ops // 2))
 
 
 def may_stage(message: Message, shapes: Mapping[str, tuple[int, ...]]) -> bool:
@@ -189,7 +190,7 @@ def rank_batches(
         max_ops: operations one batch may hold.
         shapes: every tensor's global shape (the manifest's), for what may be staged.
     """
-    rounds = fan(world)
+    rounds = fan(world, max_ops)
     pair_bytes = max(ALIGN, bucket_bytes // rounds)
     pair_ops = max(2, max_ops // rounds)
     lists: dict[int, list[Message]] = {}
