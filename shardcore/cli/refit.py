@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from ..errors import RefitError
@@ -12,6 +13,7 @@ from ..plan.arguments import format_bytes
 from ..plan.layout import DEFAULT_ORDER, ORDER_ALIASES, Layout, Order, plan_layout
 from ..refit.cost import DEFAULT_INTER_GBPS, DEFAULT_INTRA_GBPS, RefitStats
 from ..refit.documents import model_manifest
+from ..refit.manifest import Manifest, TensorSpec
 from ..refit.models import PRESETS
 from ..refit.planner import RankRefit, ShardRefitPlan, plan_refit
 from ..views.tables import format_table
@@ -67,6 +69,7 @@ def summary_table(plan: ShardRefitPlan, stats: RefitStats, intra_gbps: float, in
             f"({format_bytes(stats.intra_node_bytes)} intra-node, {format_bytes(stats.inter_node_bytes)} inter-node), "
             f"local copies {format_bytes(stats.local_bytes)}"
         ),
+        *conversion_lines(plan.manifest, stats),
         f"busiest sender: {busiest}; lower bound {format_bytes(stats.lower_bound)} (x{stats.balance:.3f})",
         (
             f"estimate {stats.estimate_seconds(intra_gbps, inter_gbps):.3g} s at {intra_gbps:g} GB/s intra-node, "
@@ -74,6 +77,30 @@ def summary_table(plan: ShardRefitPlan, stats: RefitStats, intra_gbps: float, in
         ),
     ]
     return "\n".join(lines)
+
+
+def conversion_lines(manifest: Manifest, stats: RefitStats) -> list[str]:
+    """What a converting refit converts (none for a plain one): bytes above are then wire bytes."""
+    kinds = Counter(
+        f"{t.dtype} -> {t.to_dtype}" + (f" with {t.scale} scales" if t.scale else "") for t in manifest if t.to_dtype
+    )
+    if not kinds:
+        return []
+    shown = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items(), key=lambda item: -item[1]))
+    return [
+        f"converting {sum(kinds.values())} tensors ({shown}): bytes are wire bytes, in the narrower dtype; "
+        f"scale tensors {format_bytes(stats.scale_bytes)} of them"
+    ]
+
+
+def _manifest(args: argparse.Namespace) -> Manifest:
+    """``--model``, converted by ``--to-dtype`` / ``--scale`` when given."""
+    manifest = model_manifest(args.model)
+    if args.to_dtype is None:
+        if args.scale is not None:
+            raise RefitError(f"--scale {args.scale} needs --to-dtype float8_e4m3fn")
+        return manifest
+    return manifest.converted(args.to_dtype, args.scale)
 
 
 def rank_table(mine: RankRefit) -> str:
@@ -102,9 +129,7 @@ def _plan(args: argparse.Namespace) -> tuple[Layout, ShardRefitPlan]:
     layout = plan_layout(args.world, args.shards, order=args.order, allow_idle=args.allow_idle)
     if args.rank is not None:
         layout.shard_of(args.rank)  # a rank outside the world fails before any work
-    return layout, plan_refit(
-        layout, args.src, _shard_indices(args.dst), model_manifest(args.model), args.ranks_per_node
-    )
+    return layout, plan_refit(layout, args.src, _shard_indices(args.dst), _manifest(args), args.ranks_per_node)
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -121,6 +146,8 @@ def _check(args: argparse.Namespace) -> int:
         ranks_per_node=args.ranks_per_node,
         timeout=args.timeout,
         bucket_bytes=args.bucket_bytes,
+        to_dtype=args.to_dtype,
+        scale=args.scale,
     )
     world = int(os.environ["WORLD_SIZE"]) if joined else args.nproc
     plan = refit_check.plan_from_options(options, world)  # bad input fails here, before any process starts
@@ -138,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(PRESETS))
         return 0
     if args.search:
+        if args.to_dtype is not None or args.scale is not None:
+            raise RefitError("--search ranks layouts by the manifest's own dtypes: drop --to-dtype and --scale")
         return run_search(args)
     if args.check:
         if args.world is not None:
@@ -154,9 +183,7 @@ def run(args: argparse.Namespace) -> int:
         data["model"] = plan.manifest.name
         data["source"] = plan.source.index
         data["destinations"] = [destination.index for destination in plan.destinations]
-        data["tensors"] = {
-            t.name: {"shape": list(t.shape), "dtype": t.dtype, "itemsize": t.itemsize} for t in plan.manifest
-        }
+        data["tensors"] = {t.name: _tensor_entry(t) for t in plan.manifest}
         if args.transfers:
             data["transfers"] = [transfer.to_dict() for transfer in plan.transfers()]
         if mine is not None:
@@ -173,6 +200,19 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(rank_table(mine))
     return 0
+
+
+def _tensor_entry(tensor: TensorSpec) -> dict[str, Any]:
+    """A tensor in ``--json``: shape, dtype and element size; with its destination and wire dtypes when it
+    converts, and the weight a scale tensor scales."""
+    entry: dict[str, Any] = {"shape": list(tensor.shape), "dtype": tensor.dtype, "itemsize": tensor.itemsize}
+    if tensor.to_dtype is not None:
+        entry.update(to_dtype=tensor.to_dtype, wire_dtype=tensor.wire_dtype, wire_itemsize=tensor.wire_itemsize)
+        if tensor.scale is not None:
+            entry["scale"] = tensor.scale
+    if tensor.scale_of is not None:
+        entry["scale_of"] = tensor.scale_of
+    return entry
 
 
 def check_summary(reports: list[RefitReport], plan: ShardRefitPlan) -> tuple[str, bool]:
@@ -229,6 +269,16 @@ def add_refit_parser(subparsers: Any, common: argparse.ArgumentParser) -> argpar
     parser.add_argument("--json", action="store_true", help="print the stats (and tensors) as JSON")
     parser.add_argument("--transfers", action="store_true", help="with --json: include every transfer")
     parser.add_argument("--list-models", action="store_true", help="print the preset model names, one a line")
+    parser.add_argument(
+        "--to-dtype",
+        metavar="DTYPE",
+        help="destination dtype of every floating tensor (e.g. bfloat16, float8_e4m3fn), in the plan and in --check",
+    )
+    parser.add_argument(
+        "--scale",
+        metavar="block|tensor",
+        help="with --to-dtype float8_e4m3fn: one scale per 128x128 block (default) or per tensor",
+    )
     parser.add_argument(
         "--intra-gbps",
         type=float,

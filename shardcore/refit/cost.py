@@ -96,7 +96,7 @@ class RefitStats:
 
     Attributes:
         model_bytes: Bytes of the model (each tensor once).
-        total_bytes: Bytes sent between ranks.
+        total_bytes: Bytes sent between ranks (wire bytes: a converting refit sends the narrower dtype).
         local_bytes: Bytes copied inside a rank.
         transfers: Number of transfers, local copies included.
         sent / received: Bytes per rank (ranks with none are absent).
@@ -105,6 +105,7 @@ class RefitStats:
         intra_node_bytes / inter_node_bytes: Split by node when the plan has ``ranks_per_node``;
             without it every byte counts as inter-node.
         shards: Per destination shard.
+        scale_bytes: Of ``total_bytes``, those of fp8 scale tensors.
     """
 
     model_bytes: int
@@ -120,6 +121,7 @@ class RefitStats:
     inter_node_bytes: int
     shards: tuple[ShardCost, ...]
     loads: dict[int, Load]
+    scale_bytes: int = 0
 
     @classmethod
     def of(cls, plan: RefitPlan) -> RefitStats:
@@ -132,7 +134,8 @@ class RefitStats:
         shard_local = [0] * len(targets)
         must_move: dict[int, int] = defaultdict(int)
         holder_sets: dict[int, frozenset[int]] = {}
-        count = local = 0
+        count = local = scale_bytes = 0
+        scales = {position for position, tensor in enumerate(plan.manifest) if tensor.scale_of is not None}
         for tile, pieces in plan.tiles():
             row_bytes, rows = tile.row_bytes, tile.rows
             remote = sum(1 for d in tile.needers.ranks if d not in tile.sources.members)
@@ -147,6 +150,8 @@ class RefitStats:
                     shard_local[tile.shard] += size
                     continue
                 shard_bytes[tile.shard] += size
+                if tile.position in scales:
+                    scale_bytes += size
                 inter = 1 if per_node is None or src // per_node != dst // per_node else 0
                 for table in (loads, into):
                     table[src][inter] += size
@@ -186,6 +191,7 @@ class RefitStats:
             inter_node_bytes=sum(load[1] for load in loads.values()),
             shards=tuple(shards),
             loads=dict(loads),
+            scale_bytes=scale_bytes,
         )
 
     @property
@@ -202,6 +208,7 @@ class RefitStats:
         return {
             "model_bytes": self.model_bytes,
             "total_bytes": self.total_bytes,
+            "scale_bytes": self.scale_bytes,
             "local_bytes": self.local_bytes,
             "transfers": self.transfers,
             "busiest_sender": self.busiest_sender,

@@ -12,17 +12,29 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ManifestError
-from .manifest import Manifest, TensorSpec
+from .manifest import CONVERTIBLE, SCALED, Manifest, TensorSpec, check_conversion
 from .models import PRESET_CONFIGS, PRESETS, TransformerConfig, manifest_from_config, preset
 
-TENSOR_KEYS = ("name", "shape", "dtype", "tp_dim", "blocks", "unit", "layer", "stage", "expert")
-MANIFEST_KEYS = ("name", "layers", "first_stage_layers", "last_stage_layers", "experts", "dtype", "tensors", "config")
+TENSOR_KEYS = ("name", "shape", "dtype", "tp_dim", "blocks", "unit", "layer", "stage", "expert", "to_dtype", "scale")
+MANIFEST_KEYS = (
+    "name",
+    "layers",
+    "first_stage_layers",
+    "last_stage_layers",
+    "experts",
+    "dtype",
+    "to_dtype",
+    "scale",
+    "tensors",
+    "config",
+)
 
 
 def manifest_from_dict(data: Mapping[str, Any], source: str = "the manifest") -> Manifest:
     """Build a manifest from its file form: a ``tensors`` list, or a ``config`` to generate one.
 
-    A top-level ``dtype`` is the default of tensors that give none.
+    A top-level ``dtype`` is the default of tensors that give none; a top-level ``to_dtype`` (and ``scale``)
+    the destination dtype of every floating tensor that gives none.
 
     Raises:
         ManifestError: naming the bad key, tensor or value.
@@ -38,11 +50,23 @@ def manifest_from_dict(data: Mapping[str, Any], source: str = "the manifest") ->
         config = data["config"]
         if not isinstance(config, Mapping):
             raise ManifestError(f"{source}: 'config' must be a mapping of transformer sizes")
-        return manifest_from_config(TransformerConfig.from_dict(config), name=str(data.get("name", "model")))
+        manifest = manifest_from_config(TransformerConfig.from_dict(config), name=str(data.get("name", "model")))
+        if "to_dtype" not in data and "scale" not in data:
+            return manifest
+        try:
+            return manifest.converted(data.get("to_dtype"), data.get("scale"))  # type: ignore[arg-type]
+        except ManifestError as error:
+            raise ManifestError(f"{source}: {error}") from None
     entries = data.get("tensors")
     if not isinstance(entries, list):
         raise ManifestError(f"{source}: 'tensors' must be a list of tensor entries (name, shape, ...)")
     default_dtype = data.get("dtype", "bfloat16")
+    default_to, default_scale = data.get("to_dtype"), data.get("scale")
+    if default_to is not None or default_scale is not None:
+        try:
+            check_conversion(default_to, default_scale)
+        except ManifestError as error:
+            raise ManifestError(f"{source}: {error}") from None
     tensors = []
     for position, entry in enumerate(entries):
         if not isinstance(entry, Mapping):
@@ -57,6 +81,10 @@ def manifest_from_dict(data: Mapping[str, Any], source: str = "the manifest") ->
             raise ManifestError(f"{source}: tensor entry {position} needs a name and a shape")
         fields = {key: entry[key] for key in TENSOR_KEYS if key in entry}
         fields.setdefault("dtype", default_dtype)
+        if default_to is not None and "to_dtype" not in fields and fields["dtype"] in CONVERTIBLE:
+            fields["to_dtype"] = default_to
+        if default_scale is not None and "scale" not in fields and fields.get("to_dtype") == SCALED != fields["dtype"]:
+            fields["scale"] = default_scale
         for key in ("shape", "blocks"):
             if key in fields and isinstance(fields[key], list):
                 fields[key] = tuple(fields[key])

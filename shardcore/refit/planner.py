@@ -32,7 +32,7 @@ from ..errors import LayoutError, RefitError
 from ..plan.arguments import check_count, shown
 from ..plan.layout import Layout, ShardPlan
 from .manifest import Manifest
-from .placement import Box, HolderSet, Placement, ShardPlacement, Slice, check_fits, overlap, volume
+from .placement import Box, HolderSet, Placement, Renumbered, ShardPlacement, Slice, check_fits, overlap, volume
 
 DEFAULT_MIN_PIECE_BYTES = 1 << 20
 """Pieces are not split across replicas below this size: a message costs more than it balances."""
@@ -51,7 +51,8 @@ class Transfer:
         box: Global [start, stop) per dim.
         src_offset: Where the box starts in the source rank's local tensor, per dim.
         dst_offset: Where the box starts in the destination rank's local tensor, per dim.
-        bytes: Size of the box in bytes.
+        bytes: Size of the box in bytes on the wire: in the narrower of the tensor's source and destination
+            dtypes (``TensorSpec.wire_dtype``).
     """
 
     tensor: str
@@ -97,7 +98,8 @@ class RankRefit:
         sends: Transfers with src == rank and dst != rank.
         recvs: Transfers with dst == rank and src != rank.
         copies: Transfers with src == dst == rank.
-        source_shapes: Local shape of every tensor the rank holds in the source layout.
+        source_shapes: Local shape of every tensor the rank holds in the source layout, as the caller passes
+            them; the fp8 scale tensors it sends are not among them (the executor computes those).
         destination_shapes: Local shape of every tensor the rank must hold in a destination layout.
     """
 
@@ -181,7 +183,7 @@ class RefitPlan:
             box = overlap(source.box, target.box)
             src_offset = tuple(o + lo - a for o, (lo, _), (a, _) in zip(source.offset, box, source.box))
             dst_offset = tuple(o + lo - a for o, (lo, _), (a, _) in zip(target.offset, box, target.box))
-        row_bytes = self.manifest.tensors[position].itemsize
+        row_bytes = self.manifest.tensors[position].wire_itemsize
         for start, stop in box[1:]:
             row_bytes *= stop - start
         seed = position + shard * 7919 + (target.block + 1) * 31 + target.part * 131 + source.part * 1031
@@ -351,7 +353,8 @@ class RefitPlan:
                         keyed += ((t.src, t.dst, held.position, t.box, t) for t in mine)
         source_shapes: dict[str, tuple[int, ...]] = {}
         for held in self.source_placement.held(rank):
-            source_shapes[tensors[held.position].name] = held.shape
+            if tensors[held.position].scale_of is None:
+                source_shapes[tensors[held.position].name] = held.shape
             for source in held.slices:
                 for shard in range(len(self.destination_placements)):
                     for tile in self._tiles_from(held.position, shard, source):
@@ -556,8 +559,26 @@ def plan_refit_from(
         raise RefitError(
             f"world_size={world_size}: the placements hold ranks up to {needed - 1}; give at least {needed}"
         )
+    _check_scaled(source, items)
     _check_covered(source, items)
     return RefitPlan(source, tuple(items), world_size, ranks_per_node, min_piece_bytes)
+
+
+def _check_scaled(source: Placement, destinations: Sequence[Placement]) -> None:
+    """fp8 scales are computed from a rank's local tensors by the index math of shards: every placement of a
+    manifest with scale tensors must be a shard's (``ShardPlacement``, or one ``restrict``-ed)."""
+    scaled = next((tensor for tensor in source.manifest if tensor.scale_of is not None), None)
+    if scaled is None:
+        return
+    for placement in (source, *destinations):
+        base = placement
+        while isinstance(base, Renumbered):
+            base = base.base
+        if not isinstance(base, ShardPlacement):
+            raise RefitError(
+                f"{placement.label}: tensor {scaled.scale_of} converts to float8_e4m3fn with scales, which are "
+                f"planned between shards' placements only (plan_refit): convert it without scales, or plan shards"
+            )
 
 
 __all__ = [

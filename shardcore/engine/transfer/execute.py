@@ -41,6 +41,7 @@ from ...plan.arguments import DEFAULT_TIMEOUT, as_timedelta, check_count, shown
 from ...version import __version__
 from ..agreement import GRACE, Party, Purpose, Terms, arrive_failed, convene, declare_absent, meet
 from ..torch_state import dist, import_torch, is_fake_world
+from .convert import Conversion
 from .exchange import Exchange, view_of
 from .schedule import ALIGN, rank_batches
 
@@ -204,7 +205,8 @@ def execute_refit(
         wait = as_timedelta(timeout)
         options = _check_options(bucket_bytes, max_ops, verify, version)
         mine = plan.for_rank(rank)
-        sources, destinations = _checked_tensors(mine, plan.manifest, sources, destinations)
+        conversion = Conversion.of(plan, mine, rank)
+        sources, destinations = _checked_tensors(mine, plan.manifest, sources, destinations, conversion)
         terms = _terms(plan, options)
     except BaseException as error:
         failure = _as_input_error(rank, error)
@@ -215,9 +217,10 @@ def execute_refit(
     stats = TransferStats(rank, verify=verify, version=version)
     stats.agreement_seconds = time.monotonic() - started
     previous = held_version(destinations)
+    world = dist().get_world_size()
     exchange = Exchange(
         rank,
-        rank_batches(mine, rank, dist().get_world_size(), bucket_bytes, max_ops),
+        rank_batches(mine, rank, world, bucket_bytes, max_ops),
         sources,
         destinations,
         TAG_BASE + epoch % TAG_BASE,
@@ -226,7 +229,10 @@ def execute_refit(
         epoch,
         deadline,
         "gloo" in str(dist().get_backend()),
+        conversion,
     )
+    if conversion is not None:
+        conversion.prepare(exchange, bucket_bytes, max_ops, world)
     _run(exchange, mine, sources, destinations, stats)
     ended = time.monotonic()
     _finish(party, exchange, epoch, deadline, destinations, previous, version)
@@ -328,16 +334,20 @@ _DEVICES = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
 
 
 def _checked_tensors(
-    mine: Any, manifest: Any, sources: Mapping[str, Any], destinations: Mapping[str, Any]
+    mine: Any,
+    manifest: Any,
+    sources: Mapping[str, Any],
+    destinations: Mapping[str, Any],
+    conversion: Conversion | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """This rank's tensors, detached (a parameter is written under no_grad), once every one is checked.
 
     Raises:
         RefitInputError: every problem of this rank's tensors, in one message.
     """
-    problems = _side_problems(
-        "source", sources, mine.source_shapes, {t.tensor for t in (*mine.sends, *mine.copies)}, manifest
-    )
+    sent = {t.tensor for t in (*mine.sends, *mine.copies)}
+    needed = sent if conversion is None else conversion.needed_sources(sent)
+    problems = _side_problems("source", sources, mine.source_shapes, needed, manifest)
     problems += _side_problems(
         "destination", destinations, mine.destination_shapes, set(mine.destination_shapes), manifest
     )
@@ -375,7 +385,8 @@ def _side_problems(
             continue
         if tuple(tensor.shape) != tuple(shapes[name]):
             problems.append(f"{kind} tensor {name!r} has shape {list(tensor.shape)}, expected {list(shapes[name])}")
-        expected = getattr(torch, manifest.tensor(name).dtype)
+        spec = manifest.tensor(name)
+        expected = getattr(torch, spec.destination_dtype if kind == "destination" else spec.dtype)
         if tensor.dtype != expected:
             problems.append(f"{kind} tensor {name!r} has dtype {tensor.dtype}, expected {expected}")
         if kind == "destination" and _overlapping(tensor):
@@ -440,9 +451,11 @@ def _run(
         exchange.wrote = exchange.wrote or bool(mine.copies)
         for transfer in sorted(mine.copies):
             shape = tuple(stop - start for start, stop in transfer.box)
-            view_of(destinations[transfer.tensor], tuple(transfer.dst_offset), shape).copy_(
-                view_of(sources[transfer.tensor], tuple(transfer.src_offset), shape)
-            )
+            offset = tuple(transfer.src_offset)
+            source = view_of(sources[transfer.tensor], offset, shape)
+            if exchange.conversion is not None:
+                source = exchange.conversion.outgoing(transfer.tensor, source, offset)
+            view_of(destinations[transfer.tensor], tuple(transfer.dst_offset), shape).copy_(source)
             stats.bytes_copied += int(transfer.bytes)
 
     with torch.no_grad():
