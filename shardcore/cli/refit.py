@@ -145,9 +145,9 @@ def _check(args: argparse.Namespace) -> int:
         order=args.order,
         ranks_per_node=args.ranks_per_node,
         timeout=args.timeout,
-        bucket_bytes=args.bucket_bytes,
         to_dtype=args.to_dtype,
         scale=args.scale,
+        **({} if args.bucket_bytes is None else {"bucket_bytes": args.bucket_bytes}),  # else the executor's default
     )
     world = int(os.environ["WORLD_SIZE"]) if joined else args.nproc
     plan = refit_check.plan_from_options(options, world)  # bad input fails here, before any process starts

@@ -73,7 +73,7 @@ def simulate(refit: RefitPlan) -> list[Transfer]:
                     writes[rank, tensor.name] = [0] * prod(shape)
     for transfer in transfers:
         tensor = manifest.tensor(transfer.tensor)
-        assert transfer.bytes == prod(transfer.shape) * tensor.itemsize > 0
+        assert transfer.bytes == prod(transfer.shape) * tensor.wire_itemsize > 0
         src_data = have[transfer.src, transfer.tensor]  # KeyError: the source holds none of it
         src_shape = local_shape(tensor, source, transfer.src, manifest)
         dst_shape = local_shape(tensor, _shard_of(refit, transfer.dst), transfer.dst, manifest)
@@ -119,7 +119,7 @@ def check_for_rank(refit: RefitPlan, transfers: list[Transfer]) -> None:
         assert list(mine.copies) == sorted((t for t in transfers if t.src == rank == t.dst), key=key)
         for tensor in refit.manifest:
             held = local_shape(tensor, refit.source, rank, refit.manifest)
-            assert mine.source_shapes.get(tensor.name) == held
+            assert mine.source_shapes.get(tensor.name) == (held if tensor.scale_of is None else None)  # scales: derived
             need = [local_shape(tensor, plan, rank, refit.manifest) for plan in refit.destinations if rank in plan]
             assert mine.destination_shapes.get(tensor.name) == (need[0] if need else None)
 
@@ -180,6 +180,9 @@ def manifests(draw: st.DrawFn) -> Manifest:
         else:
             fields["stage"] = draw(st.sampled_from([("first",), ("last",), ("first", "last"), ("all",)]))
         dtype = draw(st.sampled_from(["bfloat16", "float32", "int8"]))
+        if dtype != "int8":  # a converting refit: wire bytes, and per-tensor fp8 scales placed and moved too
+            fields["to_dtype"] = draw(st.sampled_from([None, None, "bfloat16", "float32", "float8_e4m3fn"]))
+            fields["scale"] = "tensor" if fields["to_dtype"] == "float8_e4m3fn" else None
         tensors.append(TensorSpec(f"t{i}", tuple(shape), dtype, **fields))  # type: ignore[arg-type]
     return Manifest(tuple(tensors), layers=layers, experts=experts)
 
