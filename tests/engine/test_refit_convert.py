@@ -14,7 +14,7 @@ pytest.importorskip("torch")
 import torch
 
 from shardcore.engine.live.refit_check import cut, known_tensor, reference
-from shardcore.engine.transfer.convert import E4M3_MAX, block_amax, quantize, scale_inv_of, scales_for
+from shardcore.engine.transfer.convert import E4M3_MAX, amax_of, block_amax, quantize, scale_inv_of
 from shardcore.plan.layout import plan_layout
 from shardcore.refit import RefitStats
 from shardcore.testing import run_world
@@ -28,6 +28,12 @@ MARGIN = 6.0
 # -- the fp8 math, against its definition ------------------------------------------------------------
 
 
+def _expanded(scale_inv: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Each element's scale, by first principles: every block's scale repeated over its 128 x 128 elements."""
+    out = scale_inv.repeat_interleave(128, 0)[: shape[0]]
+    return out if len(shape) == 1 else out.repeat_interleave(128, 1)[:, : shape[1]]
+
+
 def test_a_blocks_largest_magnitude_maps_to_448_and_dequantizes_close() -> None:
     values = torch.randn(300, 200, generator=torch.Generator().manual_seed(1)) * 3
     values[128:256, 128:200] = 0  # an all-zero block: scale 1, zeros
@@ -35,24 +41,29 @@ def test_a_blocks_largest_magnitude_maps_to_448_and_dequantizes_close() -> None:
     assert scale_inv.shape == (3, 2) and scale_inv.dtype == torch.float32
     assert float(scale_inv[1, 1]) == 1.0
     assert float(scale_inv[0, 0]) == float(values[:128, :128].abs().max() / E4M3_MAX)  # in float32
-    q = quantize(values, scales_for(scale_inv, (0, 0), values.shape))
+    q = quantize(values, scale_inv, (0, 0))
     assert q.dtype == torch.float8_e4m3fn
     for r, c in ((0, 0), (2, 1), (1, 0)):  # the block's extreme value becomes +-448 exactly
         block = q[128 * r : 128 * (r + 1), 128 * c : 128 * (c + 1)].float()
         assert float(block.abs().max()) == E4M3_MAX
     assert not q[128:256, 128:200].float().any()
-    dequantized = q.float() * scales_for(scale_inv, (0, 0), values.shape)
+    dequantized = q.float() * _expanded(scale_inv, values.shape)
     assert torch.allclose(dequantized, values, rtol=2**-3, atol=float(scale_inv.max()) * 2**-9)
+    assert float(amax_of(values)) == float(values.abs().max())
 
 
-def test_a_piece_quantized_where_it_lies_equals_the_global_reference() -> None:
-    values = torch.randn(512, 384, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(2))
+@pytest.mark.parametrize("shape", [(512, 384), (500, 300), (1000,)])
+def test_a_piece_quantized_where_it_lies_equals_the_global_reference(shape: tuple[int, ...]) -> None:
+    values = torch.randn(shape, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(2))
     scale_inv = scale_inv_of(block_amax(values))
-    whole = quantize(values, scales_for(scale_inv, (0, 0), values.shape))
-    piece = values[256:300, 100:384]  # a piece cut across block edges, as the schedule cuts one
-    local = quantize(piece, scales_for(scale_inv, (256, 100), piece.shape))
-    assert torch.equal(local.view(torch.uint8), whole[256:300, 100:384].view(torch.uint8))
-    assert not torch.equal(values.to(torch.float8_e4m3fn).view(torch.uint8), whole.view(torch.uint8))  # scales matter
+    by_definition = (values.float() / _expanded(scale_inv, shape)).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(quantize(values, scale_inv, (0,) * len(shape)).view(torch.uint8), by_definition)
+    for box in ([(256, 300), (128, 256)], [(3, 400), (100, 299)]):  # pieces on and off block edges
+        cut = tuple(slice(a, min(b, size)) for (a, b), size in zip(box, shape))
+        start = tuple(a for a, _ in box[: len(shape)])
+        local = quantize(values[cut], scale_inv, start)
+        assert torch.equal(local.view(torch.uint8), by_definition[cut]), box
+    assert not torch.equal(values.to(torch.float8_e4m3fn).view(torch.uint8), by_definition)  # scales matter
 
 
 def test_a_per_tensor_scale_needs_every_tp_parts_amax() -> None:

@@ -67,18 +67,15 @@ def reference(manifest: Manifest, name: str, full: Callable[[str], torch.Tensor]
     scales of the global tensor; for a scale tensor, those scales."""
     import torch
 
-    from ..transfer.convert import block_amax, quantize, scale_inv_of, scales_for
+    from ..transfer.convert import amax_of, block_amax, quantize, scale_inv_of
 
     spec = manifest.tensor(name)
     weight = manifest.tensor(spec.scale_of) if spec.scale_of is not None else spec
     if weight.scale is None:
         return full(name).to(getattr(torch, spec.destination_dtype))
     values = full(weight.name)
-    amax = values.abs().amax().reshape(1) if weight.scale == "tensor" else block_amax(values)
-    scale_inv = scale_inv_of(amax)
-    if spec.scale_of is not None:
-        return scale_inv
-    return quantize(values, scales_for(scale_inv, (0,) * values.dim(), values.shape))
+    scale_inv = scale_inv_of(amax_of(values) if weight.scale == "tensor" else block_amax(values))
+    return scale_inv if spec.scale_of is not None else quantize(values, scale_inv, (0,) * values.dim())
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:

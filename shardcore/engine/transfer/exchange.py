@@ -257,9 +257,11 @@ class Exchange:
         if staged:
             for piece, offset in message.pieces:
                 view = view_of(self.sources[piece.tensor], piece.src_offset, piece.shape)
-                if self.conversion is not None:
+                dtype = view.dtype
+                if self.conversion is not None:  # cast (by the copy) or quantized into the wire's dtype
+                    dtype = self.conversion.wire_dtype(piece.tensor, dtype)
                     view = self.conversion.outgoing(piece.tensor, view, piece.src_offset)
-                wire[offset : offset + piece.nbytes].view(view.dtype).view(piece.shape).copy_(view)
+                wire[offset : offset + piece.nbytes].view(dtype).view(piece.shape).copy_(view)
         if self.verify == "checksum":
             self.sent_sums[message.key] = checksum(wire)
 
