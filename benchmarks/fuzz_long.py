@@ -1,10 +1,13 @@
-"""Long fuzz run of parse_shards, plan_layout, build_shards' argument checks and `shardcore plan`: N random inputs.
+"""Long fuzz run of the spec (parse_shards, plan_layout, build_shards' argument checks, `shardcore plan`) and of
+refit's inputs (manifest mappings, JSON and YAML manifest files, the manifest API, `shardcore refit` lines).
 
 Each input runs twice: once timed (CPU time), once under tracemalloc for its allocation peak. Fails on any
-exception other than a ShardcoreError (or argparse's exit 2), on > 100 ms, or on > 100 MB for one input.
-Besides grammar tokens and junk, a share of the inputs holds STRESS tokens, which stress the parsers
-themselves (digit strings past Python's 4,300-digit int limit, control and format characters, huge
-nesting, YAML's binary and sexagesimal integers) rather than the grammar.
+exception other than a ShardcoreError (or argparse's exit 2), a message (or CLI stderr line) of 1 KB or
+more, a traceback or catch-all error line from the CLI, or, for the spec's inputs, > 100 ms or > 100 MB for
+one input. Besides grammar tokens and junk, a share of the spec inputs holds STRESS tokens, which stress the
+parsers themselves (digit strings past Python's 4,300-digit int limit, control and format characters, huge
+nesting, YAML's binary and sexagesimal integers) rather than the grammar; the refit inputs are
+benchmarks/manifest_inputs.py's (wrong types in every field, huge, nested and aliased values, corrupted files).
 
     python -m benchmarks.fuzz_long --n 100000 --seed 0
 """
@@ -15,10 +18,13 @@ import argparse
 import contextlib
 import random
 import sys
+import tempfile
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
+from benchmarks.manifest_inputs import random_input as refit_input
 from benchmarks.measure import measure_input
 from shardcore.cli import main
 from shardcore.engine.build.shards import build_shards
@@ -219,7 +225,10 @@ def build_call(rng: random.Random) -> tuple[Any, str]:
     return (lambda: build_shards(w, s, **kwargs)), shown((w, s, kwargs))
 
 
-def one_input(rng: random.Random) -> tuple[str, Any, str]:
+def one_input(rng: random.Random, folder: Path) -> tuple[str, Any, str]:
+    """One input: of the spec (4 targets) half the time, else of refit (``benchmarks.manifest_inputs``)."""
+    if rng.random() < 0.5:
+        return refit_input(rng, folder, cli_share=0.3)
     target = rng.randrange(4)
     if target == 3:
         call, described = build_call(rng)
@@ -241,43 +250,71 @@ def one_input(rng: random.Random) -> tuple[str, Any, str]:
     s = spec(rng)
     s = s if isinstance(s, str) else text(rng)
     args = ["plan", f"--world={w}", f"--shards={s}", *rng.sample(FLAGS, rng.randint(0, 4))]
-    return "cli", lambda: main(args), shown(args)
+    return "plan_cli", lambda: main(args), shown(args)
+
+
+SPEC_TARGETS = ("build_shards", "parse_shards", "plan_layout", "plan_cli")
+"""Targets held to the time and memory budget; refit's read files (and plan_document_cli's documents) of
+up to 100 KB, or plan refits, which may cost more."""
+MAX_SECONDS = 0.1
+MAX_BYTES = 100 * 2**20
+
+
+class Worst:
+    """Per target: inputs, and the costliest input by time, memory and message length."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.top: dict[tuple[str, str], tuple[float, str]] = {}
+
+    def add(self, kind: str, index: int, described: str, measures: dict[str, float]) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        for what, amount in measures.items():
+            if amount > self.top.get((kind, what), (-1.0, ""))[0]:
+                self.top[kind, what] = (amount, f"input {index}: {described[:200]}")
+
+    def most(self, kind: str, what: str) -> float:
+        return self.top[kind, what][0]
+
+    def over_budget(self) -> bool:
+        return any(
+            self.most(kind, "seconds") > MAX_SECONDS or self.most(kind, "bytes") > MAX_BYTES
+            for kind in self.counts
+            if kind in SPEC_TARGETS
+        )
+
+    def report(self) -> None:
+        print("| target | inputs | max CPU time / input | max allocated / input | longest message |")
+        print("|---|---:|---:|---:|---:|")
+        for kind in sorted(self.counts):
+            print(
+                f"| {kind} | {self.counts[kind]:,} | {self.most(kind, 'seconds') * 1000:.1f} ms | "
+                f"{self.most(kind, 'bytes') / 2**20:.2f} MiB | {self.most(kind, 'message'):.0f} B |"
+            )
+        for kind in sorted(self.counts):
+            print(f"slowest {kind}: {self.top[kind, 'seconds'][1]}\nlargest {kind}: {self.top[kind, 'bytes'][1]}")
 
 
 def run(n: int, seed: int) -> int:
     rng = random.Random(seed)
-    worst_time: dict[str, tuple[float, str]] = {}
-    worst_mem: dict[str, tuple[int, str]] = {}
-    counts: dict[str, int] = {}
-    bad = 0
+    worst, bad = Worst(), 0
     started = time.monotonic()
     warnings.simplefilter("ignore")
     parse_shards("- {tp: 2}")  # import PyYAML once, outside the measurements
     with contextlib.suppress(ImportError):
         import torch.distributed  # noqa: F401  # likewise torch, which build_shards imports on use
-    for i in range(n):
-        kind, call, described = one_input(rng)
-        counts[kind] = counts.get(kind, 0) + 1
-        cost = measure_input(call, allow_exit=kind == "cli")
-        if cost.error is not None:
-            bad += 1
-            print(f"input {i} ({kind}): {type(cost.error).__name__}: {cost.error}", file=sys.stderr)
-        elapsed, peak = cost.seconds, cost.peak_bytes
-        if elapsed > worst_time.get(kind, (0.0, ""))[0]:
-            worst_time[kind] = (elapsed, f"input {i}: {described[:200]}")
-        if peak > worst_mem.get(kind, (0, ""))[0]:
-            worst_mem[kind] = (peak, f"input {i}: {described[:200]}")
-    total = time.monotonic() - started
-    print(f"{n} inputs, seed {seed}, {total:.0f} s wall; bad: {bad}")
-    print("| target | inputs | max CPU time / input | max allocated / input |")
-    print("|---|---:|---:|---:|")
-    for kind in sorted(counts):
-        seconds, peak = worst_time[kind][0], worst_mem[kind][0]
-        print(f"| {kind} | {counts[kind]:,} | {seconds * 1000:.1f} ms | {peak / 2**20:.2f} MiB |")
-    for kind in sorted(counts):
-        print(f"slowest {kind}: {worst_time[kind][1]}\nlargest {kind}: {worst_mem[kind][1]}")
-    over = any(t > 0.1 for t, _ in worst_time.values()) or any(m > 100 * 2**20 for m, _ in worst_mem.values())
-    return 1 if bad or over else 0
+    with tempfile.TemporaryDirectory() as folder:
+        for i in range(n):
+            kind, call, described = one_input(rng, Path(folder))
+            cost = measure_input(call, cli=kind.endswith("cli"))
+            if cost.problem is not None:
+                bad += 1
+                print(f"input {i} ({kind}): {cost.problem}", file=sys.stderr)
+            measures = {"seconds": cost.seconds, "bytes": cost.peak_bytes, "message": cost.message_bytes}
+            worst.add(kind, i, described, measures)
+    print(f"{n} inputs, seed {seed}, {time.monotonic() - started:.0f} s wall; bad: {bad}")
+    worst.report()
+    return 1 if bad or worst.over_budget() else 0
 
 
 if __name__ == "__main__":

@@ -1,11 +1,20 @@
-"""argparse types of the number flags: argparse names the flag in the error, huge values are shown short."""
+"""argparse pieces: the number flags' types, and a parser whose errors stay short whatever was typed."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import NoReturn
 
-from ..plan.arguments import MAX_TIMEOUT, as_timedelta, shown
+from ..plan.arguments import MAX_SHOWN, MAX_TIMEOUT, as_timedelta, clipped, shown
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, with its own errors cut short: argparse repeats what was typed in full
+    (``invalid choice: '...'``, ``unrecognized arguments: ...``), however long it is."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(clipped(message, 2 * MAX_SHOWN))  # its end lists the choices
 
 
 def _short(text: str) -> str:
@@ -53,4 +62,4 @@ def missing_flags(args: argparse.Namespace, *flags: str) -> list[str]:
     return [flag for flag in flags if getattr(args, dests.get(flag, flag[2:].replace("-", "_"))) is None]
 
 
-__all__ = ["NON_NEGATIVE_INT", "POSITIVE_INT", "POSITIVE_SECONDS", "missing_flags"]
+__all__ = ["NON_NEGATIVE_INT", "POSITIVE_INT", "POSITIVE_SECONDS", "Parser", "missing_flags"]

@@ -15,7 +15,9 @@ import sys
 import time
 from typing import TYPE_CHECKING, TextIO
 
+from ..engine import DEFAULT_BACKEND, install_hint
 from ..errors import CheckError
+from ..plan.arguments import number_or_long, shown
 from ..views.tables import counted, format_table
 
 if TYPE_CHECKING:
@@ -23,8 +25,8 @@ if TYPE_CHECKING:
     from ..plan.layout import Layout
 
 TORCH_HINT = (
-    "shardcore check needs torch: pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu "
-    "(CPU build; without --index-url, Linux gets the CUDA build), then a backend: pip install ./plugins/dtensor"
+    "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu "
+    f"(CPU build; without --index-url, Linux gets the CUDA build), then a backend: {install_hint(DEFAULT_BACKEND)}"
 )
 MAX_LOCAL_NPROC = 1024
 """Most local processes ``check`` starts; a bigger world is checked under torchrun across nodes."""
@@ -40,10 +42,10 @@ OVERSUBSCRIBED = 4
 def _parse_option(text: str) -> tuple[str, object]:
     key, sep, value = text.partition("=")
     if not sep or not key:
-        raise CheckError(f"--option {text!r}: expected KEY=VALUE, e.g. --option device_type=cpu")
+        raise CheckError(f"--option {shown(text)}: expected KEY=VALUE, e.g. --option device_type=cpu")
     try:
-        return key, json.loads(value)
-    except json.JSONDecodeError:
+        return key, json.loads(value, parse_int=number_or_long)  # a 5,000-digit number reaches the check
+    except (ValueError, RecursionError):  # not JSON, or nested too deeply for it: the text itself
         return key, value
 
 
@@ -93,6 +95,16 @@ def check_machine(nproc: int) -> list[str]:
             f"(about {MIB_PER_PROCESS} MiB each) but {available / 1024:.1f} GiB is available"
         )
     return warnings
+
+
+def require_torch(command: str) -> None:
+    """Refuse a live command before anything starts when torch is not installed.
+
+    Raises:
+        CheckError: naming the command and how to install torch.
+    """
+    if importlib.util.find_spec("torch") is None:
+        raise CheckError(f"shardcore {command} needs torch: {TORCH_HINT}")
 
 
 class Progress:
@@ -164,8 +176,7 @@ def _header(prepared: Prepared, options: CheckOptions, world: str) -> str:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Check in this process what can be checked, then run the check and print it."""
-    if importlib.util.find_spec("torch") is None:
-        raise CheckError(TORCH_HINT)
+    require_torch("check")
     from ..engine.live import check
     from ..engine.torch_state import check_torch_imports
 
@@ -251,4 +262,4 @@ def summary(reports: list[RankReport], layout: Layout) -> tuple[str, bool]:
     return table + ("\n" + "\n".join(details) if details else ""), ok
 
 
-__all__ = ["CheckError", "Progress", "check_machine", "cmd_check", "local_limit", "summary"]
+__all__ = ["CheckError", "Progress", "check_machine", "cmd_check", "local_limit", "require_torch", "summary"]

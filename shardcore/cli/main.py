@@ -13,13 +13,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import __version__
-from ..engine.groups.strategy import Strategy
+from ..engine import Strategy, install_hint
 from ..errors import ShardcoreError
+from ..plan.arguments import clipped
 from ..plan.layout import DEFAULT_ORDER, ORDER_ALIASES, Order, plan_layout
+from ..plan.loading import shown_path
 from ..views.picture import DEFAULT_RANKS_PER_NODE, draws_ranks, render_svg
 from ..views.tables import format_table, layout_table, rank_table, shown_groups
 from ..views.topology import TOPOLOGY_GROUPS, check_topology
-from .arguments import NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_SECONDS
+from .arguments import NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_SECONDS, Parser
 from .check import cmd_check
 from .refit import add_refit_parser
 from .replan import add_replan_parser
@@ -40,7 +42,7 @@ def _add_layout_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shards", required=True, help="e.g. 'tp=4,pp=2,role=train+tp=2,dp=4,role=prefill', or @file.yaml"
     )
-    parser.add_argument("--order", default=DEFAULT_ORDER, choices=[*Order, *ORDER_ALIASES], help=ORDER_HELP)
+    parser.add_argument("--order", default=DEFAULT_ORDER, choices=[*map(str, Order), *ORDER_ALIASES], help=ORDER_HELP)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -67,7 +69,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             with open(args.svg, "w", encoding="utf-8") as file:
                 file.write(text)
         except OSError as error:
-            print(f"shardcore: error: cannot write {args.svg!r}: {error}", file=sys.stderr)
+            print(
+                f"shardcore: error: cannot write {shown_path(args.svg)}: {error.strerror or type(error).__name__}",
+                file=sys.stderr,
+            )
             return 2
         print(f"wrote {args.svg}: {layout.world_size} ranks, nodes of {per_node}", file=sys.stderr)
         if args.highlight and not draws_ranks(layout, per_node):
@@ -119,7 +124,7 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     print(
         format_table(rows, ("backend", "distribution", "version", "status", "device", "description"))
         if rows
-        else "no backends installed: pip install ./plugins/dtensor (or megatron, hyperparallel)"
+        else f"no backends installed: {install_hint()}"
     )
     for note in notes:
         print(f"\n{note}")
@@ -127,11 +132,11 @@ def _cmd_backends(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     talk = common.add_mutually_exclusive_group()
     talk.add_argument("-v", "--verbose", action="store_true", help="say more: every rank's progress, log lines")
     talk.add_argument("-q", "--quiet", action="store_true", help="say less: no header or progress, results only")
-    parser = argparse.ArgumentParser(prog="shardcore", description="Lay out heterogeneous parallel jobs.")
+    parser = Parser(prog="shardcore", description="Lay out heterogeneous parallel jobs.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     plan = sub.add_parser("plan", help="print the layout of shards over a world (no torch needed)", parents=[common])
@@ -193,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--strategy",
         default=Strategy.AUTO,
-        choices=list(Strategy),
+        choices=[str(strategy) for strategy in Strategy],
         help="who creates each group: local = its members only (a rank's cost is its own groups); world = "
         "every rank creates every group (Megatron's pattern); auto = world where torch creates groups with "
         "every rank (a device-bound default group, TORCH_DIST_INIT_BARRIER=1, TorchComms), else local "
@@ -242,7 +247,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.verbose:
                 traceback.print_exc()
             hint = "" if args.verbose else " (run with -v for the traceback)"
-            print(f"shardcore: error: {type(error).__name__}: {error}{hint}", file=sys.stderr)
+            print(f"shardcore: error: {type(error).__name__}: {clipped(str(error))}{hint}", file=sys.stderr)
             return 1
 
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from ..engine import DEFAULT_BUCKET_BYTES
 from ..errors import RefitError
-from ..plan.arguments import format_bytes
+from ..plan.arguments import check_count, format_bytes, number_or_long, shown
 from ..plan.layout import DEFAULT_ORDER, ORDER_ALIASES, Layout, Order, plan_layout
 from ..refit.cost import DEFAULT_INTER_GBPS, DEFAULT_INTRA_GBPS, RefitStats
 from ..refit.documents import model_manifest
@@ -18,6 +20,7 @@ from ..refit.models import PRESETS
 from ..refit.planner import RankRefit, ShardRefitPlan, plan_refit
 from ..views.tables import format_table
 from .arguments import NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_SECONDS, missing_flags
+from .check import check_machine, require_torch
 from .search import add_search_arguments, run_search
 
 if TYPE_CHECKING:
@@ -25,13 +28,14 @@ if TYPE_CHECKING:
 
 
 def _shard_indices(text: str) -> list[int]:
+    """``--to 1,2``: shard indices, each checked like any count (a typo, a sign, 5,000 digits)."""
     try:
-        indices = [int(item) for item in text.split(",") if item.strip()]
+        numbers = [number_or_long(item) for item in text.split(",") if item.strip()]
     except ValueError:
-        raise RefitError(f"--to {text!r}: expected shard indices separated by commas, e.g. --to 1,2") from None
-    if not indices:
+        raise RefitError(f"--to {shown(text)}: expected shard indices separated by commas, e.g. --to 1,2") from None
+    if not numbers:
         raise RefitError("--to is empty: name at least one destination shard, e.g. --to 1")
-    return indices
+    return [check_count("--to shard", number, minimum=0, error=RefitError) for number in numbers]
 
 
 def summary_table(plan: ShardRefitPlan, stats: RefitStats, intra_gbps: float, inter_gbps: float) -> str:
@@ -129,7 +133,8 @@ def _plan(args: argparse.Namespace) -> tuple[Layout, ShardRefitPlan]:
     layout = plan_layout(args.world, args.shards, order=args.order, allow_idle=args.allow_idle)
     if args.rank is not None:
         layout.shard_of(args.rank)  # a rank outside the world fails before any work
-    return layout, plan_refit(layout, args.src, _shard_indices(args.dst), _manifest(args), args.ranks_per_node)
+    src = check_count("--from", args.src, minimum=0, error=RefitError)  # a 4,000-digit index is shown short
+    return layout, plan_refit(layout, src, _shard_indices(args.dst), _manifest(args), args.ranks_per_node)
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -145,9 +150,9 @@ def _check(args: argparse.Namespace) -> int:
         order=args.order,
         ranks_per_node=args.ranks_per_node,
         timeout=args.timeout,
+        bucket_bytes=args.bucket_bytes,
         to_dtype=args.to_dtype,
         scale=args.scale,
-        **({} if args.bucket_bytes is None else {"bucket_bytes": args.bucket_bytes}),  # else the executor's default
     )
     world = int(os.environ["WORLD_SIZE"]) if joined else args.nproc
     plan = refit_check.plan_from_options(options, world)  # bad input fails here, before any process starts
@@ -172,8 +177,12 @@ def run(args: argparse.Namespace) -> int:
         if args.world is not None:
             raise RefitError("--check takes its world from --nproc (or torchrun), not --world")
         joined = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        warnings = [] if joined else check_machine(args.nproc)
+        require_torch("refit --check")
         args.world = int(os.environ["WORLD_SIZE"]) if joined else args.nproc
         _plan(args)
+        for warning in warnings:
+            print(f"shardcore: warning: {warning}", file=sys.stderr)
         return _check(args)
     _, plan = _plan(args)
     stats = RefitStats.of(plan)
@@ -252,7 +261,7 @@ def add_refit_parser(subparsers: Any, common: argparse.ArgumentParser) -> argpar
     )
     parser.add_argument("--world", type=POSITIVE_INT, help="total number of ranks")
     parser.add_argument("--shards", help="e.g. 'tp=8,pp=4,dp=4,role=train+tp=8,role=decode', or @file.yaml")
-    parser.add_argument("--order", default=DEFAULT_ORDER, choices=[*Order, *ORDER_ALIASES])
+    parser.add_argument("--order", default=DEFAULT_ORDER, choices=[*map(str, Order), *ORDER_ALIASES])
     parser.add_argument("--allow-idle", action="store_true", help="allow ranks after the last shard to stay idle")
     parser.add_argument(
         "--from", dest="src", type=NON_NEGATIVE_INT, metavar="I", help="source shard index (e.g. training)"
@@ -301,7 +310,13 @@ def add_refit_parser(subparsers: Any, common: argparse.ArgumentParser) -> argpar
     parser.add_argument(
         "--timeout", type=POSITIVE_SECONDS, default=120.0, help="with --check: seconds before a peer is an error"
     )
-    parser.add_argument("--bucket-bytes", type=POSITIVE_INT, help="with --check: bound on each pairwise send buffer")
+    parser.add_argument(
+        "--bucket-bytes",
+        type=POSITIVE_INT,
+        default=DEFAULT_BUCKET_BYTES,
+        help="with --check: bytes one batch of messages may hold, and so the staging memory a rank uses "
+        "(default: %(default)s)",
+    )
     add_search_arguments(parser)
     parser.set_defaults(func=run)
     return parser

@@ -59,6 +59,8 @@ _SAME = "="
 """What a rank stores when it brought the reference value (never empty: compare-and-set treats "" as unset)."""
 _FAILED = "!"
 """A value starting with it is a rank's error, not what it agreed to."""
+_ABSENT = "gone: "
+"""After ``_FAILED``: another rank declared this one lost (``declare_absent``); it is the one at fault."""
 _ARRIVED = "arrived"
 """What a rank brings to a meeting with nothing to compare."""
 _SHOWN_ERROR = 500
@@ -276,7 +278,7 @@ def published_failures(party: Party, epoch: int) -> dict[int, str]:
 def declare_absent(party: Party, epoch: int, phase: str, ranks: Sequence[int], reason: str) -> None:
     """Arrive at ``phase`` for ``ranks`` that this rank lost (a closed connection): the meeting does not wait
     for them, and every rank names them with ``reason``. The first declaration of a rank counts; best effort."""
-    text = f"{_FAILED}{reason}"[:_SHOWN_ERROR]
+    text = f"{_FAILED}{_ABSENT}{reason}"[:_SHOWN_ERROR]
 
     def declare(store: Store) -> None:
         for lost in ranks:
@@ -338,9 +340,10 @@ def _meet(
         )
     failed = [ranks for ranks, value in groups or [] if value.startswith(_FAILED)]
     if failed:
+        gone = [ranks for ranks, value in groups or [] if value.startswith(_FAILED + _ABSENT)]
         raise (purpose.failed or purpose.error)(
             f"rank {rank}: {_failures(groups or [])} ({where}: no rank can go on)",
-            sorted(r for ranks in failed for r in ranks),
+            sorted(r for ranks in (gone or failed) for r in ranks),
         )
     return Outcome(meeting.epoch, groups, payload)
 
@@ -516,8 +519,12 @@ class Terms:
         parts = []
         for name in names:
             value = getattr(self, name)
-            if isinstance(value, str) and against is not None and len(value) > _SHOWN_CHARS:
-                value = first_difference(value, str(getattr(against, name)))
+            if isinstance(value, str) and len(value) > _SHOWN_CHARS:
+                value = (
+                    first_difference(value, str(getattr(against, name)))
+                    if against is not None
+                    else f"{value[:_SHOWN_CHARS]}... ({len(value)} characters)"
+                )
             elif isinstance(value, tuple):
                 value = ",".join(map(str, value))
             parts.append(f"{name} {value!r}" if isinstance(value, str) else f"{name} {value}")

@@ -29,6 +29,9 @@ clocks of torch's stores and communicators."""
 
 _LONG_INT_DIGITS = 30
 """Integers with more digits are shown as their first digits and their length."""
+MAX_SHOWN = 200
+"""Most characters ``shown`` and ``clipped`` give one value, so that a message holding a few of them
+stays well under 1 KB, whatever the input (a list of lists of lists, a YAML document of aliases)."""
 
 Choice = TypeVar("Choice", bound=StrEnum)
 
@@ -84,6 +87,7 @@ class _Short(reprlib.Repr):
         self.maxstring = 60
         self.maxother = 60
         self.maxlong = 60
+        self.maxlevel = 3  # reprlib's 6 levels of 6 items each are 6^6 items: 72 KB for a 300-byte document
 
     def repr_int(self, x: int, level: int) -> str:
         digits = _digits(x)
@@ -112,7 +116,16 @@ def shown(value: object) -> str:
         return repr(value)
     if isinstance(value, int):
         return _short.repr_int(value, 1)
-    return _short.repr(value)
+    text = _short.repr(value)
+    return text if len(text) <= MAX_SHOWN else f"{text[:MAX_SHOWN]}..."
+
+
+def clipped(text: str, limit: int = MAX_SHOWN) -> str:
+    """``text`` for an error message (a parser's own message), at most about ``limit`` characters: its
+    start and its end, where parsers say what they expected and where."""
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit // 2]} ...({len(text) - limit} characters)... {text[-(limit // 2) :]}"
 
 
 _SHOWN_RUNS = 16
@@ -159,6 +172,8 @@ def check_count(
     Raises:
         LayoutError (or ``error``): naming ``name``, the value and the accepted range.
     """
+    if type(value) is int and minimum <= value <= maximum:  # the common case, first: manifests check thousands
+        return value
     if isinstance(value, (LongNumber, bool)) or not isinstance(value, int):
         many = "too many digits; " if isinstance(value, LongNumber) else ""
         raise error(f"{name}={shown(value)}: {many}expected a whole number from {minimum} to {maximum}")
@@ -234,6 +249,7 @@ def as_timedelta(timeout: object, name: str = "timeout") -> timedelta:
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "MAX_SHOWN",
     "MAX_TIMEOUT",
     "MAX_WORLD_SIZE",
     "LongNumber",
@@ -242,6 +258,7 @@ __all__ = [
     "check_count",
     "check_flag",
     "check_names",
+    "clipped",
     "format_bytes",
     "number_or_long",
     "shown",

@@ -35,7 +35,7 @@ class Grid:
         if not all(isinstance(name, str) and name for name in dim_names):
             raise LayoutError(f"grid dim names {shown(dim_names)}: expected non-empty strings")
         if len(set(dim_names)) != len(dim_names):
-            raise LayoutError(f"grid dim names {dim_names} repeat a name; each dim needs its own name")
+            raise LayoutError(f"grid dim names {shown(dim_names)} repeat a name; each dim needs its own name")
         for name, size in zip(dim_names, shape):
             check_count(f"grid dim {name}", size)
         check_count("rank_offset", rank_offset, minimum=0, maximum=MAX_WORLD_SIZE)
@@ -83,7 +83,7 @@ class Grid:
         names = [dims] if isinstance(dims, str) else list(dims)
         indices = sorted({self._index(name) for name in names})
         if len(indices) != len(names):
-            raise LayoutError(f"dims {names} name a dim twice")
+            raise LayoutError(f"dims {shown(names)} name a dim twice")
         return indices
 
     def _check_rank(self, rank: int) -> None:

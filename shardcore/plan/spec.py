@@ -2,25 +2,26 @@
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import Any, Union
 
 from ..errors import ShardSpecError, ShardSpecWarning
 from .arguments import MAX_WORLD_SIZE, LongNumber, check_count, number_or_long, shown
+from .loading import load_document, read_text, shown_path
 
 INT_KEYS = ("tp", "pp", "cp", "dp", "ep", "expt_tp")
 KEYS = (*INT_KEYS, "role", "name")
 ROLES = ("train", "prefill", "decode")
 _NAME_FORBIDDEN = set("+;,=")
+_FLAT = "a shard list is a flat list of mappings"
+MAX_SPEC_FILE_BYTES = 1 << 20
+"""A shard file is a few lines; a bigger one (or /dev/zero) is a mistake, not a layout."""
 
 ShardsInput = Union[str, "ShardSpec", Mapping[str, Any], Sequence[Union["ShardSpec", Mapping[str, Any], str]]]
 
@@ -219,80 +220,12 @@ def _parse_grammar(text: str, first: int) -> list[ShardSpec]:
     return specs
 
 
-MAX_DOCUMENT_DEPTH = 64
-_BRACKETS = re.compile(r"[\[\]{}]")
-_LEADING = re.compile(r"[ \t]*(?:-(?:[ \t]+|$))*")
-
-
-def _nesting_depth(text: str) -> int:
-    """A bound on a JSON/YAML document's nesting (brackets; indentation and leading '- ' per line),
-    stopping early once over MAX_DOCUMENT_DEPTH.
-
-    Deeply nested documents overflow json's and YAML's recursion (libyaml segfaults), so they are
-    refused before parsing; a shard list needs a depth of 3 or so.
-    """
-    depth = 0
-    for match in _BRACKETS.finditer(text):
-        depth += 1 if match.group() in "[{" else -1
-        if depth > MAX_DOCUMENT_DEPTH:
-            return depth
-    return max((len(_LEADING.match(line).group()) for line in text.splitlines()), default=0)  # type: ignore[union-attr]
-
-
-@cache
-def _yaml_loader(yaml: Any) -> Any:
-    """PyYAML's safe loader (the C parser when built), whose integers may be LongNumbers (see number_or_long)."""
-    base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-
-    def construct_int(loader: Any, node: Any) -> Any:
-        try:
-            return yaml.SafeLoader.construct_yaml_int(loader, node)
-        except ValueError:
-            return number_or_long(loader.construct_scalar(node))
-
-    loader: Any = type("ShardLoader", (base,), {})
-    loader.add_constructor("tag:yaml.org,2002:int", construct_int)
-    return loader
-
-
-def _load_document(text: str, source: str) -> Any:
-    """JSON, else YAML (PyYAML is optional)."""
-    if _nesting_depth(text) > MAX_DOCUMENT_DEPTH:
-        raise ShardSpecError(
-            f"{source} is nested more than {MAX_DOCUMENT_DEPTH} levels deep: a shard list is a flat list of mappings"
-        )
-    try:
-        return json.loads(text, parse_int=number_or_long)
-    except RecursionError:
-        raise ShardSpecError(f"{source} is nested too deeply: a shard list is a flat list of mappings") from None
-    except ValueError as json_error:
-        try:
-            import yaml
-        except ImportError:
-            raise ShardSpecError(
-                f"{source} is not valid JSON ({json_error}); for YAML install PyYAML: pip install 'shardcore[yaml]'"
-            ) from None
-        try:
-            return yaml.load(text, Loader=_yaml_loader(yaml))
-        except RecursionError:
-            raise ShardSpecError(f"{source} is nested too deeply: a shard list is a flat list of mappings") from None
-        except yaml.YAMLError as yaml_error:
-            detail = " ".join(str(yaml_error).split())  # one line: YAML's message spans several
-            raise ShardSpecError(f"{source} is neither JSON nor YAML: {detail}") from None
-
-
 def _parse_text(text: str, source: str) -> list[ShardSpec]:
-    try:
-        text.encode("utf-8")  # libyaml and every output need text; a lone surrogate is not
-    except UnicodeEncodeError as error:
-        raise ShardSpecError(
-            f"{source} holds U+{ord(text[error.start]):04X} at position {error.start}: a lone surrogate is not text"
-        ) from None
     stripped = text.strip()
     # A document starts like a list, a mapping or a comment, or has ':' and no '=' (grammar never
     # has ':' without '='; a shard name may hold ':').
     if stripped[:1] in ("[", "{", "-", "#") or (":" in stripped and "=" not in stripped):
-        document = _load_document(stripped, source)
+        document = load_document(stripped, source, ShardSpecError, _FLAT)
         if isinstance(document, Mapping):
             document = [document]  # one mapping is one shard, as in parse_shards
         if not isinstance(document, list):
@@ -336,24 +269,6 @@ def _check_unique_names(shards: Sequence[ShardSpec]) -> None:
         first[spec.name] = index
 
 
-MAX_SPEC_FILE_BYTES = 1 << 20
-"""A shard file is a few lines; a bigger one (or /dev/zero) is a mistake, not a layout."""
-
-
-def _read_spec_file(path: Path) -> str:
-    try:
-        with path.open("rb") as file:
-            data = file.read(MAX_SPEC_FILE_BYTES + 1)
-        text = data.decode("utf-8")
-    except (OSError, ValueError) as error:  # ValueError: undecodable, or a NUL in the path
-        raise ShardSpecError(f"cannot read shard file {str(path)!r}: {error}") from None
-    if len(data) > MAX_SPEC_FILE_BYTES:
-        raise ShardSpecError(
-            f"shard file {str(path)!r} is over {MAX_SPEC_FILE_BYTES} bytes: give a spec file, not data"
-        )
-    return text
-
-
 def parse_shards(spec: ShardsInput) -> tuple[ShardSpec, ...]:
     """Parse shards from a spec string, ``@file`` (JSON/YAML/grammar), ShardSpecs or dicts.
 
@@ -380,7 +295,8 @@ def parse_shards(spec: ShardsInput) -> tuple[ShardSpec, ...]:
     elif isinstance(spec, str):
         if spec.strip().startswith("@"):
             path = Path(spec.strip()[1:])
-            shards = _parse_text(_read_spec_file(path), f"shard file {str(path)!r}")
+            text = read_text(path, "shard file", MAX_SPEC_FILE_BYTES, ShardSpecError, "give a spec file, not data")
+            shards = _parse_text(text, f"shard file {shown_path(path)}")
         else:
             shards = _parse_text(spec, "the shard spec")
     elif isinstance(spec, Sequence) and not isinstance(spec, (bytes, bytearray)):

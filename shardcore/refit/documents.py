@@ -6,13 +6,15 @@ The file form is in the README ("Refit"): a ``tensors`` list, or a ``config`` (t
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
+import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ..errors import ManifestError
-from .manifest import CONVERTIBLE, SCALED, Manifest, TensorSpec, check_conversion
+from ..plan.arguments import shown
+from ..plan.loading import load_document, read_text, shown_path
+from .manifest import CONVERTIBLE, SCALED, Manifest, TensorSpec, check_conversion, check_dtype, tensor_label
 from .models import PRESET_CONFIGS, PRESETS, TransformerConfig, manifest_from_config, preset
 
 TENSOR_KEYS = ("name", "shape", "dtype", "tp_dim", "blocks", "unit", "layer", "stage", "expert", "to_dtype", "scale")
@@ -36,71 +38,95 @@ def manifest_from_dict(data: Mapping[str, Any], source: str = "the manifest") ->
     A top-level ``dtype`` is the default of tensors that give none; a top-level ``to_dtype`` (and ``scale``)
     the destination dtype of every floating tensor that gives none.
 
+    Args:
+        data: the document (see README, "Refit").
+        source: what it is, for messages (``manifest 'm.yaml'``).
+
     Raises:
-        ManifestError: naming the bad key, tensor or value.
+        ManifestError: naming the source, the bad key, tensor or value, and what is expected.
     """
     if not isinstance(data, Mapping):
         raise ManifestError(f"{source} must be a mapping with 'tensors' (or 'config'); got {type(data).__name__}")
+    try:
+        return _from_mapping(data)
+    except ManifestError as error:
+        raise ManifestError(f"{source}: {error}") from None
+
+
+def _from_mapping(data: Mapping[str, Any]) -> Manifest:
     unknown = [key for key in data if key not in MANIFEST_KEYS]
     if unknown:
-        raise ManifestError(f"{source}: unknown key {unknown[0]!r}; allowed keys are {', '.join(MANIFEST_KEYS)}")
+        raise ManifestError(f"unknown key {shown(unknown[0])}; allowed keys are {', '.join(MANIFEST_KEYS)}")
+    name = data.get("name", "model")
     if "config" in data:
         if "tensors" in data:
-            raise ManifestError(f"{source}: give either 'tensors' or 'config', not both")
-        config = data["config"]
-        if not isinstance(config, Mapping):
-            raise ManifestError(f"{source}: 'config' must be a mapping of transformer sizes")
-        manifest = manifest_from_config(TransformerConfig.from_dict(config), name=str(data.get("name", "model")))
+            raise ManifestError("give either 'tensors' or 'config', not both")
+        manifest = manifest_from_config(TransformerConfig.from_dict(data["config"]), name=name)
         if "to_dtype" not in data and "scale" not in data:
             return manifest
-        try:
-            return manifest.converted(data.get("to_dtype"), data.get("scale"))  # type: ignore[arg-type]
-        except ManifestError as error:
-            raise ManifestError(f"{source}: {error}") from None
+        return manifest.converted(data.get("to_dtype"), data.get("scale"))  # type: ignore[arg-type]
     entries = data.get("tensors")
-    if not isinstance(entries, list):
-        raise ManifestError(f"{source}: 'tensors' must be a list of tensor entries (name, shape, ...)")
-    default_dtype = data.get("dtype", "bfloat16")
-    default_to, default_scale = data.get("to_dtype"), data.get("scale")
-    if default_to is not None or default_scale is not None:
-        try:
-            check_conversion(default_to, default_scale)
-        except ManifestError as error:
-            raise ManifestError(f"{source}: {error}") from None
-    tensors = []
-    for position, entry in enumerate(entries):
-        if not isinstance(entry, Mapping):
-            raise ManifestError(f"{source}: tensor entry {position} must be a mapping, got {entry!r}")
-        bad = [key for key in entry if key not in TENSOR_KEYS]
-        if bad:
-            raise ManifestError(
-                f"{source}: tensor {entry.get('name', position)!r} has unknown key {bad[0]!r}; "
-                f"allowed keys are {', '.join(TENSOR_KEYS)}"
-            )
-        if "name" not in entry or "shape" not in entry:
-            raise ManifestError(f"{source}: tensor entry {position} needs a name and a shape")
-        fields = {key: entry[key] for key in TENSOR_KEYS if key in entry}
-        fields.setdefault("dtype", default_dtype)
-        if default_to is not None and "to_dtype" not in fields and fields["dtype"] in CONVERTIBLE:
-            fields["to_dtype"] = default_to
-        if default_scale is not None and "scale" not in fields and fields.get("to_dtype") == SCALED != fields["dtype"]:
-            fields["scale"] = default_scale
-        for key in ("shape", "blocks"):
-            if key in fields and isinstance(fields[key], list):
-                fields[key] = tuple(fields[key])
-        tensors.append(TensorSpec(**fields))
+    if isinstance(entries, (str, bytes)) or not isinstance(entries, Sequence):
+        raise ManifestError(
+            f"tensors={shown(entries)}: expected a list of tensor entries (name, shape, ...), or give a config"
+        )
+    defaults: dict[str, Any] = {"dtype": check_dtype("dtype", data["dtype"]) if "dtype" in data else "bfloat16"}
+    if "to_dtype" in data or "scale" in data:
+        check_conversion(data.get("to_dtype"), data.get("scale"))
+        defaults.update(to_dtype=data.get("to_dtype"), scale=data.get("scale"))
+    tensors = tuple(_tensor(position, entry, defaults) for position, entry in enumerate(entries))
     return Manifest(
-        tuple(tensors),
+        tensors,
         layers=data.get("layers", 0),
         first_stage_layers=data.get("first_stage_layers"),
         last_stage_layers=data.get("last_stage_layers"),
         experts=data.get("experts", 0),
-        name=str(data.get("name", "model")),
+        name=name,
     )
+
+
+def _tensor(position: int, entry: object, defaults: Mapping[str, Any]) -> TensorSpec:
+    """One entry of ``tensors``; its checks are TensorSpec's, once it has a name. ``defaults``: the dtype, and the
+    conversion of a floating tensor (to_dtype, scale) when the manifest gives one."""
+    if not isinstance(entry, Mapping):
+        raise ManifestError(f"tensor entry {position} must be a mapping (name, shape, ...), got {shown(entry)}")
+    if "name" not in entry or "shape" not in entry:
+        raise ManifestError(f"tensor entry {position} needs a name and a shape")
+    name = entry["name"]
+    if not isinstance(name, str) or not name:
+        raise ManifestError(f"tensor entry {position}: name={shown(name)}: expected a non-empty string")
+    bad = [key for key in entry if key not in TENSOR_KEYS]
+    if bad:
+        raise ManifestError(
+            f"tensor {tensor_label(name)} has unknown key {shown(bad[0])}; allowed keys are {', '.join(TENSOR_KEYS)}"
+        )
+    fields = {"dtype": defaults["dtype"], **entry}
+    if "to_dtype" in defaults and "to_dtype" not in entry and fields["dtype"] in CONVERTIBLE:
+        fields["to_dtype"] = defaults["to_dtype"]
+    if (
+        defaults.get("scale") is not None
+        and "scale" not in entry
+        and fields.get("to_dtype") == SCALED != fields["dtype"]
+    ):
+        fields["scale"] = defaults["scale"]
+    return TensorSpec(**fields)
 
 
 MAX_MANIFEST_BYTES = 64 << 20
 """A manifest of a trillion-parameter MoE model is a few MB; more is not a manifest."""
+_SHAPE = "a manifest is a mapping with a tensors list (or a config)"
+_FILE = "give a JSON or YAML file"
+
+
+def _path(source: object, argument: str) -> Path:
+    if not isinstance(source, (str, os.PathLike)):
+        raise ManifestError(f"{argument}={shown(source)}: expected a manifest file's path")
+    return Path(source)
+
+
+def _from_text(text: str, path: Path) -> Manifest:
+    label = f"manifest {shown_path(path)}"
+    return manifest_from_dict(load_document(text, label, ManifestError, _SHAPE), label)
 
 
 def load_manifest(source: str | Path) -> Manifest:
@@ -110,47 +136,27 @@ def load_manifest(source: str | Path) -> Manifest:
         source: the file's path.
 
     Raises:
-        ManifestError: unreadable file, bad document, or bad content; the message names it.
+        ManifestError: not a path, an unreadable file, a bad document, or bad content; the message names it.
     """
-    path = Path(source)
-    try:
-        with path.open("rb") as file:
-            raw = file.read(MAX_MANIFEST_BYTES + 1)
-        text = raw.decode("utf-8")
-    except (OSError, ValueError) as error:
-        raise ManifestError(f"cannot read manifest {str(path)!r}: {error}; give a JSON or YAML file") from None
-    if len(raw) > MAX_MANIFEST_BYTES:
-        raise ManifestError(f"manifest {str(path)!r} is over {MAX_MANIFEST_BYTES} bytes")
-    label = f"manifest {str(path)!r}"
-    try:
-        document = json.loads(text)
-    except RecursionError:
-        raise ManifestError(f"{label} is nested too deeply") from None
-    except ValueError as json_error:
-        try:
-            import yaml
-        except ImportError:
-            raise ManifestError(f"{label} is not valid JSON ({json_error}); for YAML install PyYAML") from None
-        try:
-            document = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-        except (yaml.YAMLError, RecursionError) as yaml_error:
-            detail = " ".join(str(yaml_error).split())
-            raise ManifestError(f"{label} is neither JSON nor YAML: {detail}") from None
-    return manifest_from_dict(document, label)
+    path = _path(source, "source")
+    return _from_text(read_text(path, "manifest", MAX_MANIFEST_BYTES, ManifestError, _FILE), path)
 
 
 def model_manifest(model: str) -> Manifest:
     """``--model FILE|PRESET``: a preset by name, else a JSON/YAML manifest file.
 
     Raises:
-        ManifestError: neither a preset nor a readable manifest (the message lists the presets).
+        ManifestError: neither a preset nor a readable manifest (the message lists the presets), or
+            a bad manifest file.
     """
-    if model in PRESET_CONFIGS:
+    if isinstance(model, str) and model in PRESET_CONFIGS:
         return preset(model)
+    path = _path(model, "model")
     try:
-        return load_manifest(model)
+        text = read_text(path, "manifest", MAX_MANIFEST_BYTES, ManifestError, _FILE)
     except ManifestError as error:
-        raise ManifestError(f"{error} (or name a preset: {', '.join(PRESETS)})") from None
+        raise ManifestError(f"{error}, or name a preset: {', '.join(PRESETS)}") from None
+    return _from_text(text, path)
 
 
 __all__ = [

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from math import prod
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..errors import ManifestError
-from ..plan.arguments import shown
+from ..plan.arguments import check_count, shown
 
 ITEMSIZES: dict[str, int] = {
     "float64": 8,
@@ -69,10 +69,39 @@ STAGES = ("first", "last", "all")
 """Pipeline placements that are not a decoder layer: the first stage, the last, or every stage."""
 
 
-def _int(value: object, what: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ManifestError(f"{what}={value!r}: expected an integer >= {minimum}")
-    return value
+MAX_ELEMENTS = 1 << 48
+"""Largest size of a tensor, and so of any of its dims or blocks, in elements: past any device's
+memory, and small enough that every offset and byte count fits torch's int64."""
+_LONG_NAME = 100
+"""Tensor names longer than this (Megatron's are under 80 characters) are shown shortened in messages."""
+
+
+def tensor_label(name: str) -> str:
+    """A tensor's name as messages show it: as given when short and printable, else quoted and bounded."""
+    return name if len(name) <= _LONG_NAME and name.isprintable() else shown(name)
+
+
+def check_dtype(what: str, dtype: object) -> str:
+    """``dtype`` if it is one of ITEMSIZES (torch's names).
+
+    Raises:
+        ManifestError: naming ``what``, the value and the accepted names.
+    """
+    if not isinstance(dtype, str) or dtype not in ITEMSIZES:
+        raise ManifestError(f"{what}={shown(dtype)}: expected one of {', '.join(ITEMSIZES)}")
+    return dtype
+
+
+def _is_list(value: object) -> TypeGuard[Sequence[Any]]:
+    """A list, a tuple or another sequence that is not text."""
+    return type(value) in (list, tuple) or (isinstance(value, Sequence) and not isinstance(value, (str, bytes)))
+
+
+def _sizes(what: str, value: object, example: str) -> tuple[int, ...]:
+    """A list (or tuple) of sizes, each a whole number from 1 to MAX_ELEMENTS."""
+    if not _is_list(value):
+        raise ManifestError(f"{what}={shown(value)}: expected a list of positive integers, e.g. {example}")
+    return tuple(check_count(f"{what} entry", size, maximum=MAX_ELEMENTS, error=ManifestError) for size in value)
 
 
 @dataclass(frozen=True)
@@ -119,91 +148,108 @@ class TensorSpec:
     itemsize: int = field(init=False)
 
     def __post_init__(self) -> None:
-        name = self.name
-        if not isinstance(name, str) or not name:
-            raise ManifestError(f"tensor name {name!r}: expected a non-empty string")
-        if not isinstance(self.shape, Sequence) or isinstance(self.shape, str) or not self.shape:
-            raise ManifestError(f"tensor {name}: shape {self.shape!r} must be a non-empty list of positive integers")
-        shape = tuple(_int(size, f"tensor {name}: shape entry", 1) for size in self.shape)
+        if not isinstance(self.name, str) or not self.name:
+            raise ManifestError(f"tensor name {shown(self.name)}: expected a non-empty string")
+        label = f"tensor {tensor_label(self.name)}"
+        shape = _sizes(f"{label}: shape", self.shape, "[4096, 1024]")
+        if not shape:
+            raise ManifestError(f"{label}: shape=[]: expected a non-empty list of positive integers")
+        numel = 1
+        for size in shape:  # stops at the limit: the product of a million dims is not computed
+            numel *= size
+            if numel > MAX_ELEMENTS:
+                raise ManifestError(
+                    f"{label} {shown(list(shape))}: over {MAX_ELEMENTS} elements, shardcore's limit for a "
+                    "tensor: check the shape"
+                )
         object.__setattr__(self, "shape", shape)
-        if self.dtype not in ITEMSIZES:
-            raise ManifestError(f"tensor {name}: dtype {self.dtype!r} is not one of {', '.join(ITEMSIZES)}")
-        object.__setattr__(self, "itemsize", ITEMSIZES[self.dtype])
-        self._check_split(name, shape)
-        self._check_placement(name)
-        self._check_conversion(name)
+        object.__setattr__(self, "itemsize", ITEMSIZES[check_dtype(f"{label}: dtype", self.dtype)])
+        self._check_split(label, shape)
+        self._check_placement(label)
+        self._check_conversion(label)
 
-    def _check_split(self, name: str, shape: tuple[int, ...]) -> None:
-        _int(self.unit, f"tensor {name}: unit", 1)
+    def _check_split(self, label: str, shape: tuple[int, ...]) -> None:
+        check_count(f"{label}: unit", self.unit, maximum=MAX_ELEMENTS, error=ManifestError)
+        blocks = _sizes(f"{label}: blocks", self.blocks, "[4096, 4096] (gate and up)")
         if self.tp_dim is None:
-            if self.blocks or self.unit != 1:
-                raise ManifestError(f"tensor {name}: blocks and unit need a tp_dim (the dim split over tp)")
+            if blocks or self.unit != 1:
+                raise ManifestError(f"{label}: blocks and unit need a tp_dim (the dim split over tp)")
+            object.__setattr__(self, "blocks", ())
             return
-        tp_dim = _int(self.tp_dim, f"tensor {name}: tp_dim", 0)
+        tp_dim = check_count(f"{label}: tp_dim", self.tp_dim, minimum=0, error=ManifestError)
         if tp_dim >= len(shape):
-            raise ManifestError(f"tensor {name} {list(shape)}: tp_dim={tp_dim} is not a dim of a {len(shape)}-d tensor")
-        blocks = tuple(_int(b, f"tensor {name}: block size", 1) for b in self.blocks) or (shape[tp_dim],)
+            raise ManifestError(
+                f"{label} {shown(list(shape))}: tp_dim={tp_dim} is not a dim of a {len(shape)}-d tensor"
+            )
+        blocks = blocks or (shape[tp_dim],)
         if sum(blocks) != shape[tp_dim]:
             raise ManifestError(
-                f"tensor {name} {list(shape)}: blocks {list(blocks)} sum to {sum(blocks)}, "
+                f"{label} {shown(list(shape))}: blocks {shown(list(blocks))} sum to {shown(sum(blocks))}, "
                 f"not to dim {tp_dim}'s size {shape[tp_dim]}"
             )
         object.__setattr__(self, "blocks", blocks)
 
-    def _check_placement(self, name: str) -> None:
-        stage = (self.stage,) if isinstance(self.stage, str) else tuple(self.stage)
-        object.__setattr__(self, "stage", stage)
+    def _check_placement(self, label: str) -> None:
+        stage = (self.stage,) if isinstance(self.stage, str) else self.stage
+        if (
+            not _is_list(stage)
+            or not all(isinstance(s, str) for s in stage)
+            or not set(stage) <= set(STAGES)
+            or len(set(stage)) != len(stage)
+            or ("all" in stage and len(stage) > 1)
+        ):
+            raise ManifestError(f"{label}: stage={shown(self.stage)}: expected first, last, [first, last] or all")
+        object.__setattr__(self, "stage", tuple(stage))
         if (self.layer is None) == (not stage):
             raise ManifestError(
-                f"tensor {name}: give exactly one of layer (a global decoder layer index) or stage "
+                f"{label}: give exactly one of layer (a global decoder layer index) or stage "
                 f"(first, last, [first, last] for a tied embedding, or all)"
             )
         if self.layer is not None:
-            _int(self.layer, f"tensor {name}: layer", 0)
-        bad = [s for s in stage if s not in STAGES]
-        if bad or len(set(stage)) != len(stage) or ("all" in stage and len(stage) > 1):
-            raise ManifestError(f"tensor {name}: stage {list(stage)} must be first, last, [first, last] or all")
+            check_count(f"{label}: layer", self.layer, minimum=0, error=ManifestError)
         if self.expert is not None:
-            _int(self.expert, f"tensor {name}: expert", 0)
+            check_count(f"{label}: expert", self.expert, minimum=0, error=ManifestError)
             if self.layer is None:
-                raise ManifestError(f"tensor {name}: an expert tensor needs the layer it belongs to")
+                raise ManifestError(f"{label}: an expert tensor needs the layer it belongs to")
 
-    def _check_conversion(self, name: str) -> None:
+    def _check_conversion(self, label: str) -> None:
         to_dtype = None if self.to_dtype == self.dtype else self.to_dtype
         object.__setattr__(self, "to_dtype", to_dtype)
         if to_dtype is not None:
             if not isinstance(to_dtype, str) or to_dtype not in ITEMSIZES:
                 raise ManifestError(
-                    f"tensor {name}: to_dtype {shown(to_dtype)} is not a dtype: choose one of {', '.join(CONVERTIBLE)}"
+                    f"{label}: to_dtype {shown(to_dtype)} is not a dtype: choose one of {', '.join(CONVERTIBLE)}"
                 )
             if self.dtype not in CONVERTIBLE or to_dtype not in CONVERTIBLE:
                 raise ManifestError(
-                    f"tensor {name}: cannot convert {self.dtype} to {to_dtype}: a refit converts only between "
+                    f"{label}: cannot convert {self.dtype} to {to_dtype}: a refit converts only between "
                     f"{', '.join(CONVERTIBLE)}; drop its to_dtype"
                 )
         if to_dtype != SCALED:
             if self.scale is not None:
                 raise ManifestError(
-                    f"tensor {name}: scale={shown(self.scale)} needs to_dtype {SCALED} (the dtype that carries scales)"
+                    f"{label}: scale={shown(self.scale)} needs to_dtype {SCALED} (the dtype that carries scales)"
                 )
         else:
             object.__setattr__(self, "scale", "block" if self.scale is None else self.scale)
             if self.scale not in SCALES:
-                raise ManifestError(f"tensor {name}: scale {shown(self.scale)} is not one of {', '.join(SCALES)}")
+                raise ManifestError(f"{label}: scale {shown(self.scale)} is not one of {', '.join(SCALES)}")
             if self.scale == "block" and len(self.shape) > 2:
                 raise ManifestError(
-                    f"tensor {name} {list(self.shape)}: block scales cover 1-d and 2-d tensors; "
+                    f"{label} {shown(list(self.shape))}: block scales cover 1-d and 2-d tensors; "
                     f"give it scale: tensor (--scale tensor)"
                 )
             cut = self.blocks[:-1] if self.tp_dim is not None and self.scale == "block" else ()
             if any(size % SCALE_BLOCK for size in cut):
                 raise ManifestError(
-                    f"tensor {name} {list(self.shape)}: packed blocks {list(self.blocks)} must be multiples of "
+                    f"{label} {shown(list(self.shape))}: packed blocks {shown(list(self.blocks))} must be multiples of "
                     f"{SCALE_BLOCK} (all but the last) for block scales, or a scale block would mix two of them; "
                     f"give it scale: tensor (--scale tensor)"
                 )
+        if self.scale_of is not None and not isinstance(self.scale_of, str):
+            raise ManifestError(f"{label}: scale_of={shown(self.scale_of)}: expected the name of its weight")
         if self.scale_of is not None and (self.dtype != "float32" or to_dtype is not None):
-            raise ManifestError(f"tensor {name}: a scale tensor (scale_of={self.scale_of!r}) is float32 both sides")
+            raise ManifestError(f"{label}: a scale tensor (scale_of={shown(self.scale_of)}) is float32 both sides")
 
     @property
     def destination_dtype(self) -> str:
@@ -314,12 +360,16 @@ class Manifest:
     _by_stage: dict[str, tuple[int, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.tensors, (str, bytes, Mapping)) or not isinstance(self.tensors, Iterable):
+            raise ManifestError(f"tensors={shown(self.tensors)}: expected a list of TensorSpec")
         object.__setattr__(self, "tensors", _with_scales(tuple(self.tensors)))
-        _int(self.layers, "layers", 0)
-        _int(self.experts, "experts", 0)
+        if not isinstance(self.name, str) or not self.name:
+            raise ManifestError(f"manifest name={shown(self.name)}: expected a non-empty string")
+        check_count("layers", self.layers, minimum=0, error=ManifestError)
+        check_count("experts", self.experts, minimum=0, error=ManifestError)
         for key in ("first_stage_layers", "last_stage_layers"):
             if getattr(self, key) is not None:
-                _int(getattr(self, key), key, 0)
+                check_count(key, getattr(self, key), minimum=0, error=ManifestError)
         if not self.tensors:
             raise ManifestError("the manifest has no tensors: list at least one")
         index: dict[str, int] = {}
@@ -330,17 +380,12 @@ class Manifest:
             if not isinstance(tensor, TensorSpec):
                 raise ManifestError(f"manifest entry {position} is a {type(tensor).__name__}, not a TensorSpec")
             if tensor.name in index:
-                raise ManifestError(f"tensor {tensor.name} appears twice in the manifest: names must be unique")
-            index[tensor.name] = position
-            if tensor.layer is not None and tensor.layer >= self.layers:
                 raise ManifestError(
-                    f"tensor {tensor.name}: layer {tensor.layer} is outside the model's {self.layers} layers"
+                    f"tensor {tensor_label(tensor.name)} appears twice in the manifest: names must be unique"
                 )
+            index[tensor.name] = position
+            self._check_range(tensor)
             if tensor.expert is not None:
-                if tensor.expert >= self.experts:
-                    raise ManifestError(
-                        f"tensor {tensor.name}: expert {tensor.expert} is outside the model's {self.experts} experts"
-                    )
                 by_expert.setdefault((tensor.layer, tensor.expert), []).append(position)  # type: ignore[arg-type]
             elif tensor.layer is not None:
                 by_layer.setdefault(tensor.layer, []).append(position)
@@ -350,6 +395,17 @@ class Manifest:
         object.__setattr__(self, "_by_layer", {k: tuple(v) for k, v in by_layer.items()})
         object.__setattr__(self, "_by_expert", {k: tuple(v) for k, v in by_expert.items()})
         object.__setattr__(self, "_by_stage", {k: tuple(v) for k, v in by_stage.items()})
+
+    def _check_range(self, tensor: TensorSpec) -> None:
+        """The tensor's layer and expert are inside the model's."""
+        for what, index, count, fix in (
+            ("layer", tensor.layer, self.layers, "set layers to the model's decoder layer count"),
+            ("expert", tensor.expert, self.experts, "set experts to the experts per MoE layer"),
+        ):
+            if index is not None and index >= count:
+                raise ManifestError(
+                    f"tensor {tensor_label(tensor.name)}: {what} {index} is outside the model's {count} {what}s: {fix}"
+                )
 
     def __iter__(self) -> Iterator[TensorSpec]:
         return iter(self.tensors)
@@ -367,10 +423,10 @@ class Manifest:
 
     def index(self, name: str) -> int:
         """Position of tensor ``name`` in the manifest (the plan's tensor order)."""
-        try:
-            return self._index[name]
-        except KeyError:
-            raise ManifestError(f"no tensor named {shown(name)} in manifest {shown(self.name)}") from None
+        position = self._index.get(name) if isinstance(name, str) else None
+        if position is None:
+            raise ManifestError(f"no tensor named {shown(name)} in manifest {shown(self.name)}")
+        return position
 
     @property
     def nbytes(self) -> int:
@@ -474,14 +530,15 @@ def _with_scales(tensors: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
             derived[spec.name] = spec
         elif found != spec:
             raise ManifestError(
-                f"tensor {spec.name}: that name holds the {tensor.scale} scales of {tensor.name} "
-                f"(to_dtype {tensor.to_dtype}); rename it, or give the scale tensor the manifest derives"
+                f"tensor {tensor_label(spec.name)}: that name holds the {tensor.scale} scales of "
+                f"{tensor_label(tensor.name)} (to_dtype {tensor.to_dtype}); rename it, or give the scale tensor "
+                f"the manifest derives"
             )
     for tensor in given.values():
         if tensor.scale_of is not None and getattr(given.get(tensor.scale_of), "scale", None) is None:
             raise ManifestError(
-                f"tensor {tensor.name}: scale_of={tensor.scale_of!r} names no fp8 weight of the manifest; "
-                f"scale tensors are derived from a weight with to_dtype {SCALED}"
+                f"tensor {tensor_label(tensor.name)}: scale_of={shown(tensor.scale_of)} names no fp8 weight of "
+                f"the manifest; scale tensors are derived from a weight with to_dtype {SCALED}"
             )
     return tensors + tuple(derived.values())
 
@@ -529,6 +586,7 @@ def split_layers(layers: int, pp: int, first: int | None = None, last: int | Non
 __all__ = [
     "CONVERTIBLE",
     "ITEMSIZES",
+    "MAX_ELEMENTS",
     "SCALED",
     "SCALES",
     "SCALE_BLOCK",
@@ -536,5 +594,7 @@ __all__ = [
     "Manifest",
     "TensorSpec",
     "check_conversion",
+    "check_dtype",
     "split_layers",
+    "tensor_label",
 ]

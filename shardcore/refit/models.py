@@ -12,7 +12,15 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..errors import ManifestError
-from .manifest import ITEMSIZES, Manifest, TensorSpec
+from ..plan.arguments import check_count, shown
+from .manifest import MAX_ELEMENTS, Manifest, TensorSpec, check_dtype
+
+MAX_CONFIG_TENSORS = 1_000_000
+"""Most tensors a config may generate: DeepSeek-V3 has about 32,000; a million is a typo's size
+(layers or experts off by orders of magnitude), and would take seconds to build."""
+_TENSORS_PER_LAYER = 12
+"""At most this many dense tensors per decoder layer (MLA attention, norms, router, shared experts)."""
+_TENSORS_PER_EXPERT = 2
 
 
 @dataclass(frozen=True)
@@ -42,7 +50,8 @@ class TransformerConfig:
         dtype: Parameter dtype, torch's name.
 
     Raises:
-        ManifestError: a size that is missing, not positive or inconsistent.
+        ManifestError: a size that is missing, not a whole number in range or inconsistent, or
+            sizes that make over MAX_CONFIG_TENSORS tensors.
     """
 
     layers: int
@@ -72,29 +81,40 @@ class TransformerConfig:
             value = getattr(self, item.name)
             if item.name in ("tied_embeddings", "gated"):
                 if not isinstance(value, bool):
-                    raise ManifestError(f"config {item.name}={value!r}: expected true or false")
+                    raise ManifestError(f"config {item.name}={shown(value)}: expected true or false")
             elif item.name == "dtype":
-                if value not in ITEMSIZES:
-                    raise ManifestError(f"config dtype={value!r}: expected one of {', '.join(ITEMSIZES)}")
-            elif value is not None:
+                check_dtype("config dtype", value)
+            elif value is not None or item.default is not None:  # None only where it is the default
                 minimum = 0 if item.name in ("experts", "shared_experts", "dense_layers") else 1
-                if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                    raise ManifestError(f"config {item.name}={value!r}: expected an integer >= {minimum}")
+                check_count(f"config {item.name}", value, minimum=minimum, maximum=MAX_ELEMENTS, error=ManifestError)
         kv_heads = self.kv_heads or self.heads
         if self.kv_lora_rank is None and self.heads % kv_heads:
             raise ManifestError(f"config heads={self.heads} is not a multiple of kv_heads={kv_heads}")
+        if self.kv_lora_rank is None and self.head_dim is None and self.hidden < self.heads:
+            raise ManifestError(
+                f"config hidden={self.hidden} is below heads={self.heads}, so hidden // heads leaves no head "
+                "size: set head_dim"
+            )
         if self.experts and self.moe_ffn is None:
             raise ManifestError("config experts > 0 needs moe_ffn (each expert's MLP size)")
         if self.dense_layers > self.layers:
             raise ManifestError(f"config dense_layers={self.dense_layers} is more than layers={self.layers}")
+        tensors = self.layers * (_TENSORS_PER_LAYER + _TENSORS_PER_EXPERT * self.experts)
+        if tensors > MAX_CONFIG_TENSORS:
+            raise ManifestError(
+                f"config layers={self.layers} with experts={self.experts} makes about {shown(tensors)} tensors, "
+                f"over shardcore's limit of {MAX_CONFIG_TENSORS} for one manifest: check layers and experts"
+            )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TransformerConfig:
         """Build from a mapping of the field names; an unknown key is a ManifestError."""
         names = [item.name for item in fields(cls)]
+        if not isinstance(data, Mapping):
+            raise ManifestError(f"config={shown(data)}: expected a mapping of {', '.join(names)}")
         unknown = [key for key in data if key not in names]
         if unknown:
-            raise ManifestError(f"unknown config key {unknown[0]!r}: allowed keys are {', '.join(names)}")
+            raise ManifestError(f"unknown config key {shown(unknown[0])}: allowed keys are {', '.join(names)}")
         missing = [name for name in ("layers", "hidden", "ffn", "heads", "vocab") if name not in data]
         if missing:
             raise ManifestError(f"config is missing {', '.join(missing)}")
@@ -176,7 +196,15 @@ def manifest_from_config(config: TransformerConfig, name: str = "model") -> Mani
     The embedding sits on the first stage and, tied, also on the last (where Megatron keeps its
     copy as ``output_layer.weight``); the final norm and untied output head on the last stage;
     norms and the router are replicated; experts carry their global index.
+
+    Raises:
+        ManifestError: ``config`` is not a TransformerConfig, a generated shape is out of range, or
+            ``name`` is not a non-empty string.
     """
+    if not isinstance(config, TransformerConfig):
+        raise ManifestError(
+            f"config={shown(config)}: expected a TransformerConfig (TransformerConfig.from_dict reads a mapping)"
+        )
     h, tensors, moe_ffn = config.hidden, [], config.moe_ffn or 0
     embedding_stage = ("first", "last") if config.tied_embeddings else ("first",)
     dtype = config.dtype
@@ -265,8 +293,8 @@ def preset(name: str) -> Manifest:
     Raises:
         ManifestError: unknown name, listing the presets.
     """
-    if name not in PRESET_CONFIGS:
-        raise ManifestError(f"unknown model preset {name!r}: presets are {', '.join(PRESETS)}")
+    if not isinstance(name, str) or name not in PRESET_CONFIGS:
+        raise ManifestError(f"unknown model preset {shown(name)}: presets are {', '.join(PRESETS)}")
     return manifest_from_config(PRESET_CONFIGS[name], name=name)
 
 

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 from ..errors import ManifestError, RefitError
 from ..plan.arguments import MAX_WORLD_SIZE, check_count, shown
 from ..plan.layout import ShardPlan
-from .manifest import SCALE_BLOCK, Manifest, TensorSpec
+from .manifest import SCALE_BLOCK, Manifest, TensorSpec, tensor_label
 
 Box = tuple[tuple[int, int], ...]
 """A global box: [start, stop) per dim."""
@@ -323,7 +323,8 @@ def check_fits(manifest: Manifest, plan: ShardPlan) -> None:
             what = f"block of {bad}" if len(tensor.blocks) > 1 else f"dim {tensor.tp_dim} ({bad})"
             units = f" of whole {tensor.unit}-element units" if tensor.unit > 1 else ""
             raise ManifestError(
-                f"tensor {tensor.name} {list(tensor.shape)}: its {what} does not split into {tp} equal parts{units} "
+                f"tensor {tensor_label(tensor.name)} {shown(list(tensor.shape))}: its {what} does not split "
+                f"into {tp} equal parts{units} "
                 f"over {name}={tp} of {where}: choose a {name} that divides it"
             )
     _check_scale_blocks(manifest, plan, where)
@@ -354,7 +355,8 @@ def _check_scale_blocks(manifest: Manifest, plan: ShardPlan, where: str) -> None
                 else f"{bad} is no multiple of {SCALE_BLOCK}, so only {name}=1 keeps them whole"
             )
             raise ManifestError(
-                f"tensor {tensor.name} {list(tensor.shape)}: its {what} splits into parts of {bad // tp} over "
+                f"tensor {tensor_label(tensor.name)} {shown(list(tensor.shape))}: its {what} splits into parts of "
+                f"{bad // tp} over "
                 f"{name}={tp} of {where}, not into whole {SCALE_BLOCK}-element scale blocks: {fix}; or give "
                 f"it scale: tensor (--scale tensor)"
             )

@@ -14,6 +14,7 @@ from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 from ..errors import LayoutError
+from ..plan.arguments import shown
 from .tables import counted
 from .topology import TOPOLOGY_GROUPS, check_ranks_per_node
 
@@ -327,7 +328,7 @@ def render_svg(
     """
     k = check_ranks_per_node(ranks_per_node)
     if highlight is not None and highlight not in TOPOLOGY_GROUPS:
-        raise LayoutError(f"highlight={highlight!r}: expected a group name, one of {', '.join(TOPOLOGY_GROUPS)}")
+        raise LayoutError(f"highlight={shown(highlight)}: expected a group name, one of {', '.join(TOPOLOGY_GROUPS)}")
     by_rank = draws_ranks(layout, k)
     marks = frozenset(marked)
     outside = [

@@ -16,7 +16,7 @@ from math import prod
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import LayoutError
-from ..plan.arguments import check_count
+from ..plan.arguments import check_count, shown
 from ..plan.grid import Grid
 from ..plan.layout import GRID_GROUP_NAMES
 from .tables import counted
@@ -164,7 +164,7 @@ class TopologyReport:
         for f in self.groups:
             if f.shard == shard and f.name == name:
                 return f
-        raise LayoutError(f"no finding for shard {shard}, group {name!r}: names are {', '.join(TOPOLOGY_GROUPS)}")
+        raise LayoutError(f"no finding for shard {shard}, group {shown(name)}: names are {', '.join(TOPOLOGY_GROUPS)}")
 
     def to_dict(self) -> dict[str, Any]:
         return {

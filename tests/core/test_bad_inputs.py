@@ -38,7 +38,7 @@ from shardcore import (
     register_backend,
 )
 from shardcore.cli import main
-from shardcore.plan.arguments import MAX_WORLD_SIZE, as_timedelta, shown
+from shardcore.plan.arguments import MAX_SHOWN, MAX_WORLD_SIZE, as_timedelta, shown
 from shardcore.views.picture import render_svg
 from shardcore.views.tables import layout_table
 from shardcore.views.topology import check_topology
@@ -199,6 +199,12 @@ def re_escape(text: str) -> str:
         (lambda: check_topology(plan_layout(8, "tp=8"), 10**5000), "ranks_per_node=100000000000... (5001 digits)"),
         (lambda: render_svg(plan_layout(8, "tp=8"), 10**5000, None), "ranks_per_node=100000000000..."),
         (lambda: ShardSpec(tp=2, expt_tp=10**5000), "expt_tp=100000000000... (5001 digits)"),
+        (lambda: Grid([2, 2], ["a" * 10_000] * 2), "(10000 characters)"),
+        (lambda: Grid([2, 2], ["a", "b"]).group_ranks(0, ["a" * 10_000] * 2), "unknown grid dim 'aaaa"),
+        (lambda: render_svg(plan_layout(8, "tp=8"), 8, "x" * 10_000), "highlight='xxxx"),
+        (lambda: get_backend("x" * 10_000), "no backend named 'xxxx"),
+        (lambda: parse_shards("@" + "/x" * 5000), "cannot read shard file '/x/x/x"),
+        (lambda: parse_shards("- {tp: 2, name: *" + "a" * 10_000 + "}"), "neither JSON nor YAML"),
     ],
 )
 def test_public_functions_check_their_arguments(call: Any, token: str) -> None:
@@ -307,6 +313,9 @@ CLI_FLAGS: list[tuple[list[str], str]] = [
     (["--world", "8", "--shards", "tp=2", "--rank-offset", "9" * 4000], "rank_offset=999999999999..."),
     (["--world", "8", "--shards", "tp=8", "--ranks-per-node", "9" * 4000], "ranks_per_node=999999999999..."),
     (["--world", "8", "--shards", "tp=2,name=a\x1b[31m"], "must be printable"),
+    (["--world", "8", "--shards", "tp=8", "--order", "x" * 10_000], "(choose from 'tp-cp-dp-pp', 'tp-cp-pp-dp'"),
+    (["--world", "8", "--shards", "tp=8", "y" * 10_000], "unrecognized arguments: yyyy"),
+    (["--world", "8", "--shards", "tp=8", "--svg", "/nonexistent/" + "z" * 10_000], "cannot write '/nonexistent/zz"),
 ]
 
 
@@ -341,6 +350,28 @@ def test_cli_warning_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert err == "shardcore: warning: shard 0 ('tp=2,tp=4'): key 'tp' repeated; the last value wins\n"
 
 
+NESTED_ALIASES = [
+    # 6 levels of 7 aliases of the level below: a 260-byte YAML document with 7**7 leaves
+    "{pp: &l0 [1,1,1,1,1,1,1], "
+    + ", ".join(f"k{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 7)}]" for i in range(1, 6))
+    + ", cp: ["
+    + ", ".join(["*l5"] * 7)
+    + "]}",
+    "{pp: &l0 [" + ", ".join(["1"] * 40) + "], cp: [" + ", ".join(["*l0"] * 200) + "]}",
+    "- {tp: 2, name: &n " + "x" * 5000 + "}\n- {tp: 2, name: *n}\n",
+]
+
+
+@pytest.mark.parametrize("spec", NESTED_ALIASES, ids=["levels", "wide", "names"])
+def test_aliased_documents_give_short_errors(spec: str) -> None:
+    """Each value of a YAML spec is shown bounded: the first gave 72 KB of error text, a longer one 433 KB."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["plan", "--world", "8", "--shards", spec]) == 2
+    assert err.getvalue().startswith("shardcore: error: ") and err.getvalue().count("\n") == 1
+    assert len(err.getvalue()) < 1024, len(err.getvalue())
+
+
 def test_shown_is_short_for_anything() -> None:
     assert shown(10**5000) == "100000000000... (5001 digits)"
     assert shown(-(10**40)) == "-100000000000... (41 digits)"
@@ -348,6 +379,10 @@ def test_shown_is_short_for_anything() -> None:
     assert shown("x" * 10_000).endswith("(10000 characters)")
     assert len(shown([10**5000] * 1000)) < MAX_MESSAGE
     assert len(shown({"k" * 1000: [[[[["deep"]]]]]})) < MAX_MESSAGE
+    level: list[Any] = [1] * 7
+    for _ in range(7):
+        level = [level] * 7  # 7**8 leaves, shared
+    assert len(shown(level)) <= MAX_SHOWN + 3 and len(shown({i: level for i in range(100)})) <= MAX_SHOWN + 3
     assert sys.get_int_max_str_digits() in (0, 4300) and math.isfinite(len(shown(10**100_000)))
 
 

@@ -1,27 +1,35 @@
-"""Fuzzing parse_shards, plan_layout, build_shards' arguments and `shardcore plan`: only ShardcoreError (or
-argparse's exit 2), under 100 ms of CPU and 100 MB allocated per input. benchmarks/fuzz_long.py runs the same
-checks at length; its STRESS tokens (digit strings past Python's int limit, control characters, nesting)
-stress the parsers themselves."""
+"""Fuzzing parse_shards, plan_layout, build_shards' arguments, the refit manifests and API, and `shardcore plan`
+/ `shardcore refit`: only ShardcoreError (or argparse's exit 2), with one-line messages under 1 KB and no
+traceback from the CLI; for the spec, also under 100 ms of CPU and 100 MB allocated per input.
+benchmarks/fuzz_long.py runs the same checks at length; its STRESS tokens (digit strings past Python's int
+limit, control characters, nesting) stress the parsers themselves."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import random
+import tempfile
+from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.fuzz_long import FLAGS, STRESS, TOKENS
-from benchmarks.measure import measure_input
+from benchmarks.manifest_inputs import BAD, CONFIG_GOOD, TENSOR_GOOD, TOP_GOOD, random_input, to_api, to_json, to_yaml
+from benchmarks.measure import answer, measure_input
 from shardcore.cli import main
 from shardcore.engine.build.shards import build_shards
 from shardcore.errors import LayoutError, ShardcoreError
 from shardcore.plan.arguments import MAX_TIMEOUT, as_timedelta
 from shardcore.plan.layout import plan_layout
 from shardcore.plan.spec import parse_shards
+from shardcore.refit import load_manifest, manifest_from_dict
 
 MAX_SECONDS = 0.1
 MAX_BYTES = 100 * 2**20
@@ -69,11 +77,10 @@ big = st.builds(
 )
 
 
-def bounded(call: Callable[[], Any], allow_exit: bool = False) -> None:
-    """Only the errors bad input may raise, within the time and memory budget."""
-    cost = measure_input(call, allow_exit)
-    if cost.error is not None:
-        raise cost.error
+def bounded(call: Callable[[], Any], cli: bool = False) -> None:
+    """Only the errors bad input may raise, with short messages, within the time and memory budget."""
+    cost = measure_input(call, cli)
+    assert cost.problem is None, cost.problem
     assert cost.seconds < MAX_SECONDS, f"{cost.seconds * 1000:.0f} ms"
     assert cost.peak_bytes < MAX_BYTES, f"{cost.peak_bytes / 2**20:.0f} MiB"
 
@@ -103,7 +110,7 @@ def test_plan_layout(world: Any, spec: Any, order: Any, offset: int, idle: bool)
     ),
 )
 def test_plan_cli(world: str, spec: str, flags: list[str]) -> None:
-    bounded(lambda: main(["plan", f"--world={world}", f"--shards={spec}", *flags]), allow_exit=True)
+    bounded(lambda: main(["plan", f"--world={world}", f"--shards={spec}", *flags]), cli=True)
 
 
 @FUZZ
@@ -158,7 +165,7 @@ def test_build_shards_arguments(bad: tuple[str, Any], others: dict[str, Any]) ->
     """One bad argument among any others: refused with a typed error before torch is touched (none is imported)."""
     kwargs = {**others, bad[0]: bad[1]}
     cost = measure_input(lambda: build_shards(8, "tp=8", **kwargs))
-    assert cost.error is None and cost.seconds < MAX_SECONDS
+    assert cost.problem is None and cost.seconds < MAX_SECONDS
     try:
         build_shards(8, "tp=8", **kwargs)
     except LayoutError as error:
@@ -199,3 +206,66 @@ def test_plan_rank_of_a_huge_group_is_summarised() -> None:
         bounded(lambda: main(["plan", "--world", str(2**24), "--shards", f"tp={2**24}", "--rank", "5"]))
         main(["plan", "--world", str(2**24), "--shards", f"tp={2**24}", "--rank", "5"])
     assert f"[0, ..., {2**24 - 1}] ({2**24} ranks, over 1024: not listed)" in out.getvalue()
+
+
+REFIT_INPUTS = 10_000
+CLI_SHARE = 0.08
+"""Of the inputs, CLI lines: each builds argparse's parser anew (about 5-10 ms here), the rest take about 1 ms."""
+
+
+@pytest.mark.filterwarnings("ignore::shardcore.errors.ShardSpecWarning")
+def test_malformed_refit_inputs(tmp_path: Path) -> None:
+    """10,000 seeded random inputs (benchmarks/manifest_inputs.py): manifest mappings, JSON and YAML files,
+    the manifest API's arguments, `shardcore refit` and `shardcore plan` lines; 0 problems."""
+    rng = random.Random(20_261_201)
+    counts: Counter[str] = Counter()
+    problems = []
+    for index in range(REFIT_INPUTS):
+        kind, call, described = random_input(rng, tmp_path, CLI_SHARE)
+        counts[kind] += 1
+        problem = answer(call, cli=kind.endswith("_cli")).problem
+        if problem is not None:
+            problems.append(f"input {index} ({kind}): {problem} | {described}")
+    assert not problems, f"{len(problems)} problems, the first: " + "\n".join(problems[:5])
+    assert set(counts) == {"manifest_dict", "manifest_file", "manifest_api", "refit_cli", "plan_document_cli"}
+    assert min(counts.values()) >= 150, counts
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20) | st.sampled_from(BAD),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=12,
+)
+"""Any JSON-like value, BAD's hand-picked ones among the leaves."""
+
+
+def _mixed(good: dict[str, list[Any]]) -> st.SearchStrategy[dict[str, Any]]:
+    """Mappings of the given keys (and some others), each value good or anything."""
+    keys = st.sampled_from([*good, "bogus"])
+    return st.dictionaries(keys, json_values, max_size=4).flatmap(
+        lambda bad: st.fixed_dictionaries(
+            {}, optional={key: st.sampled_from(options) for key, options in good.items()}
+        ).map(lambda fine: {**fine, **bad})
+    )
+
+
+tensor_entries = _mixed(TENSOR_GOOD)
+documents = st.one_of(
+    json_values,
+    st.tuples(_mixed(TOP_GOOD), st.lists(tensor_entries, max_size=3)).map(lambda pair: {**pair[0], "tensors": pair[1]}),
+    st.tuples(_mixed(TOP_GOOD), _mixed(CONFIG_GOOD)).map(lambda pair: {**pair[0], "config": pair[1]}),
+)
+
+
+@FUZZ
+@given(documents, st.sampled_from(["mapping", "json", "yaml"]))
+def test_manifest_documents(document: Any, form: str) -> None:
+    """A manifest document drawn by hypothesis, as a mapping or a JSON or YAML file: a manifest, or a short error."""
+    if form == "mapping":
+        assert answer(lambda: manifest_from_dict(to_api(document))).problem is None
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / f"m.{form}"
+        text = to_yaml(document) if form == "yaml" else to_json(document)
+        path.write_bytes(text.encode("utf-8", "surrogatepass"))
+        assert answer(lambda: load_manifest(path)).problem is None

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from shardcore.cli import main
+from shardcore.cli.check import local_limit
 from shardcore.plan.layout import plan_layout
 from shardcore.refit import PRESETS, RefitStats, plan_refit, preset
 
@@ -90,3 +92,70 @@ def test_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], argv: tuple[s
 def test_missing_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = _run(capsys, "refit", "--world", "4", "--shards", "tp=2+tp=2", "--model", "tiny-dense")
     assert code == 2 and err == "shardcore: error: refit needs --from, --to (or --list-models)\n"
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """Run a refit line that must fail on its input: exit 2, nothing on stdout, one short line on stderr."""
+    code, out, err = _run(capsys, *argv)
+    assert code == 2 and out == "", (code, err[:500])
+    assert err.startswith("shardcore: error: ") and err.count("\n") == 1 and len(err) < 1024, err[:2000]
+    return err
+
+
+@pytest.mark.parametrize(
+    ("document", "message"),
+    [
+        ('{"tensors": [{"name": "w", "shape": [4], "stage": 5}]}', "tensor w: stage=5: expected first"),
+        ("tensors:\n  - {name: w, shape: [4], stage: null}\n", "tensor w: stage=None"),
+        ("tensors:\n  - {name: w, shape: [8], tp_dim: 0, blocks: 8, stage: all}\n", "tensor w: blocks=8"),
+        ("tensors:\n  - {name: w, shape: [8], dtype: [x], stage: all}\n", "tensor w: dtype=['x']"),
+        ('{"tensors": [{"name": "w", "shape": [' + "9" * 5000 + '], "stage": "all"}]}', "(5000 digits)"),
+        ("- " * 100 + "x\n", "nested more than 64 levels"),
+        ("tensors: *nowhere" + "x" * 5000 + "\n", "neither JSON nor YAML"),
+        ("tensors:\n  - {name: w, shape: &a [4], stage: [" + ", ".join(["*a"] * 2000) + "]}\n", "stage=[[4], [4], "),
+    ],
+)
+def test_bad_manifest_file_is_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, document: str, message: str
+) -> None:
+    """A bad manifest file: exit 2 with one line naming the file, the tensor and the field (was exit 1, TypeError)."""
+    path = tmp_path / "model.yaml"
+    path.write_text(document)
+    args = list(BASE)
+    args[args.index("--model") + 1] = str(path)
+    err = _one_line_error(capsys, *args)
+    assert f"manifest '{path}'" in err and message in err, err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--to", "9" * 5000, "--to shard=999999999999... (5000 digits): too many digits"),
+        ("--to", "-1", "--to shard=-1: expected a whole number from 0"),
+        ("--from", "9" * 4000, "--from=999999999999... (4000 digits): expected a whole number from 0"),
+        ("--to", "1," + "x" * 5000, "expected shard indices separated by commas"),
+        ("--model", "x" * 5000, "(5000 characters): File name too long"),
+        ("--order", "x" * 5000, "characters)... xxxx"),
+        ("--order", "x" * 5000, "xxxx' (choose from 'tp-cp-dp-pp', 'tp-cp-pp-dp', 'tp-dp-pp', 'tp-pp-dp')"),
+    ],
+)
+def test_huge_flags_give_short_errors(capsys: pytest.CaptureFixture[str], flag: str, value: str, message: str) -> None:
+    args = list(BASE)
+    if flag in args:
+        args[args.index(flag) + 1] = value
+    else:
+        args += [flag, value]
+    try:
+        err = _one_line_error(capsys, *args)
+    except SystemExit as exit_:  # argparse: usage, then one error line
+        assert exit_.code == 2
+        err = capsys.readouterr().err.splitlines()[-1]
+    assert message in err and len(err) < 1024, err[:2000]
+
+
+def test_check_refuses_more_processes_than_the_machine_holds(capsys: pytest.CaptureFixture[str]) -> None:
+    """As `check` does, before anything starts (here torch is not even needed)."""
+    limit, _ = local_limit()
+    args = ("refit", "--check", "--nproc", str(limit + 1), "--shards", "tp=2+tp=2", "--from", "0", "--to", "1")
+    err = _one_line_error(capsys, *args, "--model", "tiny-dense")
+    assert f"--nproc {limit + 1}: at most {limit} local processes here" in err

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from shardcore.errors import ManifestError, RefitError, ShardcoreError
+from shardcore.plan.arguments import shown
 from shardcore.plan.layout import plan_layout
 from shardcore.refit import (
     PRESETS,
@@ -21,7 +23,7 @@ from shardcore.refit import (
     plan_refit,
     preset,
 )
-from shardcore.refit.documents import manifest_from_dict
+from shardcore.refit.documents import manifest_from_dict, model_manifest
 from shardcore.refit.manifest import split_layers
 
 LLAMA = TransformerConfig(layers=4, hidden=64, ffn=96, heads=8, kv_heads=2, vocab=256)
@@ -154,10 +156,10 @@ tensors:
         ({"tensors": [{"name": "w", "shape": [4], "tp_dim": 1, "stage": "all"}]}, r"tensor w \[4\]: tp_dim=1"),
         ({"tensors": [{"name": "w", "shape": [8], "tp_dim": 0, "blocks": [4, 3], "stage": "all"}]}, "sum to 7"),
         ({"tensors": [{"name": "w", "shape": [4]}]}, "tensor w: give exactly one of layer"),
-        ({"tensors": [{"name": "w", "shape": [4], "stage": "middle"}]}, r"stage \['middle'\]"),
+        ({"tensors": [{"name": "w", "shape": [4], "stage": "middle"}]}, "stage='middle': expected first"),
         ({"tensors": [{"name": "w", "shape": [4], "layer": 2}], "layers": 2}, "layer 2 is outside the model's 2"),
         ({"tensors": [{"name": "w", "shape": [4], "layer": 0, "expert": 4}], "layers": 1, "experts": 4}, "expert 4"),
-        ({"tensors": [{"name": "w", "shape": [4], "stage": "all", "dtype": "float128"}]}, "dtype 'float128'"),
+        ({"tensors": [{"name": "w", "shape": [4], "stage": "all", "dtype": "float128"}]}, "dtype='float128'"),
         ({"tensors": [{"name": "w", "shape": [4], "stage": "all", "size": 3}]}, "unknown key 'size'"),
         ({"tensors": [{"name": "w", "shape": [4], "stage": "all"}] * 2}, "tensor w appears twice"),
         ({"tensorz": []}, "unknown key 'tensorz'"),
@@ -169,6 +171,133 @@ def test_bad_manifests_are_typed_errors(data: dict[str, object], message: str) -
     with pytest.raises(ManifestError, match=message) as raised:
         manifest_from_dict(data)
     assert isinstance(raised.value, (RefitError, ShardcoreError, ValueError))
+
+
+def _tensor(**fields: object) -> dict[str, object]:
+    """A one-tensor document whose tensor ``w`` has ``fields`` over a valid base."""
+    return {"layers": 1, "tensors": [{"name": "w", "shape": [8, 4], "stage": "all", **fields}]}
+
+
+CONFIG = {"layers": 2, "hidden": 64, "ffn": 128, "heads": 4, "vocab": 128}
+MAX_MESSAGE = 1024
+
+# Each raised TypeError, AttributeError or ValueError before: (document, the text the message must hold)
+MALFORMED: list[tuple[object, str]] = [
+    (_tensor(stage=5), "tensor w: stage=5: expected first, last, [first, last] or all"),
+    (_tensor(stage=None), "tensor w: stage=None: expected first"),
+    (_tensor(stage=[["first"]]), "tensor w: stage=[['first']]: expected first"),
+    (_tensor(stage=["first", 3]), "tensor w: stage=['first', 3]"),
+    (_tensor(tp_dim=0, blocks=8), "tensor w: blocks=8: expected a list of positive integers"),
+    (_tensor(tp_dim=0, blocks=["4", "4"]), "tensor w: blocks entry='4'"),
+    (_tensor(dtype=["float32"]), "tensor w: dtype=['float32']: expected one of float64, float32"),
+    (_tensor(dtype={"a": 1}), "tensor w: dtype={'a': 1}"),
+    (_tensor(shape={"a": 1}), "tensor w: shape={'a': 1}: expected a list of positive integers"),
+    (_tensor(shape=None), "tensor w: shape=None"),
+    (_tensor(shape=[]), "tensor w: shape=[]"),
+    (_tensor(shape=[2**30, 2**30]), "tensor w [1073741824, 1073741824]: over 281474976710656 elements"),
+    (_tensor(shape=[10**5000]), "tensor w: shape entry=100000000000... (5001 digits)"),
+    (_tensor(unit="2", tp_dim=0), "tensor w: unit='2': expected a whole number from 1"),
+    (_tensor(tp_dim=True), "tensor w: tp_dim=True: expected a whole number from 0"),
+    (_tensor(stage=None, layer=[0]), "tensor w: stage=None"),
+    (_tensor(stage=(), layer=[0]), "tensor w: layer=[0]: expected a whole number from 0"),
+    ({"tensors": [{"name": ["w"], "shape": [4], "stage": "all"}]}, "tensor entry 0: name=['w']"),
+    ({"tensors": [{"name": "w", "shape": [4], "stage": "all", 3: 4}]}, "tensor w has unknown key 3"),
+    ({"tensors": [7]}, "tensor entry 0 must be a mapping"),
+    ({"tensors": "w"}, "tensors='w': expected a list of tensor entries"),
+    ({**_tensor(), "dtype": ["float32"]}, "the manifest: dtype=['float32']: expected one of"),
+    ({**_tensor(), "layers": "2"}, "layers='2': expected a whole number from 0"),
+    ({**_tensor(), "experts": None}, "experts=None"),
+    ({**_tensor(), "first_stage_layers": 1.5}, "first_stage_layers=1.5"),
+    ({**_tensor(), "name": 10**5000}, "name=100000000000... (5001 digits): expected a non-empty string"),
+    ({**_tensor(), "name": ["m"]}, "name=['m']"),
+    ({"config": [1]}, "config=[1]: expected a mapping of layers, hidden"),
+    ({"config": {**CONFIG, "dtype": ["bfloat16"]}}, "config dtype=['bfloat16']: expected one of"),
+    ({"config": {**CONFIG, "heads": None}}, "config heads=None: expected a whole number from 1"),
+    ({"config": {**CONFIG, "experts": None}}, "config experts=None"),
+    ({"config": {**CONFIG, "dense_layers": None}}, "config dense_layers=None"),
+    ({"config": {**CONFIG, "hidden": 2}}, "config hidden=2 is below heads=4"),
+    ({"config": {**CONFIG, "layers": 2**40}}, "config layers=1099511627776 with experts=0 makes about"),
+    ({"config": {**CONFIG, "tied_embeddings": "yes"}}, "config tied_embeddings='yes': expected true or false"),
+    ({"config": {**CONFIG, 5: 1}}, "unknown config key 5"),
+    ({"config": CONFIG, "name": 5}, "name=5: expected a non-empty string"),
+]
+
+
+@pytest.mark.parametrize(("data", "message"), MALFORMED, ids=[shown(row[1])[:50] for row in MALFORMED])
+def test_malformed_manifests_name_the_field(data: object, message: str) -> None:
+    with pytest.raises(ManifestError) as raised:
+        manifest_from_dict(data)  # type: ignore[arg-type]
+    text = str(raised.value)
+    assert message in text and "\n" not in text and len(text) < MAX_MESSAGE, text
+
+
+LONG = "w" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("data", "token"),
+    [
+        ({"tensors": [{"name": LONG, "shape": [4], "stage": 5}]}, "(100000 characters): stage=5"),
+        ({"tensors": [{"name": "w\n", "shape": [4], "stage": 5}]}, "tensor 'w\\n': stage=5"),
+        (_tensor(shape=[1] * 100_000 + [0]), "tensor w: shape entry=0"),
+        (_tensor(shape=[2**40] * 100_000), "tensor w [1099511627776, 1099511627776, "),
+        (_tensor(tp_dim=0, blocks=[1] * 100_000), "blocks [1, 1, 1, 1, 1, 1, ...] sum to 100000"),
+        (_tensor(stage=["first"] * 100_000), "stage=['first', 'first', 'first'"),
+        (_tensor(dtype="x" * 100_000), "(100000 characters): expected one of"),
+        ({"tensors": [{"name": "w", "shape": [4], "stage": "all", LONG: 1}]}, "unknown key 'wwww"),
+        ({LONG: 1}, "the manifest: unknown key 'wwww"),
+        ({"tensors": [[[[[[[[LONG] * 9] * 9] * 9] * 9] * 9] * 9]]}, "tensor entry 0 must be a mapping"),
+    ],
+)
+def test_huge_values_give_short_messages(data: object, token: str) -> None:
+    with pytest.raises(ManifestError) as raised:
+        manifest_from_dict(data)  # type: ignore[arg-type]
+    assert token in str(raised.value) and len(str(raised.value)) < MAX_MESSAGE, str(raised.value)[:2000]
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: preset(["x"]), "unknown model preset ['x']: presets are llama3-8b"),
+        (lambda: preset(None), "unknown model preset None"),
+        (lambda: preset("x" * 100_000), "(100000 characters): presets are"),
+        (lambda: model_manifest(None), "model=None: expected a manifest file's path"),
+        (lambda: model_manifest(5), "model=5"),
+        (lambda: load_manifest(None), "source=None: expected a manifest file's path"),
+        (lambda: load_manifest(["m.yaml"]), "source=['m.yaml']"),
+        (lambda: load_manifest("/nonexistent/" + LONG), "(100013 characters): File name too long"),
+        (lambda: model_manifest("a\x00b"), "cannot read manifest 'a\\x00b'"),
+        (lambda: manifest_from_config({"layers": 1}), "config={'layers': 1}: expected a TransformerConfig"),
+        (lambda: manifest_from_config(LLAMA, name=None), "manifest name=None: expected a non-empty string"),
+        (lambda: TransformerConfig.from_dict(None), "config=None: expected a mapping"),  # type: ignore[arg-type]
+        (lambda: TransformerConfig(**{**CONFIG, "vocab": 10**5000}), "config vocab=100000000000... (5001 digits)"),
+        (lambda: TransformerConfig(**{**CONFIG, "dtype": ["x"]}), "config dtype=['x']"),
+        (lambda: Manifest("w"), "tensors='w': expected a list of TensorSpec"),  # type: ignore[arg-type]
+        (lambda: Manifest(5), "tensors=5"),  # type: ignore[arg-type]
+        (lambda: TensorSpec("w", (4,), stage=None), "tensor w: stage=None"),  # type: ignore[arg-type]
+        (lambda: TensorSpec("w", (4,), dtype=None, stage="all"), "tensor w: dtype=None"),  # type: ignore[arg-type]
+        (lambda: preset("tiny-dense").tensor(["w"]), "no tensor named ['w'] in manifest 'tiny-dense'"),
+    ],
+)
+def test_manifest_api_arguments(call: Any, message: str) -> None:
+    with pytest.raises(ManifestError) as raised:
+        call()
+    assert message in str(raised.value) and len(str(raised.value)) < MAX_MESSAGE, str(raised.value)
+
+
+def test_bad_counts_read_alike_everywhere() -> None:
+    """One validator (plan.arguments.check_count) for the spec, the manifest, the config and the refit CLI."""
+    said = []
+    for call in (
+        lambda: plan_layout(2, [{"tp": -1}]),
+        lambda: manifest_from_dict({**_tensor(), "layers": -1}),
+        lambda: TransformerConfig(**{**CONFIG, "hidden": -1}),
+        lambda: TensorSpec("w", (4,), stage="all", unit=-1),
+    ):
+        with pytest.raises(ShardcoreError) as raised:
+            call()
+        said.append(str(raised.value))
+    assert all("=-1: expected a whole number from " in text for text in said), said
 
 
 def test_bad_files(tmp_path: Path) -> None:

@@ -138,6 +138,11 @@ def test_torchrun_mode_without_numpy(tmp_path: Path, spec: str, world: int, flag
         (["--strategy", "local", "--env", "TORCH_DIST_INIT_BARRIER=1"], "strategy='local' cannot work here"),
         (["--env", "TORCH_DIST_INIT_BARRIER=yes"], "TORCH_DIST_INIT_BARRIER='yes'"),
         (["--nproc", "100000"], "--nproc 100000: at most"),
+        (["--option", "x" * 5000], "(5000 characters): expected KEY=VALUE"),
+        (["--option", "colour=" + "[" * 5000], "unknown option(s) colour"),
+        (["--option", "colour=" + "9" * 5000], "unknown option(s) colour"),
+        (["--backend", "x" * 5000], "(5000 characters); installed: "),
+        (["--env", "TORCH_DIST_INIT_BARRIER=" + "y" * 5000], "TORCH_DIST_INIT_BARRIER='yyyyyy"),
     ],
 )
 def test_bad_input_fails_before_any_process_starts(
@@ -156,6 +161,7 @@ def test_bad_input_fails_before_any_process_starts(
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("shardcore: error: ") and message in err
+    assert len(err) < 1024
     assert multiprocessing.active_children() == []
 
 

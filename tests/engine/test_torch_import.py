@@ -94,7 +94,7 @@ def test_each_check_worker_reports_one_line_and_no_traceback(broken_npu: Path) -
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr and "TORCH_LIBRARY" not in result.stderr
     errors = result.stderr[result.stderr.index("shardcore: error:") :].splitlines()
-    assert errors == ["shardcore: error: shardcore check failed:", f"ranks 0-3: {ONE_LINE}"]
+    assert errors == ["shardcore: error: shardcore check failed:", f"ranks [0-3] (4 ranks): {ONE_LINE}"]
 
 
 def test_the_library_entry_points_raise_it_and_never_import_twice(broken_npu: Path) -> None:

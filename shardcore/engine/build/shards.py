@@ -356,7 +356,9 @@ def check_options(backend: Backend, options: Mapping[str, Any]) -> None:
     unknown = sorted(set(options) - set(backend.options))
     if unknown:
         accepted = ", ".join(backend.options) or "none"
-        raise LayoutError(f"unknown option(s) {', '.join(unknown)} for backend {backend.name!r}: it accepts {accepted}")
+        raise LayoutError(
+            f"unknown option(s) {shown(', '.join(map(str, unknown)))} for backend {shown(backend.name)}: it accepts {accepted}"
+        )
 
 
 def _check_shards(shards: object) -> Sequence[Shard]:

@@ -11,6 +11,7 @@ import os
 from enum import StrEnum
 
 from ...errors import GroupCreationError
+from ...plan.arguments import shown
 from ..torch_state import bound_device, torchcomms_enabled
 
 
@@ -37,7 +38,7 @@ def init_barrier_enabled() -> bool:
         return int(value) == 1
     except ValueError:
         raise GroupCreationError(
-            f"TORCH_DIST_INIT_BARRIER={value!r}: torch reads it as an integer (1 turns on a barrier after every "
+            f"TORCH_DIST_INIT_BARRIER={shown(value)}: torch reads it as an integer (1 turns on a barrier after every "
             "group creation, 0 or unset turns it off): set it to 0 or 1"
         ) from None
 
@@ -69,7 +70,7 @@ def _parse(requested: str | Strategy) -> Strategy:
     try:
         return Strategy(requested)
     except ValueError:
-        raise GroupCreationError(f"strategy={requested!r}: expected one of {', '.join(Strategy)}") from None
+        raise GroupCreationError(f"strategy={shown(requested)}: expected one of {', '.join(Strategy)}") from None
 
 
 def _refuse_local(reason: str) -> GroupCreationError:

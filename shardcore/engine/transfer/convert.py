@@ -206,7 +206,9 @@ class Conversion:
         faults and lost peers become the exchange's."""
         phase = Exchange(
             exchange.rank,
-            rank_batches(self.amax, exchange.rank, world, bucket_bytes, max_ops),
+            rank_batches(
+                self.amax, exchange.rank, world, bucket_bytes, max_ops, {n: p.shape for n, p in gathered.items()}
+            ),
             partials,
             gathered,
             exchange.tag,

@@ -220,7 +220,7 @@ def execute_refit(
     world = dist().get_world_size()
     exchange = Exchange(
         rank,
-        rank_batches(mine, rank, world, bucket_bytes, max_ops),
+        rank_batches(mine, rank, world, bucket_bytes, max_ops, _global_shapes(plan.manifest, mine), _converting(plan)),
         sources,
         destinations,
         TAG_BASE + epoch % TAG_BASE,
@@ -250,6 +250,17 @@ def execute_refit(
         stats.peers,
     )
     return stats
+
+
+def _global_shapes(manifest: Any, mine: Any) -> dict[str, tuple[int, ...]]:
+    """The global shape of every tensor this rank moves (what ``schedule.may_stage`` reads)."""
+    names = {t.tensor for t in (*mine.sends, *mine.recvs)}
+    return {name: tuple(manifest.tensor(name).shape) for name in names}
+
+
+def _converting(plan: Any) -> frozenset[str]:
+    """The tensors whose messages are cast on the way (at one end or the other): staged, never in place."""
+    return frozenset(tensor.name for tensor in plan.manifest if tensor.to_dtype is not None)
 
 
 def _require_world() -> int:
@@ -365,13 +376,13 @@ def _side_problems(
     kind: str, given: Any, shapes: Mapping[str, tuple[int, ...]], needed: set[str], manifest: Any
 ) -> list[str]:
     """Problems of one side's tensors: needed ones missing, any given one unknown, misshapen, of another dtype,
-    or (a destination) not writable in place."""
+    or not contiguous (the schedule counts staging memory alike at both ends for contiguous tensors only)."""
     import torch
 
     if not isinstance(given, Mapping):
         return [f"{kind}s must be a mapping of tensor name -> torch.Tensor, got {type(given).__name__}"]
     problems = [
-        f"{kind} tensor {name!r} is missing (expected local shape {list(shapes[name])})"
+        f"{kind} tensor {shown(name)} is missing (expected local shape {list(shapes[name])})"
         for name in sorted(needed - set(given))
     ]
     for name, tensor in given.items():
@@ -381,18 +392,20 @@ def _side_problems(
             continue
         if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
             what = type(tensor).__name__ if not isinstance(tensor, torch.Tensor) else f"{tensor.layout} tensor"
-            problems.append(f"{kind} tensor {name!r} is a {what}, not a dense torch.Tensor")
+            problems.append(f"{kind} tensor {shown(name)} is a {what}, not a dense torch.Tensor")
             continue
         if tuple(tensor.shape) != tuple(shapes[name]):
-            problems.append(f"{kind} tensor {name!r} has shape {list(tensor.shape)}, expected {list(shapes[name])}")
+            problems.append(
+                f"{kind} tensor {shown(name)} has shape {list(tensor.shape)}, expected {list(shapes[name])}"
+            )
         spec = manifest.tensor(name)
         expected = getattr(torch, spec.destination_dtype if kind == "destination" else spec.dtype)
         if tensor.dtype != expected:
-            problems.append(f"{kind} tensor {name!r} has dtype {tensor.dtype}, expected {expected}")
-        if kind == "destination" and _overlapping(tensor):
+            problems.append(f"{kind} tensor {shown(name)} has dtype {tensor.dtype}, expected {expected}")
+        if not tensor.is_contiguous():
             problems.append(
-                f"destination tensor {name!r} has overlapping memory (strides {list(tensor.stride())}): it cannot be "
-                f"written in place; pass the tensor itself, not an expanded view"
+                f"{kind} tensor {shown(name)} is not contiguous (strides {list(tensor.stride())}): pass a contiguous "
+                f"tensor (for a source, .contiguous(); a parameter's .data is)"
             )
     return problems
 
@@ -403,17 +416,6 @@ def _in_manifest(manifest: Any, name: object) -> bool:
     except (KeyError, TypeError, ShardcoreError):
         return False
     return True
-
-
-def _overlapping(tensor: torch.Tensor) -> bool:
-    """Whether two elements of a strided tensor share memory (an expanded view), so writes would collide."""
-    dims = sorted((stride, size) for stride, size in zip(tensor.stride(), tensor.shape) if size > 1)
-    span = 1
-    for stride, size in dims:
-        if stride < span:
-            return True
-        span = stride * size
-    return False
 
 
 def _device_problems(tensors: Mapping[str, Any]) -> list[str]:

@@ -15,11 +15,18 @@ checksum), so the receiver checks what arrived against what the sender sent.
 ops (pytorch #174288: hangs at ~1,000 ops, none at 256) or when one end posts a message in another
 batch than the other (NVIDIA/nccl #2130). So ranks are paired by a round-robin tournament (the
 circle method, as pytorch PR #174942 proposed): in round r each rank has at most one partner, and
-ranks i and j meet in exactly one round, which both compute alike. ``FAN`` consecutive rounds form
-a *super-round*; each pair's messages (both directions, in key order) are cut into chunks of at
-most ``max_ops // FAN`` messages and ``bucket_bytes // FAN`` bytes, and batch (s, c) holds chunk c
-of every pair of super-round s. So a batch has at most ``max_ops`` ops and ``bucket_bytes`` bytes,
-and both ends of every message post it in the same batch, whatever the plan.
+ranks i and j meet in exactly one round, which both compute alike. ``fan(world, max_ops)`` consecutive rounds
+form a *super-round* (all of them in a world of up to 17 ranks); each pair's messages (both
+directions, in key order) are cut into chunks of at most ``max_ops // fan`` messages and
+``bucket_bytes // fan`` staged bytes, and batch (s, c) holds chunk c of every pair of super-round s.
+So a batch has at most ``max_ops`` ops and stages at most ``bucket_bytes``, and both ends of every
+message post it in the same batch, whatever the plan.
+
+*Staged bytes* are counted alike at both ends: a message may be staged (at either end) when it packs
+several pieces or its one piece does not span the tensor's trailing dims, which every rank knows from
+the box and the global shape alone; a single piece that spans them is a contiguous slice of both
+ends' (contiguous) local tensors and travels in place, costing no staging memory. A converting
+refit's message of a tensor cast on the way (``converting``, from the manifest) may be staged too.
 
 **Why no plan can deadlock.** Every rank posts its batches in increasing (s, c) and waits for each
 before the next; a batch needs only its partners' same batch, which contains the matching ops. Take
@@ -31,7 +38,7 @@ rest.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -39,8 +46,8 @@ ALIGN = 16
 """Byte offset of each piece in a packed message: any dtype's view of it is aligned."""
 SOLO_BYTES = 256 << 10
 """A piece this big travels alone, from and into the tensors themselves where its slice is contiguous."""
-FAN = 8
-"""Tournament rounds per super-round: how many partners a rank talks to in one batch, at most."""
+MAX_FAN = 16
+"""Most tournament rounds per super-round: how many partners a rank talks to in one batch, at most."""
 LEDGER_ENTRY_BYTES = 16
 """One ledger entry: the message's bytes and its checksum, two int64."""
 
@@ -155,7 +162,33 @@ def _by_peer(transfers: Sequence[Any], attr: str) -> dict[int, list[Any]]:
     return peers
 
 
-def rank_batches(mine: Any, rank: int, world: int, bucket_bytes: int, max_ops: int) -> list[Batch]:
+def fan(world: int, max_ops: int) -> int:
+    """Tournament rounds per super-round in a world of ``world`` ranks: every round when they are few, and
+    few enough that each partner's chunk gets two ops (a send and a receive) of the batch's ``max_ops``."""
+    return max(1, min(MAX_FAN, world - 1 + world % 2, max_ops // 2))
+
+
+def may_stage(
+    message: Message, shapes: Mapping[str, tuple[int, ...]], converting: frozenset[str] = frozenset()
+) -> bool:
+    """Whether either end of ``message`` may stage it (see the module doc): both ends answer alike."""
+    if message.ledger:
+        return False
+    if len(message.pieces) != 1:
+        return True
+    piece = message.pieces[0][0]
+    return piece.tensor in converting or piece.shape[1:] != tuple(shapes[piece.tensor][1:])
+
+
+def rank_batches(
+    mine: Any,
+    rank: int,
+    world: int,
+    bucket_bytes: int,
+    max_ops: int,
+    shapes: Mapping[str, tuple[int, ...]],
+    converting: frozenset[str] = frozenset(),
+) -> list[Batch]:
     """This rank's batches in the order every rank shares, each holding its messages in key order.
 
     Args:
@@ -164,9 +197,12 @@ def rank_batches(mine: Any, rank: int, world: int, bucket_bytes: int, max_ops: i
         world: ranks in the world (the tournament's players).
         bucket_bytes: bytes one batch may hold (staged or not, so that both ends count alike).
         max_ops: operations one batch may hold.
+        shapes: every tensor's global shape (the manifest's), for what may be staged.
+        converting: the tensors cast on the way (a converting refit's), staged wherever they are.
     """
-    pair_bytes = max(ALIGN, bucket_bytes // FAN)
-    pair_ops = max(2, max_ops // FAN)
+    rounds = fan(world, max_ops)
+    pair_bytes = max(ALIGN, bucket_bytes // rounds)
+    pair_ops = max(2, max_ops // rounds)
     lists: dict[int, list[Message]] = {}
     for send, transfers in ((True, mine.sends), (False, mine.recvs)):
         for peer, pair in _by_peer(transfers, "dst" if send else "src").items():
@@ -182,8 +218,8 @@ def rank_batches(mine: Any, rank: int, world: int, bucket_bytes: int, max_ops: i
     batches: dict[tuple[int, int], Batch] = {}
     for peer, messages in lists.items():
         messages.sort(key=lambda message: message.key)
-        superround = tournament_round(rank, peer, world) // FAN
-        for chunk, part in enumerate(_chunks(messages, pair_ops, pair_bytes)):
+        superround = tournament_round(rank, peer, world) // rounds
+        for chunk, part in enumerate(_chunks(messages, pair_ops, pair_bytes, shapes, converting)):
             batches.setdefault((superround, chunk), Batch((superround, chunk))).messages += part
     ordered = [batches[key] for key in sorted(batches)]
     for batch in ordered:
@@ -191,30 +227,39 @@ def rank_batches(mine: Any, rank: int, world: int, bucket_bytes: int, max_ops: i
     return ordered
 
 
-def _chunks(messages: Sequence[Message], ops: int, nbytes: int) -> Iterator[list[Message]]:
-    """A pair's messages cut in order into chunks of at most ``ops`` messages and ``nbytes`` bytes (a bigger
-    message alone); both ends cut alike because both count every message, staged or not."""
+def _chunks(
+    messages: Sequence[Message],
+    ops: int,
+    nbytes: int,
+    shapes: Mapping[str, tuple[int, ...]],
+    converting: frozenset[str],
+) -> Iterator[list[Message]]:
+    """A pair's messages cut in order into chunks of at most ``ops`` messages and ``nbytes`` bytes that may be
+    staged (a bigger message alone); both ends cut alike because both count alike (``may_stage``)."""
     chunk: list[Message] = []
     size = 0
     for message in messages:
-        if chunk and (len(chunk) == ops or size + message.nbytes > nbytes):
+        staged = aligned(message.nbytes) if may_stage(message, shapes, converting) else 0
+        if chunk and (len(chunk) == ops or (staged and size + staged > nbytes)):
             yield chunk
             chunk, size = [], 0
         chunk.append(message)
-        size += aligned(message.nbytes)
+        size += staged
     if chunk:
         yield chunk
 
 
 __all__ = [
     "ALIGN",
-    "FAN",
     "LEDGER_ENTRY_BYTES",
+    "MAX_FAN",
     "SOLO_BYTES",
     "Batch",
     "Message",
     "Piece",
     "aligned",
+    "fan",
+    "may_stage",
     "pair_messages",
     "pieces_of",
     "rank_batches",

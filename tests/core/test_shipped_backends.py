@@ -1,0 +1,40 @@
+"""The shipped backends have one table, ``SHIPPED_BACKENDS``; every other place that must list them is checked
+against it here: the plugin folders, tox's envs, and pyproject's mypy paths and first-party modules."""
+
+from __future__ import annotations
+
+import configparser
+import tomllib
+from pathlib import Path
+
+from shardcore.engine import SHIPPED_BACKENDS, install_hint
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_shipped_backend_has_its_plugin_folder_and_no_other_folder_is_one() -> None:
+    folders = sorted(path.name for path in (ROOT / "plugins").iterdir() if (path / "pyproject.toml").is_file())
+    assert folders == sorted(SHIPPED_BACKENDS)
+
+
+def test_tox_has_one_env_per_shipped_backend() -> None:
+    tox = configparser.ConfigParser()
+    tox.read(ROOT / "tox.ini")
+    envs = [env.strip() for env in tox["tox"]["env_list"].split(",")]
+    assert [env for env in envs if env not in ("lint", "core")] == list(SHIPPED_BACKENDS)
+    for backend in SHIPPED_BACKENDS:
+        assert f"{{tox_root}}/plugins/{backend}" in tox[f"testenv:{backend}"]["deps"], backend
+
+
+def test_pyproject_types_and_sorts_every_shipped_plugin() -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    mypy_files = pyproject["tool"]["mypy"]["files"]
+    first_party = pyproject["tool"]["ruff"]["lint"]["isort"]["known-first-party"]
+    for backend in SHIPPED_BACKENDS:
+        assert f"plugins/{backend}/shardcore_{backend}" in mypy_files, backend
+        assert f"shardcore_{backend}" in first_party, backend
+
+
+def test_the_install_hint_names_every_shipped_backend() -> None:
+    hint = install_hint()
+    assert all(backend in hint for backend in SHIPPED_BACKENDS), hint
