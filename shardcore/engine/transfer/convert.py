@@ -186,6 +186,8 @@ class Conversion:
         except Exception as error:  # published and drained: the peers still get every message they wait for
             exchange.fail(error)
         self._exchange_partials(exchange, partials, gathered, bucket_bytes, max_ops, world)
+        if exchange.lost:  # some amax never came: no scale is known, so nothing this rank sends would be right
+            exchange.draining = exchange.draining or f"it {exchange.lost_text()} in the partial-amax exchange"
         if exchange.draining:
             return
         try:

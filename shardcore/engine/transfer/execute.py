@@ -9,7 +9,9 @@ Every rank of the world calls :func:`execute_refit`, idle ranks too. The steps:
    batch, verification and the refit's version). A rank whose terms differ is named on every rank
    with what differs; a rank that failed its checks arrives with its error. Either way no byte moves.
 2. **Exchange** (``transfer.exchange``), in batches both ends post alike (``transfer.schedule``),
-   each message checked against its sender's ledger.
+   each message checked against its sender's ledger. A converting refit first computes its fp8
+   scales, exchanging partial amaxes where a per-tensor scale needs them, and casts on the way
+   (``transfer.convert``).
 3. **Agree on the outcome** at an end meeting, so that a refit that failed anywhere fails
    everywhere, naming the rank at fault and why.
 
