@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from ..engine import DEFAULT_BUCKET_BYTES
@@ -14,6 +15,7 @@ from ..plan.arguments import check_count, check_size, format_bytes, number_or_lo
 from ..plan.layout import DEFAULT_ORDER, ORDER_ALIASES, Layout, Order, plan_layout
 from ..refit.cost import DEFAULT_INTER_GBPS, DEFAULT_INTRA_GBPS, RefitStats
 from ..refit.documents import model_manifest
+from ..refit.manifest import Manifest, TensorSpec
 from ..refit.models import PRESETS
 from ..refit.planner import DEFAULT_MIN_PIECE_BYTES, RankRefit, ShardRefitPlan, plan_refit, tensors_matching
 from ..views.tables import format_table
@@ -78,6 +80,7 @@ def summary_table(plan: ShardRefitPlan, stats: RefitStats, intra_gbps: float, in
             f"({format_bytes(stats.intra_node_bytes)} intra-node, {format_bytes(stats.inter_node_bytes)} inter-node), "
             f"local copies {format_bytes(stats.local_bytes)}{relayed}"
         ),
+        *conversion_lines(plan.manifest, stats),
         f"busiest sender: {busiest}; lower bound {format_bytes(stats.lower_bound)} (x{stats.balance:.3f})",
         (
             f"estimate {stats.estimate_seconds(intra_gbps, inter_gbps):.3g} s at {intra_gbps:g} GB/s intra-node, "
@@ -85,6 +88,30 @@ def summary_table(plan: ShardRefitPlan, stats: RefitStats, intra_gbps: float, in
         ),
     ]
     return "\n".join(lines)
+
+
+def conversion_lines(manifest: Manifest, stats: RefitStats) -> list[str]:
+    """What a converting refit converts (none for a plain one): bytes above are then wire bytes."""
+    kinds = Counter(
+        f"{t.dtype} -> {t.to_dtype}" + (f" with {t.scale} scales" if t.scale else "") for t in manifest if t.to_dtype
+    )
+    if not kinds:
+        return []
+    shown = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items(), key=lambda item: -item[1]))
+    return [
+        f"converting {sum(kinds.values())} tensors ({shown}): bytes are wire bytes, in the narrower dtype; "
+        f"scale tensors {format_bytes(stats.scale_bytes)} of them"
+    ]
+
+
+def _manifest(args: argparse.Namespace) -> Manifest:
+    """``--model``, converted by ``--to-dtype`` / ``--scale`` when given."""
+    manifest = model_manifest(args.model)
+    if args.to_dtype is None:
+        if args.scale is not None:
+            raise RefitError(f"--scale {args.scale} needs --to-dtype float8_e4m3fn")
+        return manifest
+    return manifest.converted(args.to_dtype, args.scale)
 
 
 def rank_table(mine: RankRefit) -> str:
@@ -115,7 +142,7 @@ def _plan(args: argparse.Namespace) -> tuple[Layout, ShardRefitPlan]:
     if args.rank is not None:
         layout.shard_of(args.rank)  # a rank outside the world fails before any work
     src = check_count("--from", args.src, minimum=0, error=RefitError)  # a 4,000-digit index is shown short
-    manifest = model_manifest(args.model)
+    manifest = _manifest(args)
     plan = plan_refit(
         layout,
         src,
@@ -161,6 +188,8 @@ def _check(args: argparse.Namespace) -> int:
         min_piece_bytes=floor,
         fan_out=args.fan_out,
         tensors=patterns,
+        to_dtype=args.to_dtype,
+        scale=args.scale,
     )
     world = int(os.environ["WORLD_SIZE"]) if joined else args.nproc
     plan = refit_check.plan_from_options(options, world)  # bad input fails here, before any process starts
@@ -180,6 +209,8 @@ def run(args: argparse.Namespace) -> int:
     if args.search:
         if args.fan_out or args.min_piece is not None or args.tensors is not None:
             raise RefitError("--search ranks whole refits by estimate: drop --fan-out, --min-piece and --tensors")
+        if args.to_dtype is not None or args.scale is not None:
+            raise RefitError("--search ranks layouts by the manifest's own dtypes: drop --to-dtype and --scale")
         return run_search(args)
     if args.check:
         if args.world is not None:
@@ -202,9 +233,7 @@ def run(args: argparse.Namespace) -> int:
         data["destinations"] = [destination.index for destination in plan.destinations]
         data["min_piece_bytes"], data["fan_out"] = plan.min_piece_bytes, plan.fan_out
         data["refitted_tensors"] = len(plan.manifest) if plan.tensors is None else len(plan.tensors)
-        data["tensors"] = {
-            t.name: {"shape": list(t.shape), "dtype": t.dtype, "itemsize": t.itemsize} for t in plan.manifest
-        }
+        data["tensors"] = {t.name: _tensor_entry(t) for t in plan.manifest}
         if args.transfers:
             data["transfers"] = [transfer.to_dict() for transfer in plan.transfers()]
         if mine is not None:
@@ -221,6 +250,19 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(rank_table(mine))
     return 0
+
+
+def _tensor_entry(tensor: TensorSpec) -> dict[str, Any]:
+    """A tensor in ``--json``: shape, dtype and element size; with its destination and wire dtypes when it
+    converts, and the weight a scale tensor scales."""
+    entry: dict[str, Any] = {"shape": list(tensor.shape), "dtype": tensor.dtype, "itemsize": tensor.itemsize}
+    if tensor.to_dtype is not None:
+        entry.update(to_dtype=tensor.to_dtype, wire_dtype=tensor.wire_dtype, wire_itemsize=tensor.wire_itemsize)
+        if tensor.scale is not None:
+            entry["scale"] = tensor.scale
+    if tensor.scale_of is not None:
+        entry["scale_of"] = tensor.scale_of
+    return entry
 
 
 def check_summary(reports: list[RefitReport], plan: ShardRefitPlan) -> tuple[str, bool]:
@@ -292,6 +334,16 @@ def add_refit_parser(subparsers: Any, common: argparse.ArgumentParser) -> argpar
     parser.add_argument("--json", action="store_true", help="print the stats (and tensors) as JSON")
     parser.add_argument("--transfers", action="store_true", help="with --json: include every transfer")
     parser.add_argument("--list-models", action="store_true", help="print the preset model names, one a line")
+    parser.add_argument(
+        "--to-dtype",
+        metavar="DTYPE",
+        help="destination dtype of every floating tensor (e.g. bfloat16, float8_e4m3fn), in the plan and in --check",
+    )
+    parser.add_argument(
+        "--scale",
+        metavar="block|tensor",
+        help="with --to-dtype float8_e4m3fn: one scale per 128x128 block (default) or per tensor",
+    )
     parser.add_argument(
         "--intra-gbps",
         type=float,

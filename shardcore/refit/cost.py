@@ -112,7 +112,7 @@ class RefitStats:
 
     Attributes:
         model_bytes: Bytes of the model (each tensor once).
-        total_bytes: Bytes sent between ranks.
+        total_bytes: Bytes sent between ranks (wire bytes: a converting refit sends the narrower dtype).
         local_bytes: Bytes copied inside a rank.
         transfers: Number of transfers, local copies included.
         sent / received: Bytes per rank (ranks with none are absent).
@@ -124,6 +124,7 @@ class RefitStats:
         shards: Per destination shard.
         loads: Per rank, every hop: [sent intra, sent inter, received intra, received inter] bytes.
         relay_loads: The same for the relays' forwards alone (the second hop).
+        scale_bytes: Of ``total_bytes``, those of fp8 scale tensors.
     """
 
     model_bytes: int
@@ -141,6 +142,7 @@ class RefitStats:
     loads: dict[int, Load]
     relay_loads: dict[int, Load] = field(default_factory=dict)
     relayed_bytes: int = 0
+    scale_bytes: int = 0
 
     @classmethod
     def of(cls, plan: RefitPlan) -> RefitStats:
@@ -154,7 +156,8 @@ class RefitStats:
         shard_local = [0] * len(targets)
         must_move: dict[int, int] = defaultdict(int)
         holder_sets: dict[int, frozenset[int]] = {}
-        count = local = 0
+        count = local = scale_bytes = 0
+        scales = {position for position, tensor in enumerate(plan.manifest) if tensor.scale_of is not None}
         for tile, pieces in plan.tiles():
             row_bytes = tile.row_bytes
             holder_sets[tile.sources.key] = tile.sources.members
@@ -168,6 +171,8 @@ class RefitStats:
                 if not hop:  # what the holders must send; relays forward the rest
                     must_move[tile.sources.key] += size
                 shard_bytes[tile.shard] += size
+                if tile.position in scales:
+                    scale_bytes += size
                 inter = 1 if per_node is None or src // per_node != dst // per_node else 0
                 tables = (loads, shard_loads[tile.shard])
                 for table in (*tables, relayed, shard_relayed[tile.shard]) if hop else tables:
@@ -211,6 +216,7 @@ class RefitStats:
             loads=dict(loads),
             relay_loads=dict(relayed),
             relayed_bytes=sum(load[0] + load[1] for load in relayed.values()),
+            scale_bytes=scale_bytes,
         )
 
     @property
@@ -233,6 +239,7 @@ class RefitStats:
         return {
             "model_bytes": self.model_bytes,
             "total_bytes": self.total_bytes,
+            "scale_bytes": self.scale_bytes,
             "local_bytes": self.local_bytes,
             "transfers": self.transfers,
             "busiest_sender": self.busiest_sender,

@@ -14,17 +14,29 @@ from typing import Any
 from ..errors import ManifestError
 from ..plan.arguments import shown
 from ..plan.loading import load_document, read_text, shown_path
-from .manifest import Manifest, TensorSpec, check_dtype, tensor_label
+from .manifest import CONVERTIBLE, SCALED, Manifest, TensorSpec, check_conversion, check_dtype, tensor_label
 from .models import PRESET_CONFIGS, PRESETS, TransformerConfig, manifest_from_config, preset
 
-TENSOR_KEYS = ("name", "shape", "dtype", "tp_dim", "blocks", "unit", "layer", "stage", "expert")
-MANIFEST_KEYS = ("name", "layers", "first_stage_layers", "last_stage_layers", "experts", "dtype", "tensors", "config")
+TENSOR_KEYS = ("name", "shape", "dtype", "tp_dim", "blocks", "unit", "layer", "stage", "expert", "to_dtype", "scale")
+MANIFEST_KEYS = (
+    "name",
+    "layers",
+    "first_stage_layers",
+    "last_stage_layers",
+    "experts",
+    "dtype",
+    "to_dtype",
+    "scale",
+    "tensors",
+    "config",
+)
 
 
 def manifest_from_dict(data: Mapping[str, Any], source: str = "the manifest") -> Manifest:
     """Build a manifest from its file form: a ``tensors`` list, or a ``config`` to generate one.
 
-    A top-level ``dtype`` is the default of tensors that give none.
+    A top-level ``dtype`` is the default of tensors that give none; a top-level ``to_dtype`` (and ``scale``)
+    the destination dtype of every floating tensor that gives none.
 
     Args:
         data: the document (see README, "Refit").
@@ -49,14 +61,20 @@ def _from_mapping(data: Mapping[str, Any]) -> Manifest:
     if "config" in data:
         if "tensors" in data:
             raise ManifestError("give either 'tensors' or 'config', not both")
-        return manifest_from_config(TransformerConfig.from_dict(data["config"]), name=name)
+        manifest = manifest_from_config(TransformerConfig.from_dict(data["config"]), name=name)
+        if "to_dtype" not in data and "scale" not in data:
+            return manifest
+        return manifest.converted(data.get("to_dtype"), data.get("scale"))  # type: ignore[arg-type]
     entries = data.get("tensors")
     if isinstance(entries, (str, bytes)) or not isinstance(entries, Sequence):
         raise ManifestError(
             f"tensors={shown(entries)}: expected a list of tensor entries (name, shape, ...), or give a config"
         )
-    default_dtype = check_dtype("dtype", data["dtype"]) if "dtype" in data else "bfloat16"
-    tensors = tuple(_tensor(position, entry, default_dtype) for position, entry in enumerate(entries))
+    defaults: dict[str, Any] = {"dtype": check_dtype("dtype", data["dtype"]) if "dtype" in data else "bfloat16"}
+    if "to_dtype" in data or "scale" in data:
+        check_conversion(data.get("to_dtype"), data.get("scale"))
+        defaults.update(to_dtype=data.get("to_dtype"), scale=data.get("scale"))
+    tensors = tuple(_tensor(position, entry, defaults) for position, entry in enumerate(entries))
     return Manifest(
         tensors,
         layers=data.get("layers", 0),
@@ -67,8 +85,9 @@ def _from_mapping(data: Mapping[str, Any]) -> Manifest:
     )
 
 
-def _tensor(position: int, entry: object, default_dtype: str) -> TensorSpec:
-    """One entry of ``tensors``; its checks are TensorSpec's, once it has a name."""
+def _tensor(position: int, entry: object, defaults: Mapping[str, Any]) -> TensorSpec:
+    """One entry of ``tensors``; its checks are TensorSpec's, once it has a name. ``defaults``: the dtype, and the
+    conversion of a floating tensor (to_dtype, scale) when the manifest gives one."""
     if not isinstance(entry, Mapping):
         raise ManifestError(f"tensor entry {position} must be a mapping (name, shape, ...), got {shown(entry)}")
     if "name" not in entry or "shape" not in entry:
@@ -81,7 +100,16 @@ def _tensor(position: int, entry: object, default_dtype: str) -> TensorSpec:
         raise ManifestError(
             f"tensor {tensor_label(name)} has unknown key {shown(bad[0])}; allowed keys are {', '.join(TENSOR_KEYS)}"
         )
-    return TensorSpec(**{"dtype": default_dtype, **entry})
+    fields = {"dtype": defaults["dtype"], **entry}
+    if "to_dtype" in defaults and "to_dtype" not in entry and fields["dtype"] in CONVERTIBLE:
+        fields["to_dtype"] = defaults["to_dtype"]
+    if (
+        defaults.get("scale") is not None
+        and "scale" not in entry
+        and fields.get("to_dtype") == SCALED != fields["dtype"]
+    ):
+        fields["scale"] = defaults["scale"]
+    return TensorSpec(**fields)
 
 
 MAX_MANIFEST_BYTES = 64 << 20

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from math import prod
 from typing import Any, TypeGuard
@@ -42,6 +42,28 @@ ITEMSIZES: dict[str, int] = {
     "bool": 1,
 }
 """Element size in bytes of each supported dtype, named as torch names it (``torch.bfloat16`` -> "bfloat16")."""
+
+CONVERTIBLE = (
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+)
+"""The dtypes a refit converts between (real floating values; ``float8_e8m0fnu`` is a scale format, not one)."""
+
+SCALED = "float8_e4m3fn"
+"""The destination dtype that carries scales (DeepSeek-V3's fp8 weights): ``<name>_scale_inv`` beside the weight."""
+
+SCALES = ("block", "tensor")
+"""How a ``float8_e4m3fn`` destination is scaled: one float32 per 128x128 block (the default, DeepSeek-V3's
+``weight_block_size = [128, 128]``), or one for the whole tensor."""
+
+SCALE_BLOCK = 128
+"""Elements per dim of one scaling block (of the first two dims; a 1-D tensor has blocks of 128)."""
 
 STAGES = ("first", "last", "all")
 """Pipeline placements that are not a decoder layer: the first stage, the last, or every stage."""
@@ -101,6 +123,11 @@ class TensorSpec:
             embedding, or ("all",).
         expert: Global expert index for an expert tensor (needs ``layer``): it lives on the expert
             grid, owned by one ep rank, split over expt_tp and replicated over expt_dp.
+        to_dtype: The destination's dtype when it differs from ``dtype`` (a converting refit, between
+            floating dtypes: ``CONVERTIBLE``); None keeps ``dtype``.
+        scale: With ``to_dtype="float8_e4m3fn"``: "block" (default) or "tensor" (``SCALES``); the weight
+            then brings its scale tensor ``<name>_scale_inv`` into the manifest (``scale_spec``).
+        scale_of: Set on a scale tensor only, naming its weight: the manifest derives these itself.
 
     Raises:
         ManifestError: naming the tensor, for any inconsistent field.
@@ -115,6 +142,9 @@ class TensorSpec:
     layer: int | None = None
     stage: tuple[str, ...] = ()
     expert: int | None = None
+    to_dtype: str | None = None
+    scale: str | None = None
+    scale_of: str | None = None
     itemsize: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -136,6 +166,7 @@ class TensorSpec:
         object.__setattr__(self, "itemsize", ITEMSIZES[check_dtype(f"{label}: dtype", self.dtype)])
         self._check_split(label, shape)
         self._check_placement(label)
+        self._check_conversion(label)
 
     def _check_split(self, label: str, shape: tuple[int, ...]) -> None:
         check_count(f"{label}: unit", self.unit, maximum=MAX_ELEMENTS, error=ManifestError)
@@ -181,6 +212,89 @@ class TensorSpec:
             if self.layer is None:
                 raise ManifestError(f"{label}: an expert tensor needs the layer it belongs to")
 
+    def _check_conversion(self, label: str) -> None:
+        to_dtype = None if self.to_dtype == self.dtype else self.to_dtype
+        object.__setattr__(self, "to_dtype", to_dtype)
+        if to_dtype is not None:
+            if not isinstance(to_dtype, str) or to_dtype not in ITEMSIZES:
+                raise ManifestError(
+                    f"{label}: to_dtype {shown(to_dtype)} is not a dtype: choose one of {', '.join(CONVERTIBLE)}"
+                )
+            if self.dtype not in CONVERTIBLE or to_dtype not in CONVERTIBLE:
+                raise ManifestError(
+                    f"{label}: cannot convert {self.dtype} to {to_dtype}: a refit converts only between "
+                    f"{', '.join(CONVERTIBLE)}; drop its to_dtype"
+                )
+        if to_dtype != SCALED:
+            if self.scale is not None:
+                raise ManifestError(
+                    f"{label}: scale={shown(self.scale)} needs to_dtype {SCALED} (the dtype that carries scales)"
+                )
+        else:
+            object.__setattr__(self, "scale", "block" if self.scale is None else self.scale)
+            if self.scale not in SCALES:
+                raise ManifestError(f"{label}: scale {shown(self.scale)} is not one of {', '.join(SCALES)}")
+            if self.scale == "block" and len(self.shape) > 2:
+                raise ManifestError(
+                    f"{label} {shown(list(self.shape))}: block scales cover 1-d and 2-d tensors; "
+                    f"give it scale: tensor (--scale tensor)"
+                )
+            cut = self.blocks[:-1] if self.tp_dim is not None and self.scale == "block" else ()
+            if any(size % SCALE_BLOCK for size in cut):
+                raise ManifestError(
+                    f"{label} {shown(list(self.shape))}: packed blocks {shown(list(self.blocks))} must be multiples of "
+                    f"{SCALE_BLOCK} (all but the last) for block scales, or a scale block would mix two of them; "
+                    f"give it scale: tensor (--scale tensor)"
+                )
+        if self.scale_of is not None and not isinstance(self.scale_of, str):
+            raise ManifestError(f"{label}: scale_of={shown(self.scale_of)}: expected the name of its weight")
+        if self.scale_of is not None and (self.dtype != "float32" or to_dtype is not None):
+            raise ManifestError(f"{label}: a scale tensor (scale_of={shown(self.scale_of)}) is float32 both sides")
+
+    @property
+    def destination_dtype(self) -> str:
+        """The dtype a destination holds it in."""
+        return self.to_dtype or self.dtype
+
+    @property
+    def wire_dtype(self) -> str:
+        """The dtype its bytes travel in: the narrower of the two (the destination's when they are as wide), so
+        the sender casts when that narrows and the receiver when the destination is wider."""
+        destination = self.destination_dtype
+        return destination if ITEMSIZES[destination] <= self.itemsize else self.dtype
+
+    @property
+    def wire_itemsize(self) -> int:
+        """Bytes per element on the wire (what the plan's transfers and the cost model count)."""
+        return ITEMSIZES[self.wire_dtype]
+
+    def scale_spec(self) -> TensorSpec | None:
+        """Its scale tensor, placed like it (same stage, expert and split dim), or None when it has none.
+
+        ``<name>_scale_inv``, float32: shape [1] for a per-tensor scale; per block, one value per 128 elements of
+        each of its (at most two) dims, rounded up, and along the split dim one block of scales per packed block.
+        """
+        if self.scale is None:
+            return None
+        if self.scale == "tensor":
+            shape: tuple[int, ...] = (1,)
+            split: dict[str, Any] = {"tp_dim": None, "blocks": (), "unit": 1}
+        else:
+            shape = tuple(-(-size // SCALE_BLOCK) for size in self.shape)
+            split = {"tp_dim": self.tp_dim, "blocks": (), "unit": 1}
+            if self.tp_dim is not None and len(self.blocks) > 1:
+                split["blocks"] = tuple(-(-size // SCALE_BLOCK) for size in self.blocks)
+        return replace(
+            self,
+            name=f"{self.name}_scale_inv",
+            shape=shape,
+            dtype="float32",
+            to_dtype=None,
+            scale=None,
+            scale_of=self.name,
+            **split,
+        )
+
     @property
     def numel(self) -> int:
         """Elements of the global tensor."""
@@ -206,6 +320,10 @@ class TensorSpec:
             out["stage"] = self.stage[0] if len(self.stage) == 1 else list(self.stage)
         if self.expert is not None:
             out["expert"] = self.expert
+        if self.to_dtype is not None:
+            out["to_dtype"] = self.to_dtype
+        if self.scale is not None:
+            out["scale"] = self.scale
         return out
 
 
@@ -221,6 +339,10 @@ class Manifest:
         last_stage_layers: Layers on the last stage (``decoder_last_pipeline_num_layers``).
         experts: Experts per MoE layer (every ``expert`` is below it); 0 for a dense model.
         name: A label for tables.
+
+    A tensor converted to ``float8_e4m3fn`` brings its scale tensor (``TensorSpec.scale_spec``): the
+    manifest appends each one after the given tensors (a given one must equal it), so ``tensors`` holds
+    every tensor a refit moves.
 
     Raises:
         ManifestError: duplicate names, or a layer / expert index out of range.
@@ -240,7 +362,7 @@ class Manifest:
     def __post_init__(self) -> None:
         if isinstance(self.tensors, (str, bytes, Mapping)) or not isinstance(self.tensors, Iterable):
             raise ManifestError(f"tensors={shown(self.tensors)}: expected a list of TensorSpec")
-        object.__setattr__(self, "tensors", tuple(self.tensors))
+        object.__setattr__(self, "tensors", _with_scales(tuple(self.tensors)))
         if not isinstance(self.name, str) or not self.name:
             raise ManifestError(f"manifest name={shown(self.name)}: expected a non-empty string")
         check_count("layers", self.layers, minimum=0, error=ManifestError)
@@ -308,8 +430,34 @@ class Manifest:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the whole model (each tensor once)."""
-        return sum(tensor.nbytes for tensor in self.tensors)
+        """Bytes of the whole model (each tensor once, in its source dtype; scale tensors are derived, not counted)."""
+        return sum(tensor.nbytes for tensor in self.tensors if tensor.scale_of is None)
+
+    @property
+    def converts(self) -> bool:
+        """Whether a refit of this model converts any tensor's dtype."""
+        return any(tensor.to_dtype is not None for tensor in self.tensors)
+
+    def converted(self, to_dtype: str, scale: str | None = None) -> Manifest:
+        """This model with every floating tensor's destination dtype set to ``to_dtype`` (``--to-dtype``).
+
+        Args:
+            to_dtype: A dtype of ``CONVERTIBLE``, torch's name.
+            scale: For ``float8_e4m3fn``: "block" (the default) or "tensor".
+
+        Raises:
+            ManifestError: an unknown dtype, one that does not convert, or a scale the tensors cannot take,
+                naming the tensor and the fix.
+        """
+        check_conversion(to_dtype, scale)
+        given = tuple(
+            replace(tensor, to_dtype=to_dtype, scale=None if tensor.dtype == to_dtype else scale)
+            if tensor.dtype in CONVERTIBLE
+            else tensor
+            for tensor in self.tensors
+            if tensor.scale_of is None
+        )
+        return replace(self, tensors=given)
 
     def stage_layers(self, pp: int) -> tuple[range, ...]:
         """Each pipeline stage's global layer range under ``pp`` stages (see ``split_layers``)."""
@@ -344,8 +492,55 @@ class Manifest:
                 out[key] = getattr(self, key)
         if self.experts:
             out["experts"] = self.experts
-        out["tensors"] = [tensor.to_dict() for tensor in self.tensors]
+        out["tensors"] = [tensor.to_dict() for tensor in self.tensors if tensor.scale_of is None]
         return out
+
+
+def check_conversion(to_dtype: object, scale: object) -> None:
+    """A conversion every floating tensor can take (``Manifest.converted``, a manifest file's defaults).
+
+    Raises:
+        ManifestError: an unknown dtype or one that does not convert, or a scale without float8_e4m3fn.
+    """
+    if scale is not None and to_dtype != SCALED:
+        raise ManifestError(f"scale={shown(scale)} needs to_dtype {SCALED} (the dtype that carries scales)")
+    if to_dtype not in CONVERTIBLE:
+        known = isinstance(to_dtype, str) and to_dtype in ITEMSIZES
+        what = "is not a floating dtype a refit converts to" if known else "is not a dtype"
+        raise ManifestError(f"to_dtype {shown(to_dtype)} {what}: choose one of {', '.join(CONVERTIBLE)}")
+    if scale is not None and scale not in SCALES:
+        raise ManifestError(f"scale {shown(scale)} is not one of {', '.join(SCALES)}")
+
+
+def _with_scales(tensors: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
+    """The given tensors, then the scale tensor of every fp8 weight that is not among them already.
+
+    Raises:
+        ManifestError: a given scale tensor that is not its weight's, or one whose weight has none, or a
+            tensor that takes a scale tensor's name.
+    """
+    given = {tensor.name: tensor for tensor in tensors if isinstance(tensor, TensorSpec)}
+    derived = {}
+    for tensor in given.values():
+        spec = tensor.scale_spec()
+        if spec is None:
+            continue
+        found = given.get(spec.name)
+        if found is None:
+            derived[spec.name] = spec
+        elif found != spec:
+            raise ManifestError(
+                f"tensor {tensor_label(spec.name)}: that name holds the {tensor.scale} scales of "
+                f"{tensor_label(tensor.name)} (to_dtype {tensor.to_dtype}); rename it, or give the scale tensor "
+                f"the manifest derives"
+            )
+    for tensor in given.values():
+        if tensor.scale_of is not None and getattr(given.get(tensor.scale_of), "scale", None) is None:
+            raise ManifestError(
+                f"tensor {tensor_label(tensor.name)}: scale_of={shown(tensor.scale_of)} names no fp8 weight of "
+                f"the manifest; scale tensors are derived from a weight with to_dtype {SCALED}"
+            )
+    return tensors + tuple(derived.values())
 
 
 @lru_cache(maxsize=256)
@@ -389,11 +584,16 @@ def split_layers(layers: int, pp: int, first: int | None = None, last: int | Non
 
 
 __all__ = [
+    "CONVERTIBLE",
     "ITEMSIZES",
     "MAX_ELEMENTS",
+    "SCALED",
+    "SCALES",
+    "SCALE_BLOCK",
     "STAGES",
     "Manifest",
     "TensorSpec",
+    "check_conversion",
     "check_dtype",
     "split_layers",
     "tensor_label",

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 from ..errors import ManifestError, RefitError
 from ..plan.arguments import MAX_WORLD_SIZE, check_count, shown
 from ..plan.layout import ShardPlan
-from .manifest import Manifest, TensorSpec, tensor_label
+from .manifest import SCALE_BLOCK, Manifest, TensorSpec, tensor_label
 
 Box = tuple[tuple[int, int], ...]
 """A global box: [start, stop) per dim."""
@@ -310,7 +310,7 @@ def check_fits(manifest: Manifest, plan: ShardPlan) -> None:
         )
     seen: set[tuple[object, ...]] = set()
     for tensor in manifest:
-        if tensor.tp_dim is None:
+        if tensor.tp_dim is None or tensor.scale_of is not None:  # a scale tensor splits where its weight does
             continue
         tp = tp_size(tensor, plan)
         key = (tensor.blocks, tensor.unit, tp)
@@ -326,6 +326,39 @@ def check_fits(manifest: Manifest, plan: ShardPlan) -> None:
                 f"tensor {tensor_label(tensor.name)} {shown(list(tensor.shape))}: its {what} does not split "
                 f"into {tp} equal parts{units} "
                 f"over {name}={tp} of {where}: choose a {name} that divides it"
+            )
+    _check_scale_blocks(manifest, plan, where)
+
+
+def _check_scale_blocks(manifest: Manifest, plan: ShardPlan, where: str) -> None:
+    """A block-scaled tensor's tp parts must be whole 128-element blocks: then every block lies in one part, on
+    both sides of a refit, and its scale is computed where it is (no part holds half a block).
+
+    Raises:
+        ManifestError: naming the tensor, the shard and the fix.
+    """
+    seen: set[tuple[object, ...]] = set()
+    for tensor in manifest:
+        if tensor.scale != "block" or tensor.tp_dim is None:
+            continue
+        tp = tp_size(tensor, plan)
+        if tp == 1 or (tensor.blocks, tp) in seen:
+            continue
+        seen.add((tensor.blocks, tp))
+        bad = next((size for size in tensor.blocks if size % (SCALE_BLOCK * tp)), None)
+        if bad is not None:
+            name = "expt_tp" if tensor.expert is not None else "tp"
+            what = f"block of {bad}" if len(tensor.blocks) > 1 else f"dim {tensor.tp_dim} ({bad})"
+            fix = (
+                f"choose a {name} that divides its {bad // SCALE_BLOCK} blocks"
+                if bad % SCALE_BLOCK == 0
+                else f"{bad} is no multiple of {SCALE_BLOCK}, so only {name}=1 keeps them whole"
+            )
+            raise ManifestError(
+                f"tensor {tensor_label(tensor.name)} {shown(list(tensor.shape))}: its {what} splits into parts of "
+                f"{bad // tp} over "
+                f"{name}={tp} of {where}, not into whole {SCALE_BLOCK}-element scale blocks: {fix}; or give "
+                f"it scale: tensor (--scale tensor)"
             )
 
 

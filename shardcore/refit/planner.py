@@ -50,7 +50,7 @@ from ..errors import LayoutError, ManifestError, RefitError
 from ..plan.arguments import check_count, check_size, shown
 from ..plan.layout import Layout, ShardPlan
 from .manifest import Manifest, TensorSpec
-from .placement import Box, HolderSet, Placement, ShardPlacement, Slice, check_fits, overlap, volume
+from .placement import Box, HolderSet, Placement, Renumbered, ShardPlacement, Slice, check_fits, overlap, volume
 
 DEFAULT_MIN_PIECE_BYTES = 1 << 20
 """The floor on piece size: below it a message costs more than the balance it buys."""
@@ -69,7 +69,8 @@ class Transfer:
         box: Global [start, stop) per dim.
         src_offset: Where the box starts in the source rank's local tensor, per dim.
         dst_offset: Where the box starts in the destination rank's local tensor, per dim.
-        bytes: Size of the box in bytes.
+        bytes: Size of the box in bytes on the wire: in the narrower of the tensor's source and destination
+            dtypes (``TensorSpec.wire_dtype``).
         hop: 0 when the bytes come from the sender's source tensor; 1 when a relay forwards them (fan-out):
             they come from the relay's destination tensor (``src_offset`` is there), once its hop-0
             receives have landed.
@@ -120,7 +121,8 @@ class RankRefit:
         sends: Transfers with src == rank and dst != rank (with fan-out, a relay's forwards too: hop 1).
         recvs: Transfers with dst == rank and src != rank.
         copies: Transfers with src == dst == rank.
-        source_shapes: Local shape of every tensor the rank holds in the source layout.
+        source_shapes: Local shape of every tensor the rank holds in the source layout, as the caller passes
+            them; the fp8 scale tensors it sends are not among them (the executor computes those).
         destination_shapes: Local shape of every tensor the rank must hold in a destination layout.
     """
 
@@ -247,7 +249,7 @@ class RefitPlan:
             box = overlap(source.box, target.box)
             src_offset = tuple(o + lo - a for o, (lo, _), (a, _) in zip(source.offset, box, source.box))
             dst_offset = tuple(o + lo - a for o, (lo, _), (a, _) in zip(target.offset, box, target.box))
-        row_bytes = self.manifest.tensors[position].itemsize
+        row_bytes = self.manifest.tensors[position].wire_itemsize
         for start, stop in box[1:]:
             row_bytes *= stop - start
         first, seeding = group[0] if group else (shard, target)
@@ -529,7 +531,8 @@ class RefitPlan:
         for held in self.source_placement.held(rank):
             if chosen is not None and held.position not in chosen:
                 continue
-            source_shapes[tensors[held.position].name] = held.shape
+            if tensors[held.position].scale_of is None:  # scale tensors are derived where the weight is
+                source_shapes[tensors[held.position].name] = held.shape
             for source in held.slices:
                 for shard in range(len(self.destination_placements)):
                     for tile in self._tiles_from(held.position, shard, source):
@@ -777,8 +780,26 @@ def plan_refit_from(
         raise RefitError(
             f"world_size={world_size}: the placements hold ranks up to {needed - 1}; give at least {needed}"
         )
+    _check_scaled(source, items)
     _check_covered(source, items)
     return RefitPlan(source, tuple(items), world_size, ranks_per_node, floor, fan_out)
+
+
+def _check_scaled(source: Placement, destinations: Sequence[Placement]) -> None:
+    """fp8 scales are computed from a rank's local tensors by the index math of shards: every placement of a
+    manifest with scale tensors must be a shard's (``ShardPlacement``, or one ``restrict``-ed)."""
+    scaled = next((tensor for tensor in source.manifest if tensor.scale_of is not None), None)
+    if scaled is None:
+        return
+    for placement in (source, *destinations):
+        base = placement
+        while isinstance(base, Renumbered):
+            base = base.base
+        if not isinstance(base, ShardPlacement):
+            raise RefitError(
+                f"{placement.label}: tensor {scaled.scale_of} converts to float8_e4m3fn with scales, which are "
+                f"planned between shards' placements only (plan_refit): convert it without scales, or plan shards"
+            )
 
 
 __all__ = [

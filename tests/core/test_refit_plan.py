@@ -76,7 +76,7 @@ def simulate(refit: RefitPlan) -> list[Transfer]:
                     writes[rank, tensor.name] = [0] * prod(shape)
     for transfer in sorted(transfers, key=lambda t: t.hop):
         tensor = manifest.tensor(transfer.tensor)
-        assert transfer.bytes == prod(transfer.shape) * tensor.itemsize > 0
+        assert transfer.bytes == prod(transfer.shape) * tensor.wire_itemsize > 0
         assert transfer.hop in (0, 1) and not (transfer.hop and transfer.is_local), transfer
         if transfer.hop:  # a relay forwards from its destination tensor, inside its node
             assert refit.fan_out and transfer.src // refit.ranks_per_node == transfer.dst // refit.ranks_per_node  # type: ignore[operator]
@@ -128,8 +128,9 @@ def check_for_rank(refit: RefitPlan, transfers: list[Transfer]) -> None:
         assert list(mine.recvs) == sorted((t for t in transfers if t.dst == rank != t.src), key=key)
         assert list(mine.copies) == sorted((t for t in transfers if t.src == rank == t.dst), key=key)
         for tensor in refit.manifest:
-            held = local_shape(tensor, refit.source, rank, refit.manifest) if tensor.name in moved else None
-            assert mine.source_shapes.get(tensor.name) == held
+            held = local_shape(tensor, refit.source, rank, refit.manifest)
+            expected = held if tensor.name in moved and tensor.scale_of is None else None  # scales: derived
+            assert mine.source_shapes.get(tensor.name) == expected
             need = [local_shape(tensor, plan, rank, refit.manifest) for plan in refit.destinations if rank in plan]
             assert mine.destination_shapes.get(tensor.name) == (need[0] if need and tensor.name in moved else None)
 
@@ -213,6 +214,9 @@ def manifests(draw: st.DrawFn) -> Manifest:
         else:
             fields["stage"] = draw(st.sampled_from([("first",), ("last",), ("first", "last"), ("all",)]))
         dtype = draw(st.sampled_from(["bfloat16", "float32", "int8"]))
+        if dtype != "int8":  # a converting refit: wire bytes, and per-tensor fp8 scales placed and moved too
+            fields["to_dtype"] = draw(st.sampled_from([None, None, "bfloat16", "float32", "float8_e4m3fn"]))
+            fields["scale"] = "tensor" if fields["to_dtype"] == "float8_e4m3fn" else None
         tensors.append(TensorSpec(f"t{i}", tuple(shape), dtype, **fields))  # type: ignore[arg-type]
     return Manifest(tuple(tensors), layers=layers, experts=experts)
 

@@ -3,7 +3,9 @@
 Every source rank fills its local shards from known global tensors (seeded per tensor, so
 every rank computes the same ones without talking), the plan is executed, and every
 destination rank compares what it received, bitwise, with the slice of the same global
-tensors it must hold. Tests use the same pieces (``known_tensor``, ``cut``, ``check_rank``).
+tensors it must hold: converted as the manifest says (``reference``: the global tensor cast, or
+quantized to fp8 with the scales of the global tensor, which are checked too). Tests use the same
+pieces (``known_tensor``, ``cut``, ``reference``, ``check_refit``).
 """
 
 from __future__ import annotations
@@ -59,6 +61,23 @@ def cut(full: torch.Tensor, tensor: TensorSpec, plan: ShardPlan, rank: int, mani
     return local
 
 
+def reference(manifest: Manifest, name: str, full: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    """What a destination of a converting refit must hold of tensor ``name``, as a global tensor: the source's
+    global tensor (``full(name)``) cast to the destination dtype, or quantized to float8_e4m3fn with the
+    scales of the global tensor; for a scale tensor, those scales."""
+    import torch
+
+    from ..transfer.convert import amax_of, block_amax, quantize, scale_inv_of
+
+    spec = manifest.tensor(name)
+    weight = manifest.tensor(spec.scale_of) if spec.scale_of is not None else spec
+    if weight.scale is None:
+        return full(name).to(getattr(torch, spec.destination_dtype))
+    values = full(weight.name)
+    scale_inv = scale_inv_of(amax_of(values) if weight.scale == "tensor" else block_amax(values))
+    return scale_inv if spec.scale_of is not None else quantize(values, scale_inv, (0,) * values.dim())
+
+
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
     import torch
 
@@ -84,7 +103,7 @@ def check_refit(plan: Any, rank: int, **execute_options: Any) -> RefitReport:
 
     sources = {name: cut(full(name), manifest.tensor(name), plan.source, rank, manifest) for name in mine.source_shapes}
     destinations = {
-        name: torch.full(shape, -1.0, dtype=getattr(torch, manifest.tensor(name).dtype))
+        name: torch.full(shape, -1.0, dtype=getattr(torch, manifest.tensor(name).destination_dtype))
         for name, shape in mine.destination_shapes.items()
     }
     stats = execute_refit(plan, sources, destinations, **execute_options)
@@ -97,10 +116,13 @@ def check_refit(plan: Any, rank: int, **execute_options: Any) -> RefitReport:
         stats.seconds,
     )
     for name, got in destinations.items():
-        expected = cut(full(name), manifest.tensor(name), target_plan, rank, manifest)  # type: ignore[arg-type]
+        spec = manifest.tensor(name)
+        wanted = reference(manifest, name, full) if manifest.converts else full(name)
+        expected = cut(wanted, spec, target_plan, rank, manifest)  # type: ignore[arg-type]
         report.checked += 1
         if not torch.equal(_bits(got), _bits(expected)):
-            report.mismatches.append(f"rank {rank}: {name} differs from the source's global tensor")
+            what = "global tensor" if spec.to_dtype is None and spec.scale_of is None else "converted global tensor"
+            report.mismatches.append(f"rank {rank}: {name} differs from the source's {what}")
     return report
 
 
@@ -122,6 +144,10 @@ class RefitCheckOptions:
     fan_out: bool = False
     tensors: tuple[str, ...] = ()
     """Name patterns of a partial refit (``plan.subset``); empty: every tensor."""
+    to_dtype: str | None = None
+    """The destination dtype of every floating tensor (``--to-dtype``), or None for the manifest's own."""
+    scale: str | None = None
+    """With a float8_e4m3fn ``to_dtype``: "block" (default) or "tensor"."""
 
     def execute_options(self) -> dict[str, Any]:
         """The keyword arguments of ``execute_refit`` these options set."""
@@ -136,6 +162,8 @@ def plan_from_options(options: RefitCheckOptions, world_size: int) -> ShardRefit
     """
     layout = plan_layout(world_size, options.shards, order=options.order, allow_idle=True)
     manifest = model_manifest(options.model)
+    if options.to_dtype is not None:
+        manifest = manifest.converted(options.to_dtype, options.scale)
     plan = plan_refit(
         layout,
         options.src,
@@ -176,6 +204,7 @@ __all__ = [
     "cut",
     "known_tensor",
     "plan_from_options",
+    "reference",
     "refit_check_job",
     "run_joined",
     "run_local",

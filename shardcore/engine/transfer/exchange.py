@@ -103,6 +103,8 @@ class Exchange:
     epoch: int
     deadline: float
     gloo: bool
+    conversion: Any = None
+    """The refit's conversions on this rank (``transfer.convert.Conversion``), or None when nothing converts."""
     staging: torch.Tensor | None = None
     draining: str | None = None
     """Why this rank no longer works for the result (its own error, or a failure another rank published)."""
@@ -251,6 +253,9 @@ class Exchange:
         if len(message.pieces) != 1:
             return None
         piece = message.pieces[0][0]
+        reads_source = message.send and not message.hop  # a relay's forward reads its destination
+        if self.conversion is not None and not self.conversion.in_place(piece.tensor, reads_source):
+            return None  # cast on the way: through the staging buffer
         tensors = self._sent_from(message) if message.send else self.destinations
         view = view_of(tensors[piece.tensor], piece.src_offset if message.send else piece.dst_offset, piece.shape)
         return as_bytes(view) if view.is_contiguous() else None
@@ -261,7 +266,12 @@ class Exchange:
             tensors = self._sent_from(message)
             for piece, offset in message.pieces:
                 view = view_of(tensors[piece.tensor], piece.src_offset, piece.shape)
-                wire[offset : offset + piece.nbytes].view(view.dtype).view(piece.shape).copy_(view)
+                dtype = view.dtype
+                if self.conversion is not None:  # cast (by the copy) or quantized into the wire's dtype
+                    dtype = self.conversion.wire_dtype(piece.tensor, dtype)
+                    if not message.hop:  # a relay forwards its destination's bytes, already converted
+                        view = self.conversion.outgoing(piece.tensor, view, piece.src_offset)
+                wire[offset : offset + piece.nbytes].view(dtype).view(piece.shape).copy_(view)
         if self.verify == "checksum":
             self.sent_sums[message.key] = checksum(wire)
 
@@ -296,7 +306,8 @@ class Exchange:
     def _unpack(self, message: Message, wire: torch.Tensor) -> None:
         for piece, offset in message.pieces:
             target = view_of(self.destinations[piece.tensor], piece.dst_offset, piece.shape)
-            target.copy_(wire[offset : offset + piece.nbytes].view(target.dtype).view(piece.shape))
+            dtype = target.dtype if self.conversion is None else self.conversion.wire_dtype(piece.tensor, target.dtype)
+            target.copy_(wire[offset : offset + piece.nbytes].view(dtype).view(piece.shape))
 
     def _check_ledger(self, ledger: Message, wire: torch.Tensor) -> None:
         """Compare what the sender says it sent with what this rank expected and received."""

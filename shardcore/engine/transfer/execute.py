@@ -9,7 +9,9 @@ Every rank of the world calls :func:`execute_refit`, idle ranks too. The steps:
    batch, verification and the refit's version). A rank whose terms differ is named on every rank
    with what differs; a rank that failed its checks arrives with its error. Either way no byte moves.
 2. **Exchange** (``transfer.exchange``), in batches both ends post alike (``transfer.schedule``),
-   each message checked against its sender's ledger.
+   each message checked against its sender's ledger. A converting refit first computes its fp8
+   scales, exchanging partial amaxes where a per-tensor scale needs them, and casts on the way
+   (``transfer.convert``).
 3. **Agree on the outcome** at an end meeting, so that a refit that failed anywhere fails
    everywhere, naming the rank at fault and why.
 
@@ -41,6 +43,7 @@ from ...plan.arguments import DEFAULT_TIMEOUT, as_timedelta, check_count, shown
 from ...version import __version__
 from ..agreement import GRACE, Party, Purpose, Terms, arrive_failed, convene, declare_absent, meet
 from ..torch_state import dist, import_torch, is_fake_world
+from .convert import Conversion
 from .exchange import Exchange, view_of
 from .schedule import ALIGN, rank_batches
 
@@ -204,7 +207,8 @@ def execute_refit(
         wait = as_timedelta(timeout)
         options = _check_options(bucket_bytes, max_ops, verify, version)
         mine = plan.for_rank(rank)
-        sources, destinations = _checked_tensors(mine, plan.manifest, sources, destinations)
+        conversion = Conversion.of(plan, mine, rank)
+        sources, destinations = _checked_tensors(mine, plan.manifest, sources, destinations, conversion)
         terms = _terms(plan, options)
     except BaseException as error:
         failure = _as_input_error(rank, error)
@@ -215,9 +219,10 @@ def execute_refit(
     stats = TransferStats(rank, verify=verify, version=version)
     stats.agreement_seconds = time.monotonic() - started
     previous = held_version(destinations)
+    world = dist().get_world_size()
     exchange = Exchange(
         rank,
-        rank_batches(mine, rank, dist().get_world_size(), bucket_bytes, max_ops, _global_shapes(plan.manifest, mine)),
+        rank_batches(mine, rank, world, bucket_bytes, max_ops, _global_shapes(plan.manifest, mine), _converting(plan)),
         sources,
         destinations,
         TAG_BASE + epoch % TAG_BASE,
@@ -226,7 +231,10 @@ def execute_refit(
         epoch,
         deadline,
         "gloo" in str(dist().get_backend()),
+        conversion,
     )
+    if conversion is not None:
+        conversion.prepare(exchange, bucket_bytes, max_ops, world)
     _run(exchange, mine, sources, destinations, stats)
     ended = time.monotonic()
     _finish(party, exchange, epoch, deadline, destinations, previous, version)
@@ -250,6 +258,11 @@ def _global_shapes(manifest: Any, mine: Any) -> dict[str, tuple[int, ...]]:
     """The global shape of every tensor this rank moves (what ``schedule.may_stage`` reads)."""
     names = {t.tensor for t in (*mine.sends, *mine.recvs)}
     return {name: tuple(manifest.tensor(name).shape) for name in names}
+
+
+def _converting(plan: Any) -> frozenset[str]:
+    """The tensors whose messages are cast on the way (at one end or the other): staged, never in place."""
+    return frozenset(tensor.name for tensor in plan.manifest if tensor.to_dtype is not None)
 
 
 def _require_world() -> int:
@@ -334,7 +347,11 @@ _DEVICES = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
 
 
 def _checked_tensors(
-    mine: Any, manifest: Any, sources: Mapping[str, Any], destinations: Mapping[str, Any]
+    mine: Any,
+    manifest: Any,
+    sources: Mapping[str, Any],
+    destinations: Mapping[str, Any],
+    conversion: Conversion | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """This rank's tensors, detached (a parameter is written under no_grad), once every one is checked.
 
@@ -342,7 +359,8 @@ def _checked_tensors(
         RefitInputError: every problem of this rank's tensors, in one message.
     """
     read = {t.tensor for t in (*mine.sends, *mine.copies) if not getattr(t, "hop", 0)}  # forwards read destinations
-    problems = _side_problems("source", sources, mine.source_shapes, read, manifest)
+    needed = read if conversion is None else conversion.needed_sources(read)
+    problems = _side_problems("source", sources, mine.source_shapes, needed, manifest)
     problems += _side_problems(
         "destination", destinations, mine.destination_shapes, set(mine.destination_shapes), manifest
     )
@@ -382,7 +400,8 @@ def _side_problems(
             problems.append(
                 f"{kind} tensor {shown(name)} has shape {list(tensor.shape)}, expected {list(shapes[name])}"
             )
-        expected = getattr(torch, manifest.tensor(name).dtype)
+        spec = manifest.tensor(name)
+        expected = getattr(torch, spec.destination_dtype if kind == "destination" else spec.dtype)
         if tensor.dtype != expected:
             problems.append(f"{kind} tensor {shown(name)} has dtype {tensor.dtype}, expected {expected}")
         if not tensor.is_contiguous():
@@ -436,9 +455,11 @@ def _run(
         exchange.wrote = exchange.wrote or bool(mine.copies)
         for transfer in sorted(mine.copies):
             shape = tuple(stop - start for start, stop in transfer.box)
-            view_of(destinations[transfer.tensor], tuple(transfer.dst_offset), shape).copy_(
-                view_of(sources[transfer.tensor], tuple(transfer.src_offset), shape)
-            )
+            offset = tuple(transfer.src_offset)
+            source = view_of(sources[transfer.tensor], offset, shape)
+            if exchange.conversion is not None:
+                source = exchange.conversion.outgoing(transfer.tensor, source, offset)
+            view_of(destinations[transfer.tensor], tuple(transfer.dst_offset), shape).copy_(source)
             stats.bytes_copied += int(transfer.bytes)
 
     with torch.no_grad():

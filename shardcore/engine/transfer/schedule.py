@@ -25,7 +25,8 @@ message post it in the same batch, whatever the plan.
 *Staged bytes* are counted alike at both ends: a message may be staged (at either end) when it packs
 several pieces or its one piece does not span the tensor's trailing dims, which every rank knows from
 the box and the global shape alone; a single piece that spans them is a contiguous slice of both
-ends' (contiguous) local tensors and travels in place, costing no staging memory.
+ends' (contiguous) local tensors and travels in place, costing no staging memory. A converting
+refit's message of a tensor cast on the way (``converting``, from the manifest) may be staged too.
 
 **Hops (fan-out).** A relay forwards bytes it received (``Transfer.hop == 1``: read from its
 destination tensor). Every message has the hop of its transfers (a pair's transfers are cut into
@@ -181,18 +182,26 @@ def fan(world: int, max_ops: int) -> int:
     return max(1, min(MAX_FAN, world - 1 + world % 2, max_ops // 2))
 
 
-def may_stage(message: Message, shapes: Mapping[str, tuple[int, ...]]) -> bool:
+def may_stage(
+    message: Message, shapes: Mapping[str, tuple[int, ...]], converting: frozenset[str] = frozenset()
+) -> bool:
     """Whether either end of ``message`` may stage it (see the module doc): both ends answer alike."""
     if message.ledger:
         return False
     if len(message.pieces) != 1:
         return True
     piece = message.pieces[0][0]
-    return piece.shape[1:] != tuple(shapes[piece.tensor][1:])
+    return piece.tensor in converting or piece.shape[1:] != tuple(shapes[piece.tensor][1:])
 
 
 def rank_batches(
-    mine: Any, rank: int, world: int, bucket_bytes: int, max_ops: int, shapes: Mapping[str, tuple[int, ...]]
+    mine: Any,
+    rank: int,
+    world: int,
+    bucket_bytes: int,
+    max_ops: int,
+    shapes: Mapping[str, tuple[int, ...]],
+    converting: frozenset[str] = frozenset(),
 ) -> list[Batch]:
     """This rank's batches in the order every rank shares, each holding its messages in key order.
 
@@ -203,6 +212,7 @@ def rank_batches(
         bucket_bytes: bytes one batch may hold (staged or not, so that both ends count alike).
         max_ops: operations one batch may hold.
         shapes: every tensor's global shape (the manifest's), for what may be staged.
+        converting: the tensors cast on the way (a converting refit's), staged wherever they are.
     """
     rounds = fan(world, max_ops)
     pair_bytes = max(ALIGN, bucket_bytes // rounds)
@@ -223,7 +233,7 @@ def rank_batches(
     for (peer, hop), messages in lists.items():
         messages.sort(key=lambda message: message.key)
         superround = tournament_round(rank, peer, world) // rounds
-        for chunk, part in enumerate(_chunks(messages, pair_ops, pair_bytes, shapes)):
+        for chunk, part in enumerate(_chunks(messages, pair_ops, pair_bytes, shapes, converting)):
             key = (hop, superround, chunk)
             batches.setdefault(key, Batch(key)).messages += part
     ordered = [batches[key] for key in sorted(batches)]
@@ -233,14 +243,18 @@ def rank_batches(
 
 
 def _chunks(
-    messages: Sequence[Message], ops: int, nbytes: int, shapes: Mapping[str, tuple[int, ...]]
+    messages: Sequence[Message],
+    ops: int,
+    nbytes: int,
+    shapes: Mapping[str, tuple[int, ...]],
+    converting: frozenset[str],
 ) -> Iterator[list[Message]]:
     """A pair's messages cut in order into chunks of at most ``ops`` messages and ``nbytes`` bytes that may be
     staged (a bigger message alone); both ends cut alike because both count alike (``may_stage``)."""
     chunk: list[Message] = []
     size = 0
     for message in messages:
-        staged = aligned(message.nbytes) if may_stage(message, shapes) else 0
+        staged = aligned(message.nbytes) if may_stage(message, shapes, converting) else 0
         if chunk and (len(chunk) == ops or (staged and size + staged > nbytes)):
             yield chunk
             chunk, size = [], 0

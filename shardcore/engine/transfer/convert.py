@@ -1,0 +1,245 @@
+"""Converting refits on the wire: casts, fp8 scales, and the exchange of partial amaxes that per-tensor scales need.
+
+Every piece travels in its tensor's wire dtype (``TensorSpec.wire_dtype``, the narrower one): the sender casts
+what narrows (into the staging buffer, so such a send is never in place), the receiver casts what widens (out
+of the staging buffer). A ``float8_e4m3fn`` piece is quantized by its sender with its elements' scales:
+``q = (x.float() / scale_inv).to(float8_e4m3fn)``, so that ``q * scale_inv`` dequantizes it, where a block's
+(or the tensor's) ``scale_inv`` is its amax / 448 in float32 (1 for an all-zero block): the block's largest
+magnitude maps to 448, e4m3fn's largest finite value. The source ranks compute the scale tensors before the
+data moves (``shardcore.refit.scales`` says why they can) and send them like any tensor.
+
+The partial-amax exchange runs first, on the refit's own tag: between two ranks both post every message of
+it before any of the data's, and point-to-point messages between two ranks on one tag are matched in order,
+so neither phase's messages can match the other's. Its batches precede the data's in the order every rank
+shares, so the schedule's deadlock-freedom argument holds for the two phases together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ...refit.manifest import SCALE_BLOCK
+from ...refit.scales import AmaxExchange, amax_exchange
+from .exchange import Exchange
+from .schedule import rank_batches
+
+if TYPE_CHECKING:
+    import torch
+
+E4M3_MAX = 448.0
+"""The largest finite ``float8_e4m3fn`` value: a block's largest magnitude is scaled to it."""
+
+
+QUANTIZE_ELEMENTS = 1 << 19
+"""Elements quantized at a time: the float32 temporaries of a chunk stay in cache (3x faster than whole pieces)."""
+
+
+def scale_inv_of(amax: torch.Tensor) -> torch.Tensor:
+    """``scale_inv`` from an amax (any shape): amax / 448 in float32, and 1 where the amax is 0."""
+    import torch
+
+    amax = amax.float()
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+def amax_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude in ``tensor``, as a float32 [1] (two reductions, no copy of the tensor)."""
+    import torch
+
+    low, high = torch.aminmax(_comparable(tensor))
+    return torch.maximum(high, -low).float().reshape(1)
+
+
+def block_amax(tensor: torch.Tensor) -> torch.Tensor:
+    """The amax of each 128x128 block (128 for a 1-d tensor) as float32, shape ceil(shape / 128); a block
+    cut by the tensor's end covers what there is of it."""
+    import torch
+
+    cells = [-(-size // SCALE_BLOCK) for size in tensor.shape]
+    tensor = _comparable(tensor)
+    if any(size % SCALE_BLOCK for size in tensor.shape):  # padded with zeros: no magnitude's maximum changes
+        magnitudes = torch.zeros([n * SCALE_BLOCK for n in cells], dtype=tensor.dtype, device=tensor.device)
+        magnitudes[tuple(slice(0, size) for size in tensor.shape)] = tensor
+        magnitudes.abs_()
+    else:
+        magnitudes = tensor.abs()
+    if len(cells) == 1:
+        return magnitudes.reshape(cells[0], SCALE_BLOCK).amax(dim=1).float()
+    return magnitudes.reshape(cells[0], SCALE_BLOCK, cells[1], SCALE_BLOCK).amax(dim=3).amax(dim=1).float()
+
+
+def _comparable(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in a dtype torch reduces on every device: float8 sources (torch has no fp8 max) as float32."""
+    return tensor.float() if tensor.element_size() == 1 else tensor
+
+
+def quantize(values: torch.Tensor, scale_inv: torch.Tensor, offset: tuple[int, ...]) -> torch.Tensor:
+    """``values``, the box at ``offset`` of a local tensor whose scales are ``scale_inv`` (its blocks', or a [1]
+    per-tensor scale), as float8_e4m3fn: each element / its block's scale_inv in float32, then cast; in chunks
+    of rows, elementwise alike whatever the chunks."""
+    import torch
+
+    out = torch.empty(values.shape, dtype=torch.float8_e4m3fn, device=values.device)
+    step = max(1, QUANTIZE_ELEMENTS // max(1, values[0].numel()))
+    for start in range(0, values.shape[0], step):
+        chunk = values[start : start + step]
+        out[start : start + step].copy_(_divided(chunk, scale_inv, (offset[0] + start, *offset[1:])))
+    return out
+
+
+def _divided(chunk: torch.Tensor, scale_inv: torch.Tensor, origin: tuple[int, ...]) -> torch.Tensor:
+    """``chunk`` (at ``origin``) / each element's scale_inv, in float32, broadcasting the scales where it can."""
+    import torch
+
+    if scale_inv.dim() == 1 and scale_inv.numel() == 1:
+        return chunk.float() / scale_inv
+    rows = scale_inv[torch.arange(origin[0], origin[0] + chunk.shape[0], device=chunk.device) // SCALE_BLOCK]
+    if chunk.dim() == 1:
+        return chunk.float() / rows
+    (count, width), first = chunk.shape, origin[1]
+    if first % SCALE_BLOCK == 0 and width % SCALE_BLOCK == 0:  # whole blocks across: one scale per 128 columns
+        cells = width // SCALE_BLOCK
+        scales = rows[:, first // SCALE_BLOCK : first // SCALE_BLOCK + cells, None]
+        return (chunk.float().view(count, cells, SCALE_BLOCK) / scales).view(count, width)
+    columns = torch.arange(first, first + width, device=chunk.device) // SCALE_BLOCK
+    return chunk.float() / rows[:, columns]
+
+
+@dataclass
+class Conversion:
+    """One rank's conversions in one refit: the wire dtype of each converting tensor it moves, the scales it
+    computes, and its part of the partial-amax exchange.
+
+    Attributes:
+        manifest: The plan's model.
+        wire: Tensor name -> its torch wire dtype, for the tensors this rank moves that convert.
+        scaled: The fp8 weights whose scales this rank computes (it sends or copies them or their scales).
+        amax: Its part of the partial-amax exchange.
+    """
+
+    manifest: Any
+    wire: dict[str, torch.dtype]
+    scaled: set[str]
+    amax: AmaxExchange
+    scale_inv: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Weight name -> this rank's local scale tensor of it, once computed."""
+
+    @classmethod
+    def of(cls, plan: Any, mine: Any, rank: int) -> Conversion | None:
+        """This rank's conversions in ``plan`` (``mine`` its part), or None when the plan converts nothing."""
+        import torch
+
+        manifest = plan.manifest
+        if not manifest.converts:
+            return None
+        specs = [manifest.tensor(name) for name in {t.tensor for t in (*mine.sends, *mine.recvs, *mine.copies)}]
+        wire = {spec.name: getattr(torch, spec.wire_dtype) for spec in specs if spec.to_dtype is not None}
+        outgoing = {t.tensor for t in (*mine.sends, *mine.copies)}
+        scaled = {
+            spec.scale_of or spec.name
+            for spec in specs
+            if spec.name in outgoing and (spec.scale_of is not None or spec.scale is not None)
+        }
+        return cls(manifest, wire, scaled, amax_exchange(plan, rank))
+
+    def needed_sources(self, sent: set[str]) -> set[str]:
+        """The source tensors the caller must pass: those this rank sends or copies, with each scale tensor's
+        weight in its place, and the weights whose partial amax it sends."""
+        names = {self.manifest.tensor(name).scale_of or name for name in sent}
+        return names | {t.tensor for t in self.amax.sends}
+
+    def in_place(self, name: str, send: bool) -> bool:
+        """Whether a piece of ``name`` can go from the source tensor (``send``) or into the destination as it
+        is: its bytes on that side are the wire's."""
+        spec = self.manifest.tensor(name)
+        return spec.to_dtype is None or spec.wire_dtype == (spec.dtype if send else spec.destination_dtype)
+
+    def wire_dtype(self, name: str, default: torch.dtype) -> torch.dtype:
+        return self.wire.get(name, default)
+
+    def outgoing(self, name: str, view: torch.Tensor, offset: tuple[int, ...]) -> torch.Tensor:
+        """What to copy into the wire (or a local destination) for ``view``, the box at ``offset`` of the local
+        source tensor ``name``: quantized with its scales for an fp8 weight, else the view itself (the copy into
+        the wire's or the destination's dtype casts it)."""
+        scale_inv = self.scale_inv.get(name)
+        return view if scale_inv is None else quantize(view, scale_inv, offset)
+
+    def prepare(self, exchange: Exchange, bucket_bytes: int, max_ops: int, world: int) -> None:
+        """Compute this rank's source scales (after the partial-amax exchange) and add the scale tensors to
+        ``exchange.sources``; a failure here makes ``exchange`` drain, as any other of this rank's."""
+        import torch
+
+        sources = exchange.sources
+        partials: dict[str, torch.Tensor] = {}
+        gathered: dict[str, torch.Tensor] = {}
+        for name, (_, parts) in self.amax.parts.items():
+            device = sources[name].device if name in sources else exchange.device
+            partials[name] = torch.zeros(1, device=device)
+            gathered[name] = torch.zeros(parts, device=device)
+        try:
+            for name in partials:
+                if name in sources:
+                    partials[name].copy_(amax_of(sources[name]))
+                    gathered[name][self.amax.parts[name][0]] = partials[name][0]
+        except Exception as error:  # published and drained: the peers still get every message they wait for
+            exchange.fail(error)
+        self._exchange_partials(exchange, partials, gathered, bucket_bytes, max_ops, world)
+        if exchange.lost:  # some amax never came: no scale is known, so nothing this rank sends would be right
+            exchange.draining = exchange.draining or f"it {exchange.lost_text()} in the partial-amax exchange"
+        if exchange.draining:
+            return
+        try:
+            self._scales(sources, gathered)
+        except Exception as error:
+            exchange.fail(error)
+
+    def _exchange_partials(
+        self,
+        exchange: Exchange,
+        partials: Mapping[str, torch.Tensor],
+        gathered: Mapping[str, torch.Tensor],
+        bucket_bytes: int,
+        max_ops: int,
+        world: int,
+    ) -> None:
+        """Run the partial-amax exchange as a phase of ``exchange``: same tag, party, deadline and checks; its
+        faults and lost peers become the exchange's."""
+        phase = Exchange(
+            exchange.rank,
+            rank_batches(
+                self.amax, exchange.rank, world, bucket_bytes, max_ops, {n: p.shape for n, p in gathered.items()}
+            ),
+            partials,
+            gathered,
+            exchange.tag,
+            exchange.verify,
+            exchange.party,
+            exchange.epoch,
+            exchange.deadline,
+            exchange.gloo,
+        )
+        if not phase.batches:
+            return
+        import torch
+
+        phase.staging = torch.empty(phase.staging_bytes(), dtype=torch.uint8, device=phase.device)
+        phase.error, phase.draining = exchange.error, exchange.draining
+        phase.run(None)
+        exchange.error, exchange.draining = phase.error, phase.draining
+        exchange.lost.update(phase.lost)
+        exchange.integrity.faults += phase.integrity.faults
+
+    def _scales(self, sources: Any, gathered: Mapping[str, torch.Tensor]) -> None:
+        for name in sorted(self.scaled):
+            spec = self.manifest.tensor(name)
+            if spec.scale == "tensor":
+                scale_inv = scale_inv_of(gathered[name].amax().reshape(1))
+            else:
+                scale_inv = scale_inv_of(block_amax(sources[name]))
+            self.scale_inv[name] = scale_inv
+            sources[spec.scale_spec().name] = scale_inv
+
+
+__all__ = ["E4M3_MAX", "QUANTIZE_ELEMENTS", "Conversion", "amax_of", "block_amax", "quantize", "scale_inv_of"]

@@ -1,0 +1,130 @@
+"""Converting refits on live gloo worlds: bf16 -> bf16, fp32 -> bf16, bf16 -> fp32 and bf16 -> fp8 (per tensor,
+per 128x128 block), every destination byte and every scale equal to a reference conversion of the global tensor;
+the fp8 math checked against its definition."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+import torch
+
+from shardcore.engine.live.refit_check import cut, known_tensor, reference
+from shardcore.engine.transfer.convert import E4M3_MAX, amax_of, block_amax, quantize, scale_inv_of
+from shardcore.plan.layout import plan_layout
+from shardcore.refit import RefitStats
+from shardcore.testing import run_world
+from tests.engine import convert_workers as workers
+from tests.engine.test_check import ROOT, _env
+
+TIMEOUT = 8.0
+MARGIN = 6.0
+
+
+# -- the fp8 math, against its definition ------------------------------------------------------------
+
+
+def _expanded(scale_inv: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """Each element's scale, by first principles: every block's scale repeated over its 128 x 128 elements."""
+    out = scale_inv.repeat_interleave(128, 0)[: shape[0]]
+    return out if len(shape) == 1 else out.repeat_interleave(128, 1)[:, : shape[1]]
+
+
+def test_a_blocks_largest_magnitude_maps_to_448_and_dequantizes_close() -> None:
+    values = torch.randn(300, 200, generator=torch.Generator().manual_seed(1)) * 3
+    values[128:256, 128:200] = 0  # an all-zero block: scale 1, zeros
+    scale_inv = scale_inv_of(block_amax(values))
+    assert scale_inv.shape == (3, 2) and scale_inv.dtype == torch.float32
+    assert float(scale_inv[1, 1]) == 1.0
+    assert float(scale_inv[0, 0]) == float(values[:128, :128].abs().max() / E4M3_MAX)  # in float32
+    q = quantize(values, scale_inv, (0, 0))
+    assert q.dtype == torch.float8_e4m3fn
+    for r, c in ((0, 0), (2, 1), (1, 0)):  # the block's extreme value becomes +-448 exactly
+        block = q[128 * r : 128 * (r + 1), 128 * c : 128 * (c + 1)].float()
+        assert float(block.abs().max()) == E4M3_MAX
+    assert not q[128:256, 128:200].float().any()
+    dequantized = q.float() * _expanded(scale_inv, values.shape)
+    assert torch.allclose(dequantized, values, rtol=2**-3, atol=float(scale_inv.max()) * 2**-9)
+    assert float(amax_of(values)) == float(values.abs().max())
+
+
+@pytest.mark.parametrize("shape", [(512, 384), (500, 300), (1000,)])
+def test_a_piece_quantized_where_it_lies_equals_the_global_reference(shape: tuple[int, ...]) -> None:
+    values = torch.randn(shape, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(2))
+    scale_inv = scale_inv_of(block_amax(values))
+    by_definition = (values.float() / _expanded(scale_inv, shape)).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(quantize(values, scale_inv, (0,) * len(shape)).view(torch.uint8), by_definition)
+    for box in ([(256, 300), (128, 256)], [(3, 400), (100, 299)]):  # pieces on and off block edges
+        cut = tuple(slice(a, min(b, size)) for (a, b), size in zip(box, shape))
+        start = tuple(a for a, _ in box[: len(shape)])
+        local = quantize(values[cut], scale_inv, start)
+        assert torch.equal(local.view(torch.uint8), by_definition[cut]), box
+    assert not torch.equal(values.to(torch.float8_e4m3fn).view(torch.uint8), by_definition)  # scales matter
+
+
+def test_a_per_tensor_scale_needs_every_tp_parts_amax() -> None:
+    plan = workers.plan_of(8, workers.CASES[3])
+    manifest, source = plan.manifest, plan.source
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    spec = manifest.tensor(name)
+    full = known_tensor(spec, manifest.index(name))
+    parts = [cut(full, spec, source, rank, manifest) for rank in (0, 1)]  # tp ranks 0 and 1
+    local = [scale_inv_of(part.abs().amax()) for part in parts]
+    global_scale = reference(manifest, f"{name}_scale_inv", lambda _: full)
+    assert float(global_scale) == max(float(s) for s in local) and float(local[0]) != float(local[1])
+
+
+# -- live worlds --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options", [{}, {"verify": "checksum", "bucket_bytes": 1 << 16}])
+def test_converting_refits_arrive_bitwise(options: dict[str, object]) -> None:
+    results = run_world(8, workers.run_cases, workers.CASES, options, timeout=900)
+    for index, case in enumerate(workers.CASES):
+        reports = [results[rank][index] for rank in range(8)]
+        assert not [m for r in reports for m in r["mismatches"]], case[0]
+        destination_ranks = [r for r in reports if r["shard"] is not None]
+        assert destination_ranks and all(r["checked"] for r in destination_ranks), case[0]
+        stats = RefitStats.of(workers.plan_of(8, case))
+        received = sum(r["bytes_received"] for r in reports)
+        assert received == sum(r["bytes_sent"] for r in reports) == stats.total_bytes, case[0]  # wire bytes
+        assert sum(r["bytes_copied"] for r in reports) == stats.local_bytes, case[0]
+        scaled = case[2] is not None and case[2][0] == "float8_e4m3fn"
+        checked = sum(r["checked"] for r in reports)
+        names = sum(len(workers.plan_of(8, case).for_rank(r).destination_shapes) for r in range(8))
+        assert checked == names and (stats.scale_bytes > 0) == scaled, case[0]  # the scales were checked too
+
+
+def test_a_destination_of_the_wrong_dtype_is_one_typed_error_everywhere() -> None:
+    results = run_world(8, workers.wrong_destination_dtype, timeout=300)
+    for rank, out in enumerate(results):
+        assert out.startswith("RefitInputError: ") and "rank 5: destination tensor" in out, (rank, out)
+        assert "'decoder.layers.0.mlp.linear_fc1.weight' has dtype torch.bfloat16, expected torch.float8_e4m3fn" in out
+
+
+def test_a_rank_dying_in_the_amax_exchange_is_named_by_every_other_rank() -> None:
+    results = run_world(8, workers.killed_in_the_amax_exchange, 1, TIMEOUT, allow_failures=True, timeout=180)
+    assert results[1] == "died (exit code 17)"
+    for rank in (0, 2, 3, 4, 5, 6, 7):
+        kind, message, ranks, elapsed = results[rank]
+        assert kind == "RefitPeerError" and 1 in ranks and "lost ranks [1]" in message, (rank, results[rank])
+        assert elapsed < TIMEOUT + MARGIN, (rank, elapsed)
+
+
+def test_refit_check_to_dtype_on_the_command_line() -> None:
+    shards = "tp=2,role=train+tp=1,role=decode+tp=1,role=decode"
+    argv = [sys.executable, "-m", "shardcore", "refit", "--check", "--nproc", "4", "--shards", shards]
+    argv += ["--from", "0", "--to", "1,2", "--model", "tiny-dense", "--to-dtype", "float8_e4m3fn", "--scale", "tensor"]
+    result = subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines()[1:] if line.strip()]
+    assert [row[0] for row in rows] == ["1", "2"] and all(row[-1] == "ok" for row in rows), result.stdout
+    from shardcore.refit import plan_refit, preset
+
+    manifest = preset("tiny-dense").converted("float8_e4m3fn", "tensor")
+    stats = RefitStats.of(plan_refit(plan_layout(4, shards), 0, [1, 2], manifest))
+    assert sum(int(row[-5]) for row in rows) == stats.total_bytes  # fp8 wire bytes and the scales, counted live
