@@ -501,7 +501,7 @@ class RefitPlan:
                 chosen.add(position)
         if not chosen:
             raise RefitError(f"subset({shown(selection)}) selects no tensor: select at least one")
-        return replace(self, tensors=frozenset(chosen))
+        return replace(self, tensors=frozenset(chosen | _scale_partners(manifest, kept, chosen)))
 
     def _world(self) -> str:
         return f"a world of {self.world_size} ranks"
@@ -548,6 +548,14 @@ class RefitPlan:
             source_shapes=source_shapes,
             destination_shapes=destination_shapes,
         )
+
+
+def _scale_partners(manifest: Manifest, kept: set[int], chosen: set[int]) -> set[int]:
+    """The fp8 scale tensors of the chosen weights, and the weights of the chosen scales: a weight and its
+    scales are refitted together, or the destination holds bytes quantized with another scale."""
+    names = {manifest.tensors[p].name for p in chosen}
+    weights = {manifest.tensors[p].scale_of for p in chosen} - {None}
+    return {p for p in kept if manifest.tensors[p].scale_of in names or manifest.tensors[p].name in weights}
 
 
 @dataclass(frozen=True)
