@@ -211,6 +211,7 @@ class Conversion:
             rank_batches(
                 self.amax, exchange.rank, world, bucket_bytes, max_ops, {n: p.shape for n, p in gathered.items()}
             ),
+            (),
             partials,
             gathered,
             exchange.tag,
@@ -226,7 +227,7 @@ class Conversion:
 
         phase.staging = torch.empty(phase.staging_bytes(), dtype=torch.uint8, device=phase.device)
         phase.error, phase.draining = exchange.error, exchange.draining
-        phase.run(None)
+        phase.run()
         exchange.error, exchange.draining = phase.error, phase.draining
         exchange.lost.update(phase.lost)
         exchange.integrity.faults += phase.integrity.faults

@@ -95,6 +95,8 @@ class Exchange:
 
     rank: int
     batches: list[Batch]
+    copies: Sequence[Any]
+    """This rank's local copies (transfers with src == dst == rank)."""
     sources: Mapping[str, torch.Tensor]
     destinations: Mapping[str, torch.Tensor]
     tag: int
@@ -119,6 +121,7 @@ class Exchange:
     received_sums: dict[tuple[int, ...], int] = field(default_factory=dict)
     bytes_sent: int = 0
     bytes_received: int = 0
+    bytes_copied: int = 0
     wrote: bool = False
     """Whether any destination byte may have been written (a receive posted or a local copy made)."""
     _polled: float = 0.0
@@ -130,14 +133,26 @@ class Exchange:
                 if not message.ledger:
                     self._directions.setdefault((message.peer, message.send), {})[message.key] = message
 
-    def run(self, copy_locally: Any) -> None:
+    def run(self) -> None:
         """Post every batch in order, copying locally while the first is on the wire; never raises for a
         fault it can record (its own, a peer's, a faulty message)."""
         if not self.batches:
-            self._guarded(copy_locally)
+            self._guarded(self._copy_locally)
         for number, batch in enumerate(self.batches):
             self._poll()
-            self._run_batch(batch, copy_locally if number == 0 else None)
+            self._run_batch(batch, self._copy_locally if number == 0 else None)
+
+    def _copy_locally(self) -> None:
+        """The pieces this rank holds on both sides, copied from its source tensors into its destinations."""
+        self.wrote = self.wrote or bool(self.copies)
+        for transfer in sorted(self.copies):
+            shape = tuple(stop - start for start, stop in transfer.box)
+            offset = tuple(transfer.src_offset)
+            source = view_of(self.sources[transfer.tensor], offset, shape)
+            if self.conversion is not None:  # quantized with its scales, or cast by the copy
+                source = self.conversion.outgoing(transfer.tensor, source, offset)
+            view_of(self.destinations[transfer.tensor], tuple(transfer.dst_offset), shape).copy_(source)
+            self.bytes_copied += int(transfer.bytes)
 
     def remaining(self) -> timedelta:
         return timedelta(seconds=max(0.001, self.deadline - time.monotonic()))

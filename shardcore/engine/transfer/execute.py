@@ -44,7 +44,7 @@ from ...version import __version__
 from ..agreement import GRACE, Party, Purpose, Terms, arrive_failed, convene, declare_absent, meet
 from ..torch_state import dist, import_torch, is_fake_world
 from .convert import Conversion
-from .exchange import Exchange, view_of
+from .exchange import Exchange
 from .schedule import ALIGN, rank_batches
 
 if TYPE_CHECKING:
@@ -202,56 +202,76 @@ def execute_refit(
     started = time.monotonic()
     rank = _require_world()
     party = Party.world()
-    wait = DEFAULT_TIMEOUT
-    try:  # a rank that fails here still arrives, with its error, so the others stop and name it
-        wait = as_timedelta(timeout)
-        options = _check_options(bucket_bytes, max_ops, verify, version)
-        mine = plan.for_rank(rank)
-        conversion = Conversion.of(plan, mine, rank)
-        sources, destinations = _checked_tensors(mine, plan.manifest, sources, destinations, conversion)
-        terms = _terms(plan, options)
-    except BaseException as error:
-        failure = _as_input_error(rank, error)
-        arrive_failed(party, START, None, "open", failure, wait)
-        raise failure from None
-    deadline = started + wait.total_seconds()
-    epoch = _agree(party, rank, terms, wait)
-    stats = TransferStats(rank, verify=verify, version=version)
-    stats.agreement_seconds = time.monotonic() - started
-    previous = held_version(destinations)
+    prepared = _prepare(party, rank, plan, sources, destinations, timeout, (bucket_bytes, max_ops, verify, version))
+    epoch = _agree(party, rank, prepared.terms, prepared.wait)
+    stats = TransferStats(rank, verify=verify, version=version, agreement_seconds=time.monotonic() - started)
+    previous = held_version(prepared.destinations)
     world = dist().get_world_size()
     exchange = Exchange(
         rank,
-        rank_batches(mine, rank, world, bucket_bytes, max_ops, _global_shapes(plan.manifest, mine), _converting(plan)),
-        sources,
-        destinations,
+        rank_batches(prepared.mine, rank, world, bucket_bytes, max_ops, prepared.shapes, _converting(plan)),
+        prepared.mine.copies,
+        prepared.sources,
+        prepared.destinations,
         TAG_BASE + epoch % TAG_BASE,
         verify,
         party,
         epoch,
-        deadline,
+        started + prepared.wait.total_seconds(),
         "gloo" in str(dist().get_backend()),
-        conversion,
+        prepared.conversion,
     )
-    if conversion is not None:
-        conversion.prepare(exchange, bucket_bytes, max_ops, world)
-    _run(exchange, mine, sources, destinations, stats)
+    if prepared.conversion is not None:
+        prepared.conversion.prepare(exchange, bucket_bytes, max_ops, world)
+    _run(exchange, stats)
     ended = time.monotonic()
-    _finish(party, exchange, epoch, deadline, destinations, previous, version)
+    _finish(party, exchange, epoch, prepared.destinations, previous, version)
     stats.agreement_seconds += time.monotonic() - ended
     stats.seconds = time.monotonic() - started
-    log.info(
-        "shardcore refit: rank %d received %d B, copied %d B, sent %d B in %.3f s (%.3f GB/s), %d batches, %d peers",
-        rank,
-        stats.bytes_received,
-        stats.bytes_copied,
-        stats.bytes_sent,
-        stats.seconds,
-        stats.gb_per_s,
-        stats.batches,
-        stats.peers,
-    )
+    log.info("shardcore refit: %s", stats)
     return stats
+
+
+class _Prepared(NamedTuple):
+    """What a rank checked on its own before meeting the others."""
+
+    wait: timedelta
+    mine: Any
+    sources: dict[str, torch.Tensor]
+    destinations: dict[str, torch.Tensor]
+    terms: RefitTerms
+    shapes: dict[str, tuple[int, ...]]
+    conversion: Conversion | None
+
+
+def _prepare(
+    party: Party,
+    rank: int,
+    plan: Any,
+    sources: Mapping[str, Any],
+    destinations: Mapping[str, Any],
+    timeout: object,
+    options: tuple[object, object, object, object],
+) -> _Prepared:
+    """Everything this rank checks alone: arguments, its part of the plan, its tensors, its terms. A failure
+    still arrives at the refit's first meeting, with its error, so the others stop at once and name it.
+
+    Raises:
+        RefitInputError: naming this rank and what is wrong.
+    """
+    wait = DEFAULT_TIMEOUT
+    try:
+        wait = as_timedelta(timeout)
+        checked = _check_options(*options)
+        mine = plan.for_rank(rank)
+        conversion = Conversion.of(plan, mine, rank)
+        held, wanted = _checked_tensors(mine, plan.manifest, sources, destinations, conversion)
+        shapes = _global_shapes(plan.manifest, mine)
+        return _Prepared(wait, mine, held, wanted, _terms(plan, checked), shapes, conversion)
+    except BaseException as error:
+        failure = _as_input_error(rank, error)
+        arrive_failed(party, START, None, "open", failure, wait)
+        raise failure from None
 
 
 def _global_shapes(manifest: Any, mine: Any) -> dict[str, tuple[int, ...]]:
@@ -438,10 +458,8 @@ def _device_problems(tensors: Mapping[str, Any]) -> list[str]:
 # ----------------------------------------------------------------------------- the exchange and its end
 
 
-def _run(
-    exchange: Exchange, mine: Any, sources: Mapping[str, Any], destinations: Mapping[str, Any], stats: TransferStats
-) -> None:
-    """Allocate the staging buffer and run the exchange, with local copies while the first batch is on the wire."""
+def _run(exchange: Exchange, stats: TransferStats) -> None:
+    """Allocate the staging buffer and run the exchange (local copies while the first batch is on the wire)."""
     import torch
 
     try:
@@ -450,21 +468,10 @@ def _run(
         stats.peak_buffer_bytes = peak
     except Exception as error:  # no staging memory: drain (sends of 1 byte need none) and fail at the end
         exchange.fail(error)
-
-    def copy_locally() -> None:
-        exchange.wrote = exchange.wrote or bool(mine.copies)
-        for transfer in sorted(mine.copies):
-            shape = tuple(stop - start for start, stop in transfer.box)
-            offset = tuple(transfer.src_offset)
-            source = view_of(sources[transfer.tensor], offset, shape)
-            if exchange.conversion is not None:
-                source = exchange.conversion.outgoing(transfer.tensor, source, offset)
-            view_of(destinations[transfer.tensor], tuple(transfer.dst_offset), shape).copy_(source)
-            stats.bytes_copied += int(transfer.bytes)
-
     with torch.no_grad():
-        exchange.run(copy_locally)
+        exchange.run()
     stats.bytes_sent, stats.bytes_received = exchange.bytes_sent, exchange.bytes_received
+    stats.bytes_copied = exchange.bytes_copied
     stats.batches = len(exchange.batches)
     stats.messages = sum(len(batch.messages) for batch in exchange.batches)
     stats.peers = len({peer for batch in exchange.batches for peer in batch.peers})
@@ -474,7 +481,6 @@ def _finish(
     party: Party,
     exchange: Exchange,
     epoch: int,
-    deadline: float,
     destinations: Mapping[str, Any],
     previous: HeldVersion | None,
     version: int | None,
@@ -484,7 +490,7 @@ def _finish(
     Raises:
         RefitIntegrityError, RefitPeerError: this rank's own fault, or another rank's.
     """
-    wait = timedelta(seconds=max(0.0, deadline - time.monotonic()) + GRACE)
+    wait = timedelta(seconds=max(0.0, exchange.deadline - time.monotonic()) + GRACE)
     own = _own_fault(exchange)
     if exchange.lost:
         declare_absent(
