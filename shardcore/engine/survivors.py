@@ -227,7 +227,7 @@ def _new_world(
     digest = hashlib.sha256(repr(left).encode()).hexdigest()[:12]
     prefix = f"shardcore/survivors/{len(left) + size}-{digest}/"
     dist().destroy_process_group()
-    where = f"the old store's host (prefix {prefix})"
+    where = f"the old store, under {prefix}"
     if address is None:
         store: Any = dist().PrefixStore(prefix, old)
     else:
