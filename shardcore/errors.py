@@ -66,6 +66,15 @@ class RefitMismatchError(RefitInputError):
     """Ranks brought different terms to a refit (another plan, manifest, option or version); no byte moved."""
 
 
+class LostWeightsError(RefitError):
+    """Part of a tensor has no surviving copy (every rank that held it is gone): only a checkpoint can restore
+    it; ``ranks`` names the lost ranks that held it. Raised before any byte moves."""
+
+    def __init__(self, message: str, ranks: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+
+
 class RefitPeerError(ShardcoreError, RuntimeError):
     """A rank died, never arrived or failed during the refit; ``ranks`` names the ones at fault."""
 

@@ -4,6 +4,8 @@
 ``init_process_group("gloo")`` and returns the results in rank order. ``fn`` must be a
 module-level function (it is pickled into spawned processes). A rank that raises, or a
 world that outlives ``timeout``, fails the call with a message naming the ranks.
+``backend=SHRINKABLE_GLOO`` starts the world on gloo that can shrink instead (a stand-in for
+NCCL's communicator shrink, so that ``torch.distributed.shrink_group`` runs on CPU).
 """
 
 from __future__ import annotations
@@ -17,12 +19,20 @@ from datetime import timedelta
 from typing import Any
 
 from .engine.live.ports import free_port
+from .engine.live.shrinkable import SHRINKABLE_GLOO, register_shrinkable_gloo
 from .engine.torch_state import import_torch
 from .errors import WorldError
 
 
 def _bootstrap(
-    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, results: Any, pg_timeout: float
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    results: Any,
+    pg_timeout: float,
+    backend: str,
 ) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
@@ -31,8 +41,10 @@ def _bootstrap(
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # as torchrun does: many ranks share few cores, extra threads only contend
+    if backend == SHRINKABLE_GLOO:
+        register_shrinkable_gloo()
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
         value = fn(rank, world_size, *args)
         results.put((rank, True, value))
     except BaseException:
@@ -49,16 +61,19 @@ def run_world(
     timeout: float = 180.0,
     pg_timeout: float = 60.0,
     allow_failures: bool = False,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn`` on a fresh local gloo world; with ``allow_failures`` a failed rank yields its traceback
-    and a dead one ``"died (exit code N)"``."""
+    and a dead one ``"died (exit code N)"``; ``backend``: ``gloo`` or ``SHRINKABLE_GLOO``."""
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
     procs = [
-        context.Process(target=_bootstrap, args=(r, world_size, port, fn, args, results, pg_timeout), daemon=True)
+        context.Process(
+            target=_bootstrap, args=(r, world_size, port, fn, args, results, pg_timeout, backend), daemon=True
+        )
         for r in range(world_size)
     ]
     for proc in procs:
@@ -93,4 +108,4 @@ def run_world(
     return [outcome[rank][1] for rank in range(world_size)]
 
 
-__all__ = ["run_world"]
+__all__ = ["SHRINKABLE_GLOO", "run_world"]

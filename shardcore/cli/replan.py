@@ -15,7 +15,7 @@ from ..refit.documents import model_manifest
 from ..replan import ReplanOption, ReplanResult, format_ranks, replan
 from ..views.picture import DEFAULT_RANKS_PER_NODE, render_svg
 from ..views.tables import format_table
-from .arguments import POSITIVE_INT
+from .arguments import POSITIVE_INT, POSITIVE_SECONDS
 
 MAX_RANGES = 4096
 """A --lost list of more ranges than this is data, not a list of failed ranks."""
@@ -161,12 +161,18 @@ def cmd_replan(args: argparse.Namespace) -> int:
         raise LayoutError("replan needs --lost RANKS (e.g. --lost 8-15) or --new-world M")
     layout = plan_layout(args.world, args.shards, order=args.order, allow_idle=args.allow_idle)
     keep = parse_ranks(args.keep, "--keep") if args.keep else []
+    lost = parse_ranks(args.lost, "--lost") if args.lost else []
+    memory = None if args.memory_gb is None else _memory(args.memory_gb)
+    if args.check:
+        from .restore import run_restore_check
+
+        return run_restore_check(args, lost, keep, memory)
     result = replan(
         layout,
         model_manifest(args.model),
-        lost=parse_ranks(args.lost, "--lost") if args.lost else (),
+        lost=lost,
         world_size=args.new_world,
-        memory_bytes=None if args.memory_gb is None else _memory(args.memory_gb),
+        memory_bytes=memory,
         ranks_per_node=args.ranks_per_node,
         keep=keep,
     )
@@ -215,6 +221,25 @@ def add_replan_parser(subparsers: Any, common: argparse.ArgumentParser) -> argpa
     parser.add_argument("--keep", metavar="I,J", help="indices of shards that must keep their spec")
     parser.add_argument("--json", action="store_true", help="print every option as JSON (moves, fates, proofs)")
     parser.add_argument("--svg", metavar="FILE", help="draw the best option's new layout, the moving ranks outlined")
+    live = parser.add_argument_group("--check: the loss for real, on one local process per old rank (needs torch)")
+    live.add_argument(
+        "--check",
+        action="store_true",
+        help="build the old layout, kill the lost ranks, form the survivors' world, build the new layout, restore "
+        "the weights from the survivors' memory and compare every tensor bitwise",
+    )
+    live.add_argument(
+        "--option", type=POSITIVE_INT, default=1, metavar="N", help="with --check: run option N (1: best)"
+    )
+    live.add_argument("--backend", help="with --check: the shardcore backend building both layouts (default: dtensor)")
+    live.add_argument(
+        "--shrink",
+        action="store_true",
+        help="with --check: start on gloo that can shrink (a stand-in for NCCL), so the survivors call shrink_group",
+    )
+    live.add_argument(
+        "--timeout", type=POSITIVE_SECONDS, default=120.0, help="with --check: seconds before a peer is an error"
+    )
     parser.set_defaults(func=cmd_replan)
     return parser
 

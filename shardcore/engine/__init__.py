@@ -6,6 +6,7 @@ Folders by concept (see the README's design section):
 * ``groups/``: creating process groups (``strategy``, ``create``) and window-local groups (``window``);
 * ``build/``: the backend contract and its discovery, and ``build_shards``;
 * ``transfer/``: executing a refit plan with point-to-point messages;
+* ``survivors``: the survivors' world after ranks are lost (``shrink_group``, or a new world);
 * ``live/``: worlds for live checks (``shardcore check``, ``shardcore refit --check``).
 
 What a backend plugin may use is exported here and by ``shardcore``; the modules are private.
@@ -32,6 +33,7 @@ from .device import comm_backend, device_type, npu_status
 from .groups.strategy import Strategy
 from .groups.window import Window, window_of
 from .live.launch import all_gather_objects
+from .survivors import SurvivorWorld, form_survivor_world
 from .torch_state import live_group_count
 from .transfer.execute import (
     DEFAULT_BUCKET_BYTES,
@@ -55,6 +57,7 @@ __all__ = [
     "HeldVersion",
     "Shard",
     "Strategy",
+    "SurvivorWorld",
     "TransferStats",
     "Verify",
     "Window",
@@ -64,6 +67,7 @@ __all__ = [
     "destroy_shards",
     "device_type",
     "execute_refit",
+    "form_survivor_world",
     "get_backend",
     "held_version",
     "hookimpl",

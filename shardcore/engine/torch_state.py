@@ -201,6 +201,26 @@ def bound_device() -> Any:
     return c10d()._get_default_group().bound_device_id
 
 
+def default_group_can_shrink() -> bool:
+    """Whether ``dist.shrink_group`` would shrink the default group here: its backend's ``supports_shrinking``,
+    found as torch 2.13's ``shrink_group`` finds it (the bound device's backend, else CUDA's, else the CPU's)."""
+    import torch
+
+    group = c10d()._get_default_group()
+    device = getattr(group, "bound_device_id", None)
+    try:
+        if device is not None:
+            backend = group._get_backend(device)
+        else:
+            try:
+                backend = group._get_backend(torch.device("cuda"))
+            except Exception:  # no CUDA backend: torch falls back to the CPU's, as here
+                backend = group._get_backend(torch.device("cpu"))
+        return bool(backend.supports_shrinking)
+    except Exception:  # no backend to ask, or one without the property: torch's shrink_group refuses too
+        return False
+
+
 def torchcomms_enabled() -> bool:
     """Whether torch routes ``new_group`` through TorchComms (``TORCH_DISTRIBUTED_USE_TORCHCOMMS=1`` with
     torchcomms installed), where every group is a split of the whole world."""
@@ -227,10 +247,23 @@ def store_host() -> str:
     return f"torchrun's agent{where}" if agent_hosts_store() else f"rank 0{where}"
 
 
-def world_token() -> tuple[int, int]:
-    """Tells this world from an earlier one in the same process (after destroy and init_process_group):
-    what a rank remembers about store keys belongs to the world that wrote them."""
-    return id(c10d()._get_default_group()), id(default_store())
+class _Worlds:
+    """The default group and store last seen, held so that no later object can take their ids, and their number."""
+
+    group: Any = None
+    store: Any = None
+    number = 0
+
+
+def world_token() -> int:
+    """Tells this world from an earlier one in the same process (after destroy and init_process_group, or a
+    shrink): what a rank remembers about store keys belongs to the world that wrote them. A number, counted up
+    whenever the default group or store is another object than last time (compared by identity: a new world's
+    objects can reuse a freed one's ``id``, so the last ones are held)."""
+    group, store = c10d()._get_default_group(), default_store()
+    if group is not _Worlds.group or store is not _Worlds.store:
+        _Worlds.group, _Worlds.store, _Worlds.number = group, store, _Worlds.number + 1
+    return _Worlds.number
 
 
 class _Client:
@@ -239,8 +272,22 @@ class _Client:
     lock = threading.Lock()
     store: Store | None = None
     generation = 0
-    world: tuple[int, int] | None = None
+    world: int | None = None
     """The world whose store ``store`` talks to: a new world (destroy, then init_process_group) connects anew."""
+    abandoned: int | None = None
+    """A world whose store's host is gone (``abandon_store``): no call reaches for it again."""
+
+
+def abandon_store() -> None:
+    """Give up this world's store, whose host is gone: later ``store_call``s in this world fail at once, without
+    touching a socket (a frozen host would hold each one for its whole timeout), and nothing is cleaned up there."""
+    with _Client.lock:
+        _Client.abandoned, _Client.store = world_token(), None
+
+
+def store_abandoned() -> bool:
+    """Whether this world's store was given up (``abandon_store``)."""
+    return _Client.abandoned is not None and _Client.abandoned == world_token()
 
 
 def store_call(
@@ -265,6 +312,8 @@ def store_call(
     import torch.distributed as dist
 
     world = world_token()
+    if _Client.abandoned == world:
+        raise error(f"rank {dist.get_rank()}: the store was given up {what}: its host, {store_host()}, is gone")
     with _Client.lock:
         if _Client.world != world:
             _Client.generation, _Client.store, _Client.world = _Client.generation + 1, None, world
@@ -336,11 +385,13 @@ def group_keys(pg: ProcessGroup) -> list[str]:
 __all__ = [
     "AUTOLOAD_ENV",
     "AUTOLOAD_GROUP",
+    "abandon_store",
     "agent_hosts_store",
     "autoloaded_extensions",
     "bound_device",
     "c10d",
     "check_torch_imports",
+    "default_group_can_shrink",
     "default_store",
     "dist",
     "group_counter",
@@ -350,6 +401,7 @@ __all__ = [
     "live_group_count",
     "probe",
     "set_group_counter",
+    "store_abandoned",
     "store_call",
     "store_host",
     "torchcomms_enabled",

@@ -8,8 +8,9 @@ The manifest and planner are pure Python (no torch); only execution imports torc
 - ``holdings(tensor, plan, rank, manifest)``: the global boxes a rank holds, with their offsets in
   its local tensor; ``local_shape(tensor, plan, rank, manifest)``: its local shape (None if none).
 - Placements, what one side of a refit holds: ``Placement`` (``slices(position)``, ``held(rank)``,
-  ``restrict(renumber)``), ``ShardPlacement(plan, manifest)`` by index math, and
-  ``ExplicitPlacement(manifest, [HeldBox(tensor, rank, box, offset), ...])`` from records.
+  ``restrict(renumber)``), ``ShardPlacement(plan, manifest)`` by index math,
+  ``ExplicitPlacement(manifest, [HeldBox(tensor, rank, box, offset), ...])`` from records, and
+  ``UnionPlacement([placement, ...])``: several on disjoint ranks as one side (a restore's survivors).
 - ``plan_refit(layout, src, dst, manifest, ranks_per_node=None, *, min_piece_bytes=1MiB, fan_out=False)``
   -> ``ShardRefitPlan`` between shards; ``plan_refit_from(source, destinations)`` -> ``RefitPlan``
   between any placements: ``.for_rank(r)`` -> ``RankRefit`` (sends, recvs, copies, shapes),
@@ -40,6 +41,7 @@ from .placement import (
     Placement,
     ShardPlacement,
     Slice,
+    UnionPlacement,
     holdings,
     local_shape,
 )
@@ -68,6 +70,7 @@ __all__ = [
     "TensorSpec",
     "Transfer",
     "TransformerConfig",
+    "UnionPlacement",
     "estimate_refit",
     "holdings",
     "load_manifest",

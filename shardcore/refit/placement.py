@@ -16,6 +16,8 @@ has one holder set; that is all the planner needs (``planner.py``). Three kinds:
   placements of a DTensor state dict give; checked to tile every tensor it names.
 - ``placement.restrict(renumber)``: the same holdings on some ranks only, renumbered (the survivors
   of a failure, in a new world); a tensor may then have elements nobody holds.
+- ``UnionPlacement(parts)``: several placements on disjoint ranks as one side (the survivors of every
+  old shard, the source of a restore refit), each element still with one holder set.
 """
 
 from __future__ import annotations
@@ -94,6 +96,20 @@ def overlap(first: Box, second: Box) -> Box:
 def volume(box: Box) -> int:
     """Elements in a box."""
     return prod(stop - start for start, stop in box)
+
+
+def subtract(box: Box, cut: Box) -> list[Box]:
+    """``box`` minus ``cut``: at most two disjoint boxes per dim (``[box]`` when they do not meet)."""
+    if not meets(box, cut):
+        return [box]
+    pieces, rest = [], list(box)
+    for dim, ((start, stop), (low, high)) in enumerate(zip(box, cut)):
+        if start < low:
+            pieces.append((*rest[:dim], (start, low), *rest[dim + 1 :]))
+        if high < stop:
+            pieces.append((*rest[:dim], (high, stop), *rest[dim + 1 :]))
+        rest[dim] = (max(start, low), min(stop, high))
+    return pieces
 
 
 class Placement(ABC):
@@ -654,6 +670,104 @@ class Renumbered(Placement):
             yield tensor._replace(slices=tuple(self._kept(tensor.slices)))
 
 
+# -- several placements as one side -----------------------------------------------------------------
+
+
+class UnionPlacement(Placement):
+    """What several placements on disjoint ranks hold together, as one side: the survivors of every old
+    shard, say, which together are a restore refit's source.
+
+    The planner needs one holder set per element. Where slices of the parts coincide (the same box at the
+    same local offset, as in shards split alike), their holders are merged into one set; elsewhere the
+    first part holding an element keeps it, and a later part's slice is cut to what no earlier part
+    holds. So ``parts`` is in order of preference where the parts' copies lie differently.
+
+    Args:
+        parts: The placements, most preferred first; one manifest, no rank in two.
+        index: The side's index in reports.
+        label: Its name in reports and errors (default: the parts' labels).
+
+    Raises:
+        RefitError: no part, one that is not a Placement, parts of different manifests, or a rank in two parts.
+    """
+
+    def __init__(self, parts: Sequence[Placement], *, index: int = 0, label: str | None = None) -> None:
+        if isinstance(parts, (str, bytes)) or not isinstance(parts, Sequence) or not parts:
+            raise RefitError(f"parts={shown(parts)}: expected a non-empty list of placements")
+        for part in parts:
+            if not isinstance(part, Placement):
+                raise RefitError(f"part {shown(part)}: expected a Placement (e.g. shardcore.refit.ShardPlacement)")
+            if part.manifest is not parts[0].manifest:
+                raise RefitError(
+                    f"{part.label} describes manifest {part.manifest.name!r}, {parts[0].label} another one: "
+                    f"build every part of a union from the same Manifest"
+                )
+        self.parts, self.manifest = tuple(parts), parts[0].manifest
+        self.index, self.label = index, label if label is not None else " | ".join(part.label for part in parts)
+        self._ranks: frozenset[int] = frozenset().union(*(part.ranks for part in parts))
+        if len(self._ranks) != sum(len(part.ranks) for part in parts):
+            first, second, rank = next(
+                (a, b, r) for i, a in enumerate(parts) for b in parts[i + 1 :] for r in a.ranks if r in b.ranks
+            )
+            raise RefitError(
+                f"{first.label} and {second.label} share rank {rank}: the parts of a union hold disjoint ranks"
+            )
+        self._sets: dict[tuple[tuple[int, int], ...], HolderSet] = {}
+        self._slices: dict[int, tuple[Slice, ...]] = {}
+
+    @property
+    def ranks(self) -> frozenset[int]:
+        return self._ranks
+
+    def describe(self) -> str:
+        return "union of (" + "; ".join(part.describe() for part in self.parts) + ")"
+
+    def _holders(self, members: tuple[tuple[int, int], ...], sets: Mapping[tuple[int, int], HolderSet]) -> HolderSet:
+        """The one holder set of the merged (part, holder-set key) ``members``, interned across tensors."""
+        found = self._sets.get(members)
+        if found is None:
+            ranks = tuple(sorted(rank for member in members for rank in sets[member].ranks))
+            found = self._sets[members] = HolderSet(len(self._sets), ranks, frozenset(ranks))
+        return found
+
+    def slices(self, position: int) -> tuple[Slice, ...]:
+        """Every part's slices of the tensor, merged where they coincide, cut where an earlier part holds them."""
+        found = self._slices.get(position)
+        if found is not None:
+            return found
+        pieces: list[tuple[Box, tuple[int, ...], int, list[tuple[int, int]]]] = []  # box, offset, block, members
+        at: dict[tuple[Box, tuple[int, ...]], int] = {}
+        sets: dict[tuple[int, int], HolderSet] = {}
+        for number, part in enumerate(self.parts):
+            for piece in part.slices(position):
+                member = (number, piece.holders.key)
+                sets[member] = piece.holders
+                same = at.get((piece.box, piece.offset))
+                if same is not None:
+                    pieces[same][3].append(member)
+                    continue
+                rest = [piece.box]
+                for held, _, _, _ in pieces:
+                    rest = [left for box in rest for left in subtract(box, held)]
+                for box in rest:
+                    offset = tuple(o + lo - a for o, (lo, _), (a, _) in zip(piece.offset, box, piece.box))
+                    at[box, offset] = len(pieces)
+                    pieces.append((box, offset, piece.block, [member]))
+        found = self._slices[position] = tuple(
+            Slice(box, offset, self._holders(tuple(members), sets), block, order)
+            for order, (box, offset, block, members) in enumerate(pieces)
+        )
+        return found
+
+    def held(self, rank: int) -> Iterator[HeldTensor]:
+        part = next((part for part in self.parts if rank in part.ranks), None)
+        if part is None:
+            return
+        for tensor in part.held(rank):
+            mine = tuple(piece for piece in self.slices(tensor.position) if rank in piece.holders.members)
+            yield tensor._replace(slices=mine)
+
+
 __all__ = [
     "Box",
     "ExplicitPlacement",
@@ -666,6 +780,7 @@ __all__ = [
     "ShardPlacement",
     "Slice",
     "TpPart",
+    "UnionPlacement",
     "check_fits",
     "ep_owner",
     "expert_range",
@@ -677,6 +792,7 @@ __all__ = [
     "meets",
     "overlap",
     "stages_of",
+    "subtract",
     "tp_parts",
     "tp_rank_of",
     "tp_size",

@@ -11,8 +11,12 @@ Pure Python, no torch. ``replan(layout, manifest, lost=...)`` returns a ``Replan
   communicator can be kept) and those rebuilt (``GroupFate``);
 - ``missing``: every part of a tensor no survivor holds, with the lost ranks that held it
   (``MissingCopy``: the proof that it must come from a checkpoint);
-- ``restore_sources(shard)``: the seam for the restore refit: per tensor the new shard's moving ranks
-  need, every surviving copy (``SurvivingCopy``: old shard, slice, global boxes, holders as new ranks).
+- ``restore_sources(shard)``: per tensor the new shard's moving ranks need, every surviving copy
+  (``SurvivingCopy``: old shard, slice, global boxes, holders as new ranks).
+
+``restore_plan(option)`` is the restore refit itself: one ``RefitPlan`` over the new world from every
+survivor's old tensors to the new tensors of every rank that needs weights (``LostWeightsError`` when a
+part has no surviving copy); ``shardcore.engine.form_survivor_world`` forms the world it runs in.
 
 ``Renumbering`` maps old ranks to new ones; ``holdings_key`` says when two ranks hold the same weights.
 """
@@ -24,6 +28,7 @@ from .fate import GroupFate, RankMove, holdings_key
 from .options import Proposal
 from .renumbering import Renumbering, format_ranks
 from .replan import ReplanOption, ReplanResult, replan
+from .restore import restore_plan
 
 __all__ = [
     "Copies",
@@ -39,4 +44,5 @@ __all__ = [
     "format_ranks",
     "holdings_key",
     "replan",
+    "restore_plan",
 ]

@@ -56,6 +56,16 @@ class ReplanOption:
     _copies: Copies = field(repr=False, compare=False)
 
     @property
+    def old(self) -> Layout:
+        """The old layout the option re-lays out."""
+        return self._copies.old
+
+    @property
+    def manifest(self) -> Manifest:
+        """The model every shard, old and new, holds."""
+        return self._copies.manifest
+
+    @property
     def used(self) -> int:
         """Ranks in a shard of the new layout."""
         return sum(plan.size for plan in self.layout.shards)

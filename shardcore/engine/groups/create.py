@@ -35,7 +35,15 @@ from ...errors import GroupCreationError
 from ...plan.arguments import shown_ranks
 from ...plan.layout import GROUP_NAMES, Layout, RankGroups, ShardPlan, distinct_groups
 from ...plan.protocols import NamedGrids
-from ..torch_state import dist, group_counter, group_keys, is_fake_world, set_group_counter, store_call
+from ..torch_state import (
+    dist,
+    group_counter,
+    group_keys,
+    is_fake_world,
+    set_group_counter,
+    store_abandoned,
+    store_call,
+)
 from .strategy import Strategy
 
 if TYPE_CHECKING:
@@ -138,7 +146,8 @@ def destroy_groups(groups: Sequence[ProcessGroup]) -> None:
     Each member deletes the keys it wrote to connect the group (``torch_state.group_keys``):
     a default-mode group's name is never used again, and by the time a group is destroyed
     its members have connected, so no later group reads them. Deleting is best effort: a
-    store that does not answer within ``KEY_DELETION_TIMEOUT`` leaves them (logged).
+    store that does not answer within ``KEY_DELETION_TIMEOUT`` leaves them (logged); a store given
+    up because its host is gone (``torch_state.abandon_store``) is not asked.
     """
     seen: set[int] = set()
     keys: list[str] = []
@@ -147,7 +156,7 @@ def destroy_groups(groups: Sequence[ProcessGroup]) -> None:
             seen.add(id(pg))
             keys += group_keys(pg)
             dist().destroy_process_group(pg)
-    if keys and not is_fake_world():
+    if keys and not is_fake_world() and not store_abandoned():
         try:
             store_call(lambda store: [store.delete_key(key) for key in keys], KEY_DELETION_TIMEOUT, "deleting keys")
         except GroupCreationError as error:

@@ -6,8 +6,9 @@ an initialised world (``on_stage(name)`` reports progress); ``shardcore check`` 
 
 * ``run_local_job`` starts N local gloo processes itself (spawned, one pipe each). It owns
   them end to end: progress events stream back as they happen, a failing rank's error comes
-  back as one line (never a launcher traceback), a dead rank is named with its exit code, and
-  on Ctrl-C or any error every process is ended before the call returns.
+  back as one line (never a launcher traceback), a dead rank is named with its exit code
+  (unless it said ``LEAVING`` first: a rank an elastic check loses on purpose), and on
+  Ctrl-C or any error every process is ended before the call returns.
 * ``run_joined_job`` joins the world torchrun set up (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``).
   Reports travel as pickled bytes in tensors (``all_gather_objects``), so no numpy is needed
   (torch's ``all_gather_object`` needs it on torch 2.13).
@@ -29,12 +30,15 @@ from typing import Any
 from ...errors import GroupCreationError, ShardcoreError
 from ...plan.arguments import shown_ranks
 from ..torch_state import check_torch_imports, import_torch
+from .shrinkable import SHRINKABLE_GLOO, register_shrinkable_gloo
 
 OnEvent = Callable[[str, int, float], None]
 """Progress callback: (stage, rank, seconds since the job started)."""
 Job = Callable[[Any, Callable[[str], None]], Any]
 """A function run on every rank: (options, on_stage) -> a picklable report."""
 
+LEAVING = "leaving"
+"""The stage a rank reports before its process ends on purpose (a rank an elastic check loses): no error, no report."""
 LIVE_CHECK_TIMEOUT = 120.0
 """Seconds a rank of a live check (``shardcore check``, ``refit --check``) waits for the others by default:
 shorter than a library call's (``plan.arguments.DEFAULT_TIMEOUT``), since a person is waiting."""
@@ -97,7 +101,7 @@ def all_gather_objects(value: Any) -> list[Any]:
 
 
 def _local_worker(
-    job: Job, rank: int, world: int, port: int, options: Any, timeout: float, conn: Any, started: float
+    job: Job, rank: int, world: int, port: int, options: Any, timeout: float, conn: Any, started: float, backend: str
 ) -> None:
     """One spawned process: join the local gloo world, run the job, send events and the report over ``conn``."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
@@ -111,9 +115,10 @@ def _local_worker(
         import torch.distributed as dist
 
         torch.set_num_threads(1)  # as torchrun does: many ranks share few cores, extra threads only contend
-
+        if backend == SHRINKABLE_GLOO:
+            register_shrinkable_gloo()
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
             timeout=timedelta(seconds=timeout),
         )  # fmt: skip
         send("joined", rank, time.time() - started)
@@ -155,7 +160,9 @@ def _end(processes: list[Any]) -> None:
             process.join()
 
 
-def run_local_job(nproc: int, job: Job, options: Any, timeout: float, on_event: OnEvent | None = None) -> list[Any]:
+def run_local_job(
+    nproc: int, job: Job, options: Any, timeout: float, on_event: OnEvent | None = None, backend: str = "gloo"
+) -> list[Any]:
     """Start ``nproc`` local gloo processes running ``job``, stream their progress, collect their reports.
 
     Args:
@@ -165,9 +172,10 @@ def run_local_job(nproc: int, job: Job, options: Any, timeout: float, on_event: 
         timeout: seconds a rank waits for the others; the default group's timeout.
         on_event: progress callback: (stage, rank, seconds since start) for ``started``, ``joined``
             and each stage the job reports.
+        backend: the world's backend: ``gloo``, or ``SHRINKABLE_GLOO`` (gloo that can shrink).
 
     Returns:
-        Every rank's report, in rank order.
+        Every rank's report, in rank order (None for a rank that reported ``LEAVING`` and ended).
 
     Raises:
         BackendUnavailableError: torch would not import in the workers (``check_torch_imports``).
@@ -191,7 +199,7 @@ def run_local_job(nproc: int, job: Job, options: Any, timeout: float, on_event: 
                 reader, writer = context.Pipe(duplex=False)
                 process = context.Process(
                     target=_local_worker,
-                    args=(job, rank, nproc, port, options, timeout, writer, started),
+                    args=(job, rank, nproc, port, options, timeout, writer, started, backend),
                     daemon=True,
                 )
                 process.start()
@@ -200,6 +208,7 @@ def run_local_job(nproc: int, job: Job, options: Any, timeout: float, on_event: 
                 readers[reader] = rank
         reports: dict[int, Any] = {}
         errors: dict[int, str] = {}
+        leaving: set[int] = set()
         silence, last_news, give_up = timeout + SILENCE_SECONDS, time.monotonic(), None
         while len(reports) + len(errors) < nproc and (give_up is None or time.monotonic() < give_up):
             ready: Any  # wait returns some of the readers it was given
@@ -209,7 +218,9 @@ def run_local_job(nproc: int, job: Job, options: Any, timeout: float, on_event: 
                     message = ready.recv()
                 except EOFError:  # the process ended; its exit code says how
                     del readers[ready]
-                    if rank not in reports and rank not in errors:
+                    if rank in leaving:
+                        reports.setdefault(rank, None)
+                    elif rank not in reports and rank not in errors:
                         processes[rank].join(1)
                         errors[rank] = f"rank {rank} died (exit code {processes[rank].exitcode})"
                     continue
@@ -219,8 +230,11 @@ def run_local_job(nproc: int, job: Job, options: Any, timeout: float, on_event: 
                     reports[rank] = payload
                 elif kind == "failed":
                     errors[rank] = payload
-                elif on_event is not None:
-                    on_event(kind, rank, payload)
+                else:
+                    if kind == LEAVING:
+                        leaving.add(rank)
+                    if on_event is not None:
+                        on_event(kind, rank, payload)
             if errors and give_up is None:
                 give_up = time.monotonic() + GRACE_SECONDS
             if time.monotonic() - last_news > silence:
@@ -283,6 +297,7 @@ def run_joined_job(job: Job, options: Any, on_event: OnEvent | None = None) -> l
 
 
 __all__ = [
+    "LEAVING",
     "LIVE_CHECK_TIMEOUT",
     "Job",
     "OnEvent",

@@ -1,0 +1,220 @@
+"""``shardcore replan --check``: an elastic restore on local processes, verified bitwise.
+
+Every rank of the old world builds the old layout and fills its local tensors from the known global
+tensors (``refit_check.known_tensor``), and the world meets once more: every rank holds its weights.
+The ranks the option leaves out (lost, and released) then end their processes at once (SIGKILL: no
+goodbye, their memory gone). The survivors form their world (``form_survivor_world``), build the new
+layout, plan the restore (``shardcore.replan.restore_plan``) and execute it from their old tensors;
+every rank of the new layout then compares its tensors, bitwise, with its new slices of the global
+tensors: the restored ones, and the old ones where its weights did not change.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from ...errors import GroupCreationError, LayoutError
+from ...plan.layout import DEFAULT_ORDER, plan_layout
+from ...refit.documents import model_manifest
+from ...refit.placement import holds
+from ...replan import ReplanOption, replan, restore_plan
+from ..agreement import Party, Purpose, barrier
+from ..build.shards import build_shards, destroy_shards
+from ..survivors import form_survivor_world
+from ..transfer.execute import execute_refit
+from .launch import LEAVING, LIVE_CHECK_TIMEOUT, OnEvent, run_local_job
+from .refit_check import cut, known_tensor
+from .shrinkable import SHRINKABLE_GLOO
+
+if TYPE_CHECKING:
+    import torch
+
+    from ...plan.layout import ShardPlan
+    from ...refit.manifest import Manifest
+
+LOADED = Purpose("restore check", "the restore check's job", GroupCreationError)
+PHASES = ("old build", "form", "build", "plan", "restore")
+"""What a survivor times, in order."""
+
+
+@dataclass(frozen=True)
+class RestoreCheckOptions:
+    """What ``shardcore replan --check`` runs: the replan's inputs, the option, and the world's knobs (picklable)."""
+
+    model: str
+    """A preset name or a manifest file."""
+    shards: str
+    world: int
+    lost: tuple[int, ...]
+    option: int = 1
+    """Which option of the replan (1: the best)."""
+    order: str = DEFAULT_ORDER
+    allow_idle: bool = False
+    memory_bytes: float | None = None
+    ranks_per_node: int | None = None
+    keep: tuple[int, ...] = ()
+    backend: str | None = None
+    """The shardcore backend that builds both layouts."""
+    shrink: bool = False
+    """Start the world on gloo that can shrink (``SHRINKABLE_GLOO``), so the survivors shrink it."""
+    rendezvous_port: int = 0
+    """Where the lowest survivor hosts the new store if rank 0 (the store's host) is among the gone."""
+    timeout: float = LIVE_CHECK_TIMEOUT
+    verify: str = "size"
+
+
+@dataclass
+class RestoreReport:
+    """What one survivor saw: its old and new rank, the world formed, its times, bytes and mismatches."""
+
+    old_rank: int
+    rank: int
+    shard: int | None
+    """Its shard in the new layout (None: idle)."""
+    restored: bool
+    """It received weights (else it kept its tensors)."""
+    how: str = ""
+    store: str = ""
+    seconds: dict[str, float] = field(default_factory=dict)
+    bytes_received: int = 0
+    bytes_copied: int = 0
+    bytes_sent: int = 0
+    checked: int = 0
+    mismatches: list[str] = field(default_factory=list)
+
+
+def choose_option(options: RestoreCheckOptions) -> ReplanOption:
+    """The option the check runs, its restore planned once, so that bad input fails in the parent.
+
+    Raises:
+        ShardcoreError: a bad spec, loss or model; ``LayoutError`` for an option number out of range;
+            ``LostWeightsError`` when a part of a tensor has no surviving copy.
+    """
+    layout = plan_layout(options.world, options.shards, order=options.order, allow_idle=options.allow_idle)
+    result = replan(
+        layout,
+        model_manifest(options.model),
+        lost=options.lost,
+        memory_bytes=options.memory_bytes,
+        ranks_per_node=options.ranks_per_node,
+        keep=options.keep,
+    )
+    if not 1 <= options.option <= len(result.options):
+        raise LayoutError(f"--option {options.option}: the replan has options 1 to {len(result.options)}")
+    option = result.options[options.option - 1]
+    restore_plan(option)
+    return option
+
+
+def _weights(manifest: Manifest, plan: ShardPlan | None, rank: int) -> dict[str, torch.Tensor]:
+    """``rank``'s local tensors under ``plan``, cut from the known global tensors (none when idle)."""
+    if plan is None:
+        return {}
+    return {
+        tensor.name: cut(known_tensor(tensor, position), tensor, plan, rank, manifest)
+        for position, tensor in enumerate(manifest.tensors)
+        if holds(tensor, plan, rank, manifest)
+    }
+
+
+def _compare(
+    manifest: Manifest, plan: ShardPlan | None, rank: int, held: dict[str, torch.Tensor]
+) -> tuple[int, list[str]]:
+    """(tensors compared, what differs), bitwise, between ``held`` and ``rank``'s tensors under ``plan``."""
+    import torch
+
+    expected = _weights(manifest, plan, rank)
+    problems = [f"rank {rank}: {name} is missing" for name in sorted(set(expected) - set(held))]
+    for name, tensor in expected.items():
+        got = held.get(name)
+        if got is not None and not torch.equal(_bits(got), _bits(tensor)):
+            problems.append(f"rank {rank}: {name} differs from its slice of the global tensor")
+    return len(expected), problems
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def restore_check_job(options: RestoreCheckOptions, on_stage: Callable[[str], None] = lambda stage: None) -> object:
+    """One rank of the old world: build, fill, lose the gone ranks, re-form, build, restore, compare."""
+    import torch
+    import torch.distributed as dist
+
+    rank, wait = dist.get_rank(), timedelta(seconds=options.timeout)
+    option = choose_option(options)
+    old, manifest, numbering = option.old, option.manifest, option.renumbering
+    seconds: dict[str, float] = {}
+    clock = time.monotonic()
+
+    def lap(phase: str) -> None:
+        nonlocal clock
+        now = time.monotonic()
+        seconds[phase], clock = now - clock, now
+        on_stage(phase)
+
+    shards = build_shards(old.world_size, old, backend=options.backend, timeout=wait)
+    sources = _weights(manifest, old.shard_of(rank), rank)
+    try:  # every rank holds its weights
+        barrier(Party.world(), LOADED, wait, linger=True)
+    except GroupCreationError:
+        if numbering.is_gone(rank) or not numbering.is_gone(0):
+            raise
+        # rank 0, the store's host, lingered (a moment) and left: a survivor that had not yet read that
+        # every rank arrived loses the store, as after any failure, and goes on to form its world
+    lap("old build")
+    if numbering.is_gone(rank):
+        on_stage(LEAVING)
+        os.kill(os.getpid(), signal.SIGKILL)
+    world = form_survivor_world(
+        numbering.gone, shards=shards, rendezvous=("127.0.0.1", options.rendezvous_port), timeout=wait
+    )
+    lap("form")
+    built = build_shards(option.layout.world_size, option.layout, backend=options.backend, timeout=wait)
+    lap("build")
+    plan = restore_plan(option)
+    mine = plan.for_rank(world.rank)
+    lap("plan")
+    destinations = {
+        name: torch.full(shape, -1.0).to(getattr(torch, manifest.tensor(name).dtype))
+        for name, shape in mine.destination_shapes.items()
+    }
+    stats = execute_refit(plan, sources, destinations, timeout=wait, verify=options.verify)
+    lap("restore")
+    target = option.layout.shard_of(world.rank)
+    held = destinations if mine.destination_shapes else sources
+    report = RestoreReport(rank, world.rank, None if target is None else target.index, bool(mine.destination_shapes))
+    report.how, report.store, report.seconds = world.how, world.store, seconds
+    report.bytes_received, report.bytes_copied, report.bytes_sent = (
+        stats.bytes_received,
+        stats.bytes_copied,
+        stats.bytes_sent,
+    )
+    report.checked, report.mismatches = _compare(manifest, target, world.rank, held)
+    destroy_shards(built)
+    return report
+
+
+def run_local(options: RestoreCheckOptions, on_event: OnEvent | None = None) -> list[RestoreReport]:
+    """The check on ``options.world`` local processes; the survivors' reports, in old rank order."""
+    backend = SHRINKABLE_GLOO if options.shrink else "gloo"
+    reports = run_local_job(options.world, restore_check_job, options, options.timeout, on_event, backend)
+    return [report for report in reports if report is not None]
+
+
+__all__ = [
+    "PHASES",
+    "RestoreCheckOptions",
+    "RestoreReport",
+    "choose_option",
+    "restore_check_job",
+    "run_local",
+]
