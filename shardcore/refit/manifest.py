@@ -438,6 +438,14 @@ class Manifest:
         """Whether a refit of this model converts any tensor's dtype."""
         return any(tensor.to_dtype is not None for tensor in self.tensors)
 
+    def as_held(self) -> Manifest:
+        """This model as its ranks hold it: every tensor in its own dtype, no conversion and no scale tensor
+        (what a restore moves: the survivors' weights, unchanged)."""
+        if not self.converts:
+            return self
+        held = tuple(replace(t, to_dtype=None, scale=None) for t in self.tensors if t.scale_of is None)
+        return replace(self, tensors=held)
+
     def converted(self, to_dtype: str, scale: str | None = None) -> Manifest:
         """This model with every floating tensor's destination dtype set to ``to_dtype`` (``--to-dtype``).
 

@@ -293,7 +293,7 @@ def replan(
 
     Args:
         layout: The old layout.
-        manifest: The model.
+        manifest: The model (its conversions, if any, are dropped: the survivors hold each tensor in its own dtype).
         lost: Old ranks that are gone.
         world_size: The new world's size instead (or as well): with no lost ranks, a smaller world loses
             its last ranks; a larger one than the survivors gains ranks at the end.
@@ -312,6 +312,7 @@ def replan(
         raise LayoutError(f"layout must be a shardcore Layout; got {type(layout).__name__}")
     if not isinstance(manifest, Manifest):
         raise RefitError(f"manifest must be a shardcore.refit.Manifest; got {type(manifest).__name__}")
+    manifest = manifest.as_held()  # a converting refit's dtypes are not what the survivors hold
     base = _loss(layout, lost, world_size)
     if ranks_per_node is not None:
         check_count("ranks_per_node", ranks_per_node)

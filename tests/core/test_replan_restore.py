@@ -253,3 +253,12 @@ def test_simulated_restores_of_random_losses(case: tuple[Layout, Manifest, tuple
                 restore_plan(option)
             continue
         simulate_restore(option)
+
+
+def test_a_converting_manifest_restores_the_weights_as_held() -> None:
+    layout = plan_layout(16, "tp=2,pp=2,dp=2,role=train+tp=2,dp=4,role=prefill")
+    converting = TINY.converted("float8_e4m3fn", "tensor")
+    assert any(tensor.scale_of for tensor in converting)
+    plan = restore_plan(replan(layout, converting, lost=(1, 2)).best)
+    assert plan.manifest == TINY  # the survivors' own dtypes, no scale tensors
+    assert plan.fingerprint() == restore_plan(replan(layout, TINY, lost=(1, 2)).best).fingerprint()
