@@ -128,3 +128,24 @@ def test_refit_check_to_dtype_on_the_command_line() -> None:
     manifest = preset("tiny-dense").converted("float8_e4m3fn", "tensor")
     stats = RefitStats.of(plan_refit(plan_layout(4, shards), 0, [1, 2], manifest))
     assert sum(int(row[-5]) for row in rows) == stats.total_bytes  # fp8 wire bytes and the scales, counted live
+
+
+def test_a_converting_refit_with_fan_out_relays_the_converted_bytes() -> None:
+    # node 0 (ranks 0, 1) trains; node 1 holds two decode shards that need the same bytes: each tile crosses
+    # once in fp8 and the relay forwards what it received (already converted), scales included
+    shards = "tp=2,role=train+tp=1,role=decode+tp=1,role=decode"
+    argv = [sys.executable, "-m", "shardcore", "refit", "--check", "--nproc", "4", "--shards", shards, "--from", "0"]
+    argv += ["--to", "1,2", "--model", "tiny-dense", "--ranks-per-node", "2", "--fan-out"]
+    argv += ["--to-dtype", "float8_e4m3fn", "--scale", "tensor"]
+    result = subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines()[1:] if line.strip()]
+    assert [row[0] for row in rows] == ["1", "2"] and all(row[-1] == "ok" for row in rows), result.stdout
+    from shardcore.refit import plan_refit, preset
+
+    manifest = preset("tiny-dense").converted("float8_e4m3fn", "tensor")
+    plan = plan_refit(plan_layout(4, shards), 0, [1, 2], manifest, 2, fan_out=True)
+    stats = RefitStats.of(plan)
+    assert stats.relayed_bytes > 0 and stats.scale_bytes > 0
+    assert any(t.hop == 1 and t.tensor.endswith("_scale_inv") for t in plan.transfers())  # scales relayed too
+    assert sum(int(row[-5]) for row in rows) == stats.total_bytes  # both hops' wire bytes, counted live

@@ -115,7 +115,8 @@ class Conversion:
     Attributes:
         manifest: The plan's model.
         wire: Tensor name -> its torch wire dtype, for the tensors this rank moves that convert.
-        scaled: The fp8 weights whose scales this rank computes (it sends or copies them or their scales).
+        scaled: The fp8 weights whose scales this rank computes (it sends or copies them or their scales from
+            its sources; a relay forwards scales it received).
         amax: Its part of the partial-amax exchange.
     """
 
@@ -136,7 +137,7 @@ class Conversion:
             return None
         specs = [manifest.tensor(name) for name in {t.tensor for t in (*mine.sends, *mine.recvs, *mine.copies)}]
         wire = {spec.name: getattr(torch, spec.wire_dtype) for spec in specs if spec.to_dtype is not None}
-        outgoing = {t.tensor for t in (*mine.sends, *mine.copies)}
+        outgoing = {t.tensor for t in (*mine.sends, *mine.copies) if not t.hop}  # a relay forwards, converted
         scaled = {
             spec.scale_of or spec.name
             for spec in specs
