@@ -90,3 +90,14 @@ def test_tensors_matching_finds_names_by_pattern() -> None:
         tensors_matching(manifest, ["*.experts.*", "*lora*"])
     with pytest.raises(RefitError, match="tensor pattern 5: expected text"):
         tensors_matching(manifest, [5])  # type: ignore[list-item]
+
+
+def test_a_weight_and_its_fp8_scales_are_refitted_together() -> None:
+    manifest = preset("tiny-dense").converted("float8_e4m3fn", "tensor")
+    full = plan_refit(plan_layout(4, "tp=2,role=train+tp=1+tp=1"), 0, [1, 2], manifest)
+    weight = "decoder.layers.0.mlp.linear_fc1.weight"
+    for selection in (weight, f"{weight}_scale_inv"):  # either one brings the other
+        part = full.subset(selection)
+        kept = {full.manifest.tensors[p].name for p in part.tensors}  # type: ignore[union-attr]
+        assert kept == {weight, f"{weight}_scale_inv"}, selection
+        assert {t.tensor for t in part.transfers()} == kept
