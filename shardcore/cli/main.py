@@ -16,21 +16,23 @@ from .. import __version__
 from ..engine import Strategy, install_hint
 from ..errors import ShardcoreError
 from ..plan.arguments import clipped
-from ..plan.layout import DEFAULT_ORDER, ORDER_ALIASES, Order, plan_layout
+from ..plan.layout import plan_layout
 from ..plan.loading import shown_path
 from ..views.picture import DEFAULT_RANKS_PER_NODE, draws_ranks, render_svg
 from ..views.tables import format_table, layout_table, rank_table, shown_groups
 from ..views.topology import TOPOLOGY_GROUPS, check_topology
-from .arguments import NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_SECONDS, Parser
+from .arguments import (
+    NON_NEGATIVE_INT,
+    POSITIVE_INT,
+    Parser,
+    add_allow_idle_flag,
+    add_nproc_flag,
+    add_order_flag,
+    add_timeout_flag,
+)
 from .check import cmd_check
 from .refit import add_refit_parser
 from .replan import add_replan_parser
-
-ORDER_HELP = (
-    "how ranks map to coordinates, innermost first: tp-cp-dp-pp keeps each pipeline stage's ranks "
-    "contiguous (Megatron's default); tp-cp-pp-dp (alias tp-pp-dp) keeps each data-parallel replica "
-    "contiguous, Megatron's use_tp_pp_dp_mapping (default: %(default)s)"
-)
 
 
 def _one_line_warning(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
@@ -42,7 +44,7 @@ def _add_layout_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shards", required=True, help="e.g. 'tp=4,pp=2,role=train+tp=2,dp=4,role=prefill', or @file.yaml"
     )
-    parser.add_argument("--order", default=DEFAULT_ORDER, choices=[*map(str, Order), *ORDER_ALIASES], help=ORDER_HELP)
+    add_order_flag(parser)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -145,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--rank-offset", type=NON_NEGATIVE_INT, default=0, help="first rank of the first shard (default: %(default)s)"
     )
-    plan.add_argument("--allow-idle", action="store_true", help="allow ranks after the last shard to stay idle")
+    add_allow_idle_flag(plan)
     plan.add_argument("--rank", type=NON_NEGATIVE_INT, help="also show this rank's groups")
     plan.add_argument("--json", action="store_true", help="print the full layout as JSON")
     plan.add_argument(
@@ -180,12 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
         "world, one rank per process, on each process's LOCAL_RANK device.",
         parents=[common],
     )
-    check.add_argument(
-        "--nproc",
-        type=POSITIVE_INT,
-        default=8,
-        help="local gloo processes to start; ignored under torchrun (default: %(default)s)",
-    )
+    add_nproc_flag(check)
     _add_layout_args(check)
     check.add_argument("--backend", help="backend name (default: $SHARDCORE_BACKEND, else dtensor)")
     check.add_argument(
@@ -204,13 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
         "every rank (a device-bound default group, TORCH_DIST_INIT_BARRIER=1, TorchComms), else local "
         "(default: %(default)s)",
     )
-    check.add_argument("--allow-idle", action="store_true", help="allow ranks after the last shard to stay idle")
-    check.add_argument(
-        "--timeout",
-        type=POSITIVE_SECONDS,
-        default=120.0,
-        help="seconds a rank waits for the others before naming them in an error (default: %(default)s)",
-    )
+    add_allow_idle_flag(check)
+    add_timeout_flag(check)
     check.set_defaults(func=cmd_check)
     add_refit_parser(sub, common)
     add_replan_parser(sub, common)
