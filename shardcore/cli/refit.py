@@ -319,6 +319,18 @@ def add_refit_parser(subparsers: Any, common: argparse.ArgumentParser) -> argpar
     parser = subparsers.add_parser(
         "refit", help="plan moving a model's weights from one shard to others (no torch)", parents=[common]
     )
+    _add_plan_flags(parser)
+    _add_output_flags(parser)
+    _add_conversion_flags(parser)
+    _add_estimate_flags(parser)
+    _add_check_flags(parser)
+    add_search_arguments(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
+    """What the plan moves: the layout, the source and destination shards, the model, the planner options."""
     parser.add_argument("--world", type=POSITIVE_INT, help="total number of ranks")
     parser.add_argument("--shards", help="e.g. 'tp=8,pp=4,dp=4,role=train+tp=8,role=decode', or @file.yaml")
     add_order_flag(parser)
@@ -349,10 +361,18 @@ def add_refit_parser(subparsers: Any, common: argparse.ArgumentParser) -> argpar
         metavar="PATTERNS",
         help="refit only the tensors matching these comma-separated patterns, e.g. '*.experts.*' (a partial refit)",
     )
+
+
+def _add_output_flags(parser: argparse.ArgumentParser) -> None:
+    """What is printed: a rank's transfers, JSON, every transfer, the preset names."""
     parser.add_argument("--rank", type=NON_NEGATIVE_INT, metavar="R", help="also print rank R's transfers")
     parser.add_argument("--json", action="store_true", help="print the stats (and tensors) as JSON")
     parser.add_argument("--transfers", action="store_true", help="with --json: include every transfer")
     parser.add_argument("--list-models", action="store_true", help="print the preset model names, one a line")
+
+
+def _add_conversion_flags(parser: argparse.ArgumentParser) -> None:
+    """A converting refit: the destination dtype and fp8 scales."""
     parser.add_argument(
         "--to-dtype",
         metavar="DTYPE",
@@ -363,6 +383,10 @@ def add_refit_parser(subparsers: Any, common: argparse.ArgumentParser) -> argpar
         metavar="block|tensor",
         help="with --to-dtype float8_e4m3fn: one scale per 128x128 block (default) or per tensor",
     )
+
+
+def _add_estimate_flags(parser: argparse.ArgumentParser) -> None:
+    """The bandwidths the time estimate assumes."""
     parser.add_argument(
         "--intra-gbps",
         type=float,
@@ -375,6 +399,10 @@ def add_refit_parser(subparsers: Any, common: argparse.ArgumentParser) -> argpar
         default=DEFAULT_INTER_GBPS,
         help=f"inter-node bandwidth per rank for the estimate, GB/s (default {DEFAULT_INTER_GBPS:g})",
     )
+
+
+def _add_check_flags(parser: argparse.ArgumentParser) -> None:
+    """``--check``: run the plan on a live world, and that world's knobs."""
     parser.add_argument(
         "--check",
         action="store_true",
@@ -390,9 +418,6 @@ def add_refit_parser(subparsers: Any, common: argparse.ArgumentParser) -> argpar
         help="with --check: bytes one batch of messages may hold, and so the staging memory a rank uses "
         "(default: %(default)s)",
     )
-    add_search_arguments(parser)
-    parser.set_defaults(func=run)
-    return parser
 
 
 __all__ = ["add_refit_parser", "format_bytes", "rank_table", "run", "summary_table"]
