@@ -31,13 +31,21 @@ from typing import Any
 SPECS = {8: "tp=4,role=train + tp=2,dp=2", 16: "tp=8,role=train + tp=4,dp=2"}
 
 
-def _manifest(layers: int) -> Any:
+def bench_manifest(layers: int, dtype: str = "bfloat16") -> Any:
+    """The benchmarks' transformer (hidden 1024, ffn 4096, 16 heads, vocab 32768; ~0.5 GB bf16 at 12 layers)
+    in ``dtype``: the one model ``bench_refit``, ``bench_refit_convert`` and ``bench_refit_variants`` move."""
     from shardcore.refit import TransformerConfig, manifest_from_config
 
-    config = TransformerConfig(
-        layers=layers, hidden=1024, ffn=4096, heads=16, kv_heads=16, vocab=32768, dtype="bfloat16"
-    )
-    return manifest_from_config(config, name=f"bench-{layers}l")
+    config = TransformerConfig(layers=layers, hidden=1024, ffn=4096, heads=16, kv_heads=16, vocab=32768, dtype=dtype)
+    return manifest_from_config(config, name=f"bench-{layers}l" + ("" if dtype == "bfloat16" else f"-{dtype}"))
+
+
+def add_world_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of a live refit benchmark: the world sizes of ``SPECS``, the model's layers, repeats, threads."""
+    parser.add_argument("--world", type=int, nargs="+", default=[8, 16], choices=sorted(SPECS))
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (torch.set_num_threads)")
 
 
 def _loopback_bandwidth(rank: int, nbytes: int = 256 << 20) -> float:
@@ -107,8 +115,8 @@ def _matrix_floor(plan: Any, rank: int) -> float:
     return best
 
 
-def _sources(plan: Any, rank: int) -> dict[str, Any]:
-
+def known_sources(plan: Any, rank: int) -> dict[str, Any]:
+    """This rank's source shards of the known global tensors (``refit_check.known_tensor``)."""
     from shardcore.engine.live.refit_check import cut, known_tensor
 
     manifest, out = plan.manifest, {}
@@ -118,13 +126,17 @@ def _sources(plan: Any, rank: int) -> dict[str, Any]:
     return out
 
 
-def _empty(plan: Any, rank: int) -> dict[str, Any]:
-    """Fresh destinations, written once before the clock starts, as a model's parameters are: the page
-    faults of first touch are not what a refit costs, and would otherwise land in whichever method runs."""
+def empty_destinations(plan: Any, rank: int) -> dict[str, Any]:
+    """Fresh destinations in their destination dtypes, written once before the clock starts, as a model's
+    parameters are: the page faults of first touch are not what a refit costs, and would otherwise land in
+    whichever method runs."""
     import torch
 
-    shapes = plan.for_rank(rank).destination_shapes
-    return {name: torch.empty(shape, dtype=torch.bfloat16).fill_(0) for name, shape in shapes.items()}
+    manifest = plan.manifest
+    return {
+        name: torch.empty(shape, dtype=getattr(torch, manifest.tensor(name).destination_dtype)).fill_(0)
+        for name, shape in plan.for_rank(rank).destination_shapes.items()
+    }
 
 
 def _local(full: Any, spec: Any, shard: Any, rank: int, manifest: Any) -> Any:
@@ -225,12 +237,12 @@ def bench_rank(rank: int, world: int, layers: int, repeat: int, threads: int) ->
 
     layout = plan_layout(world, SPECS[world])
     started = time.perf_counter()
-    plan = plan_refit(layout, 0, [1], _manifest(layers))
+    plan = plan_refit(layout, 0, [1], bench_manifest(layers))
     plan_seconds = time.perf_counter() - started
     bandwidth = _loopback_bandwidth(rank)
     aggregate = _aggregate_bandwidth(rank, world)
     floor = _matrix_floor(plan, rank)
-    sources = _sources(plan, rank)
+    sources = known_sources(plan, rank)
     expected = None
     out: dict[str, Any] = {
         "rank": rank,
@@ -245,7 +257,7 @@ def bench_rank(rank: int, world: int, layers: int, repeat: int, threads: int) ->
     for method in ("shardcore", "gather+bcast", "full_tensor"):
         best = float("inf")
         for _ in range(repeat):
-            destinations = _empty(plan, rank)
+            destinations = empty_destinations(plan, rank)
             dist.barrier()
             rss_before = _rss_peak_mib()
             started = time.perf_counter()
@@ -277,12 +289,9 @@ def main() -> None:
     from shardcore.testing import run_world
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, nargs="+", default=[8, 16], choices=sorted(SPECS))
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (torch.set_num_threads)")
+    add_world_arguments(parser)
     args = parser.parse_args()
-    manifest = _manifest(args.layers)
+    manifest = bench_manifest(args.layers)
     print(
         f"model: {manifest.name}, {len(manifest)} tensors, {manifest.nbytes / 1e9:.3f} GB bf16; "
         f"{args.threads} thread(s) per rank, best of {args.repeat}"

@@ -18,7 +18,7 @@ import argparse
 import time
 from typing import Any
 
-from benchmarks.bench_refit import SPECS, _sources
+from benchmarks.bench_refit import SPECS, add_world_arguments, bench_manifest, empty_destinations, known_sources
 
 CASES = [
     ("bf16 -> bf16", "bfloat16", None),
@@ -30,21 +30,9 @@ CASES = [
 
 
 def manifest_of(layers: int, dtype: str, conversion: tuple[str, str | None] | None) -> Any:
-    from shardcore.refit import TransformerConfig, manifest_from_config
-
-    config = TransformerConfig(layers=layers, hidden=1024, ffn=4096, heads=16, kv_heads=16, vocab=32768, dtype=dtype)
-    manifest = manifest_from_config(config, name=f"bench-{layers}l-{dtype}")
+    """``bench_refit``'s model in ``dtype``, converted as the case says (None: a plain refit)."""
+    manifest = bench_manifest(layers, dtype)
     return manifest if conversion is None else manifest.converted(*conversion)
-
-
-def _destinations(plan: Any, rank: int) -> dict[str, Any]:
-    import torch
-
-    manifest = plan.manifest
-    return {
-        name: torch.empty(shape, dtype=getattr(torch, manifest.tensor(name).destination_dtype)).fill_(0)
-        for name, shape in plan.for_rank(rank).destination_shapes.items()
-    }
 
 
 def _mismatches(plan: Any, rank: int, destinations: dict[str, Any]) -> int:
@@ -91,10 +79,10 @@ def bench_rank(rank: int, world: int, layers: int, repeat: int, threads: int) ->
         plan = plan_refit(layout, 0, [1], manifest_of(layers, dtype, conversion))
         if dtype not in sources:
             sources.clear()  # one source dtype's tensors at a time
-            sources[dtype] = _sources(plan, rank)
+            sources[dtype] = known_sources(plan, rank)
         best, prepare = float("inf"), 0.0
         for _ in range(repeat):
-            destinations = _destinations(plan, rank)
+            destinations = empty_destinations(plan, rank)
             prepared.clear()
             dist.barrier()
             started = time.perf_counter()
@@ -113,10 +101,7 @@ def main() -> None:
     from shardcore.testing import run_world
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, nargs="+", default=[8, 16], choices=sorted(SPECS))
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (torch.set_num_threads)")
+    add_world_arguments(parser)
     args = parser.parse_args()
     print(f"{args.layers} layers, {args.threads} thread(s) per rank, best of {args.repeat}")
     print(

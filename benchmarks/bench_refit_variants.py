@@ -24,7 +24,7 @@ import argparse
 import time
 from typing import Any
 
-from bench_refit import _manifest
+from bench_refit import bench_manifest
 
 SPEC = "tp=4,role=train + tp=2,role=decode + tp=2,role=decode"
 WORLD, PER_NODE = 8, 4
@@ -42,7 +42,7 @@ def _plan(layers: int, variant: str) -> Any:
 
     options = dict(VARIANTS[variant])
     patterns = options.pop("tensors", None)
-    manifest = _manifest(layers)
+    manifest = bench_manifest(layers)
     plan = plan_refit(plan_layout(WORLD, SPEC), 0, [1, 2], manifest, PER_NODE, **options)
     return plan.subset(tensors_matching(manifest, patterns)) if patterns else plan
 
@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    manifest = _manifest(args.layers)
+    manifest = bench_manifest(args.layers)
     print(
         f"model: {manifest.name}, {len(manifest)} tensors, {manifest.nbytes / 1e9:.3f} GB bf16; world {WORLD} "
         f"({PER_NODE} ranks per node), shards `{SPEC}`; best of {args.repeat}, checked bitwise"

@@ -1,4 +1,5 @@
-"""argparse pieces: the number flags' types, and a parser whose errors stay short whatever was typed."""
+"""argparse pieces: the number flags' types, a parser whose errors stay short whatever was typed, and the
+flags several commands share (declared here once, so their type, default and help agree everywhere)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,18 @@ import argparse
 from collections.abc import Callable
 from typing import NoReturn
 
+from ..engine.live.launch import LIVE_CHECK_TIMEOUT
 from ..plan.arguments import MAX_SHOWN, MAX_TIMEOUT, as_timedelta, clipped, shown
+from ..plan.layout import DEFAULT_ORDER, ORDER_ALIASES, Order
+
+ORDER_HELP = (
+    "how ranks map to coordinates, innermost first: tp-cp-dp-pp keeps each pipeline stage's ranks "
+    "contiguous (Megatron's default); tp-cp-pp-dp (alias tp-pp-dp) keeps each data-parallel replica "
+    "contiguous, Megatron's use_tp_pp_dp_mapping (default: %(default)s)"
+)
+ALLOW_IDLE_HELP = "allow ranks after the last shard to stay idle"
+DEFAULT_NPROC = 8
+"""Local gloo processes a live check starts when --nproc is not given."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -62,4 +74,47 @@ def missing_flags(args: argparse.Namespace, *flags: str) -> list[str]:
     return [flag for flag in flags if getattr(args, dests.get(flag, flag[2:].replace("-", "_"))) is None]
 
 
-__all__ = ["NON_NEGATIVE_INT", "POSITIVE_INT", "POSITIVE_SECONDS", "Parser", "missing_flags"]
+def add_order_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--order``: how ranks map to coordinates (plan, check, refit, replan)."""
+    parser.add_argument("--order", default=DEFAULT_ORDER, choices=[*map(str, Order), *ORDER_ALIASES], help=ORDER_HELP)
+
+
+def add_allow_idle_flag(parser: argparse.ArgumentParser, meaning: str = ALLOW_IDLE_HELP) -> None:
+    """``--allow-idle``: let ranks after the last shard stay idle (``meaning``: what that means to this command)."""
+    parser.add_argument("--allow-idle", action="store_true", help=meaning)
+
+
+def add_nproc_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, when: str = "") -> None:
+    """``--nproc``: the local world of a live check (``when``: the flag it needs, e.g. "with --check: ")."""
+    parser.add_argument(
+        "--nproc",
+        type=POSITIVE_INT,
+        default=DEFAULT_NPROC,
+        help=f"{when}local gloo processes to start; ignored under torchrun (default: %(default)s)",
+    )
+
+
+def add_timeout_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, when: str = "") -> None:
+    """``--timeout``: how long a live rank waits for its peers (``when``: the flag it needs, e.g. "with --check: ")."""
+    parser.add_argument(
+        "--timeout",
+        type=POSITIVE_SECONDS,
+        default=LIVE_CHECK_TIMEOUT,
+        help=f"{when}seconds a rank waits for the others before naming them in an error (default: %(default)s)",
+    )
+
+
+__all__ = [
+    "ALLOW_IDLE_HELP",
+    "DEFAULT_NPROC",
+    "NON_NEGATIVE_INT",
+    "ORDER_HELP",
+    "POSITIVE_INT",
+    "POSITIVE_SECONDS",
+    "Parser",
+    "add_allow_idle_flag",
+    "add_nproc_flag",
+    "add_order_flag",
+    "add_timeout_flag",
+    "missing_flags",
+]

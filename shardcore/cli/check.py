@@ -107,6 +107,14 @@ def require_torch(command: str) -> None:
         raise CheckError(f"shardcore {command} needs torch: {TORCH_HINT}")
 
 
+def torchrun_world() -> int | None:
+    """The world size torchrun gave this process (RANK and WORLD_SIZE set), or None when run alone: a live
+    command then joins that world instead of starting ``--nproc`` local processes."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
 class Progress:
     """Progress lines on stderr: per stage, ranks done of N with the time since start.
 
@@ -183,8 +191,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     check_torch_imports()  # an autoloaded device extension that breaks torch: one line, before the header
 
     options = _options(args)
-    joined = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world = int(os.environ["WORLD_SIZE"]) if joined else args.nproc
+    torchrun = torchrun_world()
+    joined = torchrun is not None
+    world = args.nproc if torchrun is None else torchrun
     warnings = [] if joined else check_machine(world)
     prepared = check.prepare(options, world)
     speaks = not args.quiet and (not joined or os.environ["RANK"] == "0")
@@ -262,4 +271,13 @@ def summary(reports: list[RankReport], layout: Layout) -> tuple[str, bool]:
     return table + ("\n" + "\n".join(details) if details else ""), ok
 
 
-__all__ = ["CheckError", "Progress", "check_machine", "cmd_check", "local_limit", "require_torch", "summary"]
+__all__ = [
+    "CheckError",
+    "Progress",
+    "check_machine",
+    "cmd_check",
+    "local_limit",
+    "require_torch",
+    "summary",
+    "torchrun_world",
+]

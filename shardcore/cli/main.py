@@ -10,27 +10,33 @@ import sys
 import traceback
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import __version__
 from ..engine import Strategy, install_hint
 from ..errors import ShardcoreError
 from ..plan.arguments import clipped
-from ..plan.layout import DEFAULT_ORDER, ORDER_ALIASES, Order, plan_layout
+from ..plan.layout import plan_layout
 from ..plan.loading import shown_path
 from ..views.picture import DEFAULT_RANKS_PER_NODE, draws_ranks, render_svg
 from ..views.tables import format_table, layout_table, rank_table, shown_groups
 from ..views.topology import TOPOLOGY_GROUPS, check_topology
-from .arguments import NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_SECONDS, Parser
+from .arguments import (
+    NON_NEGATIVE_INT,
+    POSITIVE_INT,
+    Parser,
+    add_allow_idle_flag,
+    add_nproc_flag,
+    add_order_flag,
+    add_timeout_flag,
+)
 from .check import cmd_check
 from .refit import add_refit_parser
 from .replan import add_replan_parser
 
-ORDER_HELP = (
-    "how ranks map to coordinates, innermost first: tp-cp-dp-pp keeps each pipeline stage's ranks "
-    "contiguous (Megatron's default); tp-cp-pp-dp (alias tp-pp-dp) keeps each data-parallel replica "
-    "contiguous, Megatron's use_tp_pp_dp_mapping (default: %(default)s)"
-)
+if TYPE_CHECKING:
+    from ..plan.layout import Layout
+    from ..views.topology import TopologyReport
 
 
 def _one_line_warning(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
@@ -42,17 +48,70 @@ def _add_layout_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--shards", required=True, help="e.g. 'tp=4,pp=2,role=train+tp=2,dp=4,role=prefill', or @file.yaml"
     )
-    parser.add_argument("--order", default=DEFAULT_ORDER, choices=[*map(str, Order), *ORDER_ALIASES], help=ORDER_HELP)
+    add_order_flag(parser)
+
+
+def _plan_usage_error(args: argparse.Namespace) -> str | None:
+    """A flag ``plan`` was given without the one it needs (argparse cannot say so), or None."""
+    if args.strict and args.ranks_per_node is None:
+        return "--strict needs --ranks-per-node K"
+    if args.highlight and not args.svg:
+        return "--highlight needs --svg FILE"
+    return None
+
+
+def _write_plan_svg(args: argparse.Namespace, layout: Layout) -> bool:
+    """``--svg FILE``: write the picture and say so on stderr; False (said why) when the file cannot be written."""
+    per_node = DEFAULT_RANKS_PER_NODE if args.ranks_per_node is None else args.ranks_per_node
+    text = render_svg(layout, per_node, args.highlight)
+    try:
+        with open(args.svg, "w", encoding="utf-8") as file:
+            file.write(text)
+    except OSError as error:
+        print(
+            f"shardcore: error: cannot write {shown_path(args.svg)}: {error.strerror or type(error).__name__}",
+            file=sys.stderr,
+        )
+        return False
+    print(f"wrote {args.svg}: {layout.world_size} ranks, nodes of {per_node}", file=sys.stderr)
+    if args.highlight and not draws_ranks(layout, per_node):
+        print(
+            f"note: --highlight {args.highlight} was not drawn: the picture shows one cell per node "
+            "at this size (use fewer ranks or larger nodes to see each rank)",
+            file=sys.stderr,
+        )
+    return True
+
+
+def _plan_document(args: argparse.Namespace, layout: Layout, report: TopologyReport | None) -> dict[str, Any]:
+    """``plan --json``: the layout, with ``--rank``'s groups and the topology findings when asked for."""
+    data = layout.to_dict()
+    if args.rank is not None:
+        plan = layout.shard_of(args.rank)
+        data["rank"] = {
+            "rank": args.rank,
+            "shard": None if plan is None else plan.index,
+            "groups": {} if plan is None else shown_groups(plan, args.rank),
+        }
+    if report is not None:
+        data["topology"] = report.to_dict()
+    return data
+
+
+def _print_plan_tables(args: argparse.Namespace, layout: Layout, report: TopologyReport | None) -> None:
+    """``plan``'s text: the layout table, then ``--rank``'s groups and the topology findings when asked for."""
+    print(layout_table(layout))
+    if args.rank is not None:
+        print()
+        print(rank_table(layout, args.rank))
+    if report is not None:
+        print()
+        print(report.format())
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    usage = (
-        "--strict needs --ranks-per-node K"
-        if args.strict and args.ranks_per_node is None
-        else "--highlight needs --svg FILE"
-        if args.highlight and not args.svg
-        else None
-    )
+    """The ``plan`` subcommand: 1 when ``--strict`` finds a group crossing nodes, 2 on a usage error."""
+    usage = _plan_usage_error(args)
     if usage:
         print(f"shardcore: error: {usage}", file=sys.stderr)
         return 2
@@ -62,46 +121,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.rank is not None:
         layout.shard_of(args.rank)  # a rank outside the world fails here, before anything is printed
     report = None if args.ranks_per_node is None else check_topology(layout, args.ranks_per_node)
-    if args.svg:
-        per_node = DEFAULT_RANKS_PER_NODE if args.ranks_per_node is None else args.ranks_per_node
-        text = render_svg(layout, per_node, args.highlight)
-        try:
-            with open(args.svg, "w", encoding="utf-8") as file:
-                file.write(text)
-        except OSError as error:
-            print(
-                f"shardcore: error: cannot write {shown_path(args.svg)}: {error.strerror or type(error).__name__}",
-                file=sys.stderr,
-            )
-            return 2
-        print(f"wrote {args.svg}: {layout.world_size} ranks, nodes of {per_node}", file=sys.stderr)
-        if args.highlight and not draws_ranks(layout, per_node):
-            print(
-                f"note: --highlight {args.highlight} was not drawn: the picture shows one cell per node "
-                "at this size (use fewer ranks or larger nodes to see each rank)",
-                file=sys.stderr,
-            )
+    if args.svg and not _write_plan_svg(args, layout):
+        return 2
     failed = bool(args.strict and report is not None and report.warnings)
     if args.json:
-        data = layout.to_dict()
-        if args.rank is not None:
-            plan = layout.shard_of(args.rank)
-            data["rank"] = {
-                "rank": args.rank,
-                "shard": None if plan is None else plan.index,
-                "groups": {} if plan is None else shown_groups(plan, args.rank),
-            }
-        if report is not None:
-            data["topology"] = report.to_dict()
-        print(json.dumps(data, indent=2))
-        return 1 if failed else 0
-    print(layout_table(layout))
-    if args.rank is not None:
-        print()
-        print(rank_table(layout, args.rank))
-    if report is not None:
-        print()
-        print(report.format())
+        print(json.dumps(_plan_document(args, layout, report), indent=2))
+    else:
+        _print_plan_tables(args, layout, report)
     return 1 if failed else 0
 
 
@@ -131,21 +157,24 @@ def _cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _talk_flags() -> Parser:
+    """The -v / -q flags every subcommand takes (a parent parser)."""
     common = Parser(add_help=False)
     talk = common.add_mutually_exclusive_group()
     talk.add_argument("-v", "--verbose", action="store_true", help="say more: every rank's progress, log lines")
     talk.add_argument("-q", "--quiet", action="store_true", help="say less: no header or progress, results only")
-    parser = Parser(prog="shardcore", description="Lay out heterogeneous parallel jobs.")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    return common
+
+
+def _add_plan_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Register ``shardcore plan``."""
     plan = sub.add_parser("plan", help="print the layout of shards over a world (no torch needed)", parents=[common])
     plan.add_argument("--world", type=POSITIVE_INT, required=True, help="total number of ranks")
     _add_layout_args(plan)
     plan.add_argument(
         "--rank-offset", type=NON_NEGATIVE_INT, default=0, help="first rank of the first shard (default: %(default)s)"
     )
-    plan.add_argument("--allow-idle", action="store_true", help="allow ranks after the last shard to stay idle")
+    add_allow_idle_flag(plan)
     plan.add_argument("--rank", type=NON_NEGATIVE_INT, help="also show this rank's groups")
     plan.add_argument("--json", action="store_true", help="print the full layout as JSON")
     plan.add_argument(
@@ -172,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"with --svg: outline every group of this name ({', '.join(TOPOLOGY_GROUPS)})",
     )
     plan.set_defaults(func=_cmd_plan)
+
+
+def _add_check_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    """Register ``shardcore check``."""
     check = sub.add_parser(
         "check",
         help="build the layout on a live world and verify every group with a collective",
@@ -180,12 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
         "world, one rank per process, on each process's LOCAL_RANK device.",
         parents=[common],
     )
-    check.add_argument(
-        "--nproc",
-        type=POSITIVE_INT,
-        default=8,
-        help="local gloo processes to start; ignored under torchrun (default: %(default)s)",
-    )
+    add_nproc_flag(check)
     _add_layout_args(check)
     check.add_argument("--backend", help="backend name (default: $SHARDCORE_BACKEND, else dtensor)")
     check.add_argument(
@@ -204,14 +232,19 @@ def build_parser() -> argparse.ArgumentParser:
         "every rank (a device-bound default group, TORCH_DIST_INIT_BARRIER=1, TorchComms), else local "
         "(default: %(default)s)",
     )
-    check.add_argument("--allow-idle", action="store_true", help="allow ranks after the last shard to stay idle")
-    check.add_argument(
-        "--timeout",
-        type=POSITIVE_SECONDS,
-        default=120.0,
-        help="seconds a rank waits for the others before naming them in an error (default: %(default)s)",
-    )
+    add_allow_idle_flag(check)
+    add_timeout_flag(check)
     check.set_defaults(func=cmd_check)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``shardcore`` parser: plan, check, refit, replan and backends, each with -v / -q."""
+    common = _talk_flags()
+    parser = Parser(prog="shardcore", description="Lay out heterogeneous parallel jobs.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_plan_parser(sub, common)
+    _add_check_parser(sub, common)
     add_refit_parser(sub, common)
     add_replan_parser(sub, common)
     backends = sub.add_parser("backends", help="list installed backends and whether they work here", parents=[common])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections import Counter
 from typing import TYPE_CHECKING, Any
@@ -12,19 +11,27 @@ from typing import TYPE_CHECKING, Any
 from ..engine import DEFAULT_BUCKET_BYTES
 from ..errors import RefitError
 from ..plan.arguments import check_count, check_size, format_bytes, number_or_long, shown
-from ..plan.layout import DEFAULT_ORDER, ORDER_ALIASES, Layout, Order, plan_layout
+from ..plan.layout import plan_layout
 from ..refit.cost import DEFAULT_INTER_GBPS, DEFAULT_INTRA_GBPS, RefitStats
 from ..refit.documents import model_manifest
 from ..refit.manifest import Manifest, TensorSpec
 from ..refit.models import PRESETS
 from ..refit.planner import DEFAULT_MIN_PIECE_BYTES, RankRefit, ShardRefitPlan, plan_refit, tensors_matching
 from ..views.tables import format_table
-from .arguments import NON_NEGATIVE_INT, POSITIVE_INT, POSITIVE_SECONDS, missing_flags
-from .check import check_machine, require_torch
+from .arguments import (
+    NON_NEGATIVE_INT,
+    POSITIVE_INT,
+    add_allow_idle_flag,
+    add_nproc_flag,
+    add_order_flag,
+    add_timeout_flag,
+    missing_flags,
+)
+from .check import check_machine, require_torch, torchrun_world
 from .search import add_search_arguments, run_search
 
 if TYPE_CHECKING:
-    from ..engine.live.refit_check import RefitReport
+    from ..engine.live.refit_check import RefitCheckOptions, RefitReport
 
 
 def _shard_indices(text: str) -> list[int]:
@@ -130,7 +137,13 @@ def rank_table(mine: RankRefit) -> str:
     return title + ("\n" + format_table(rows, ("op", "peer", "tensor", "box", "bytes")) if rows else "")
 
 
-def _plan(args: argparse.Namespace) -> tuple[Layout, ShardRefitPlan]:
+def _plan(args: argparse.Namespace) -> tuple[ShardRefitPlan, tuple[str, ...]]:
+    """The plan the flags describe, and the ``--tensors`` patterns it was cut to: every flag checked first.
+
+    Raises:
+        RefitError: a missing flag, a bandwidth that is not positive, bad planner options or shard indices.
+        ShardcoreError: a bad spec, model or ``--rank`` (from the layout and manifest).
+    """
     missing = missing_flags(args, "--world", "--shards", "--from", "--to", "--model")
     if missing:
         raise RefitError(f"refit needs {', '.join(missing)} (or --list-models)")
@@ -152,7 +165,7 @@ def _plan(args: argparse.Namespace) -> tuple[Layout, ShardRefitPlan]:
         min_piece_bytes=floor,
         fan_out=args.fan_out,
     )
-    return layout, plan.subset(tensors_matching(manifest, patterns)) if patterns else plan
+    return (plan.subset(tensors_matching(manifest, patterns)) if patterns else plan), patterns
 
 
 def _planner_options(args: argparse.Namespace) -> tuple[int, tuple[str, ...]]:
@@ -170,30 +183,45 @@ def _planner_options(args: argparse.Namespace) -> tuple[int, tuple[str, ...]]:
     return floor, patterns
 
 
-def _check(args: argparse.Namespace) -> int:
-    """``--check``: execute the plan on a live world (shardcore.engine.live.refit_check)."""
-    from ..engine.live import refit_check
+def _check_options(args: argparse.Namespace, plan: ShardRefitPlan, patterns: tuple[str, ...]) -> RefitCheckOptions:
+    """What every worker plans again from: the parent's checked plan's shards and planner options (one
+    owner, so a worker plans what the parent checked), with the executor's knobs from the flags."""
+    from ..engine.live.refit_check import RefitCheckOptions
 
-    joined = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    floor, patterns = _planner_options(args)
-    options = refit_check.RefitCheckOptions(
+    return RefitCheckOptions(
         model=args.model,
         shards=args.shards,
-        src=args.src,
-        dst=tuple(_shard_indices(args.dst)),
+        src=plan.source.index,
+        dst=tuple(destination.index for destination in plan.destinations),
         order=args.order,
-        ranks_per_node=args.ranks_per_node,
+        ranks_per_node=plan.ranks_per_node,
         timeout=args.timeout,
         bucket_bytes=args.bucket_bytes,
-        min_piece_bytes=floor,
-        fan_out=args.fan_out,
+        min_piece_bytes=plan.min_piece_bytes,
+        fan_out=plan.fan_out,
         tensors=patterns,
         to_dtype=args.to_dtype,
         scale=args.scale,
     )
-    world = int(os.environ["WORLD_SIZE"]) if joined else args.nproc
-    plan = refit_check.plan_from_options(options, world)  # bad input fails here, before any process starts
-    reports = refit_check.run_joined(options) if joined else refit_check.run_local(world, options)
+
+
+def _check(args: argparse.Namespace) -> int:
+    """``--check``: plan once here (bad input fails before any process starts), then execute the plan on a
+    live world (shardcore.engine.live.refit_check) and print one row per destination shard."""
+    if args.world is not None:
+        raise RefitError("--check takes its world from --nproc (or torchrun), not --world")
+    torchrun = torchrun_world()
+    joined = torchrun is not None
+    warnings = [] if joined else check_machine(args.nproc)
+    require_torch("refit --check")
+    args.world = args.nproc if torchrun is None else torchrun
+    plan, patterns = _plan(args)
+    for warning in warnings:
+        print(f"shardcore: warning: {warning}", file=sys.stderr)
+    from ..engine.live import refit_check
+
+    options = _check_options(args, plan, patterns)
+    reports = refit_check.run_joined(options) if joined else refit_check.run_local(args.world, options)
     if reports is None:
         return 0
     table, ok = check_summary(reports, plan)
@@ -213,17 +241,8 @@ def run(args: argparse.Namespace) -> int:
             raise RefitError("--search ranks layouts by the manifest's own dtypes: drop --to-dtype and --scale")
         return run_search(args)
     if args.check:
-        if args.world is not None:
-            raise RefitError("--check takes its world from --nproc (or torchrun), not --world")
-        joined = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-        warnings = [] if joined else check_machine(args.nproc)
-        require_torch("refit --check")
-        args.world = int(os.environ["WORLD_SIZE"]) if joined else args.nproc
-        _plan(args)
-        for warning in warnings:
-            print(f"shardcore: warning: {warning}", file=sys.stderr)
         return _check(args)
-    _, plan = _plan(args)
+    plan, _ = _plan(args)
     stats = RefitStats.of(plan)
     mine = plan.for_rank(args.rank) if args.rank is not None else None
     if args.json:
@@ -300,10 +319,22 @@ def add_refit_parser(subparsers: Any, common: argparse.ArgumentParser) -> argpar
     parser = subparsers.add_parser(
         "refit", help="plan moving a model's weights from one shard to others (no torch)", parents=[common]
     )
+    _add_plan_flags(parser)
+    _add_output_flags(parser)
+    _add_conversion_flags(parser)
+    _add_estimate_flags(parser)
+    _add_check_flags(parser)
+    add_search_arguments(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
+    """What the plan moves: the layout, the source and destination shards, the model, the planner options."""
     parser.add_argument("--world", type=POSITIVE_INT, help="total number of ranks")
     parser.add_argument("--shards", help="e.g. 'tp=8,pp=4,dp=4,role=train+tp=8,role=decode', or @file.yaml")
-    parser.add_argument("--order", default=DEFAULT_ORDER, choices=[*map(str, Order), *ORDER_ALIASES])
-    parser.add_argument("--allow-idle", action="store_true", help="allow ranks after the last shard to stay idle")
+    add_order_flag(parser)
+    add_allow_idle_flag(parser)
     parser.add_argument(
         "--from", dest="src", type=NON_NEGATIVE_INT, metavar="I", help="source shard index (e.g. training)"
     )
@@ -330,10 +361,18 @@ def add_refit_parser(subparsers: Any, common: argparse.ArgumentParser) -> argpar
         metavar="PATTERNS",
         help="refit only the tensors matching these comma-separated patterns, e.g. '*.experts.*' (a partial refit)",
     )
+
+
+def _add_output_flags(parser: argparse.ArgumentParser) -> None:
+    """What is printed: a rank's transfers, JSON, every transfer, the preset names."""
     parser.add_argument("--rank", type=NON_NEGATIVE_INT, metavar="R", help="also print rank R's transfers")
     parser.add_argument("--json", action="store_true", help="print the stats (and tensors) as JSON")
     parser.add_argument("--transfers", action="store_true", help="with --json: include every transfer")
     parser.add_argument("--list-models", action="store_true", help="print the preset model names, one a line")
+
+
+def _add_conversion_flags(parser: argparse.ArgumentParser) -> None:
+    """A converting refit: the destination dtype and fp8 scales."""
     parser.add_argument(
         "--to-dtype",
         metavar="DTYPE",
@@ -344,6 +383,10 @@ def add_refit_parser(subparsers: Any, common: argparse.ArgumentParser) -> argpar
         metavar="block|tensor",
         help="with --to-dtype float8_e4m3fn: one scale per 128x128 block (default) or per tensor",
     )
+
+
+def _add_estimate_flags(parser: argparse.ArgumentParser) -> None:
+    """The bandwidths the time estimate assumes."""
     parser.add_argument(
         "--intra-gbps",
         type=float,
@@ -356,16 +399,18 @@ def add_refit_parser(subparsers: Any, common: argparse.ArgumentParser) -> argpar
         default=DEFAULT_INTER_GBPS,
         help=f"inter-node bandwidth per rank for the estimate, GB/s (default {DEFAULT_INTER_GBPS:g})",
     )
+
+
+def _add_check_flags(parser: argparse.ArgumentParser) -> None:
+    """``--check``: run the plan on a live world, and that world's knobs."""
     parser.add_argument(
         "--check",
         action="store_true",
         help="execute the plan on a live world of --nproc gloo processes (or under torchrun) and "
         "compare every destination element; needs torch",
     )
-    parser.add_argument("--nproc", type=POSITIVE_INT, default=8, help="with --check: local gloo processes to start")
-    parser.add_argument(
-        "--timeout", type=POSITIVE_SECONDS, default=120.0, help="with --check: seconds before a peer is an error"
-    )
+    add_nproc_flag(parser, when="with --check: ")
+    add_timeout_flag(parser, when="with --check: ")
     parser.add_argument(
         "--bucket-bytes",
         type=POSITIVE_INT,
@@ -373,9 +418,6 @@ def add_refit_parser(subparsers: Any, common: argparse.ArgumentParser) -> argpar
         help="with --check: bytes one batch of messages may hold, and so the staging memory a rank uses "
         "(default: %(default)s)",
     )
-    add_search_arguments(parser)
-    parser.set_defaults(func=run)
-    return parser
 
 
 __all__ = ["add_refit_parser", "format_bytes", "rank_table", "run", "summary_table"]

@@ -10,12 +10,12 @@ from typing import Any
 
 from ..errors import LayoutError
 from ..plan.arguments import format_bytes
-from ..plan.layout import DEFAULT_ORDER, ORDER_ALIASES, Order, plan_layout
+from ..plan.layout import plan_layout
 from ..refit.documents import model_manifest
 from ..replan import ReplanOption, ReplanResult, format_ranks, replan
 from ..views.picture import DEFAULT_RANKS_PER_NODE, render_svg
 from ..views.tables import format_table
-from .arguments import POSITIVE_INT, POSITIVE_SECONDS
+from .arguments import POSITIVE_INT, add_allow_idle_flag, add_order_flag, add_timeout_flag
 
 MAX_RANGES = 4096
 """A --lost list of more ranges than this is data, not a list of failed ranks."""
@@ -204,8 +204,8 @@ def add_replan_parser(subparsers: Any, common: argparse.ArgumentParser) -> argpa
     )
     parser.add_argument("--world", type=POSITIVE_INT, required=True, help="ranks in the old world")
     parser.add_argument("--shards", required=True, help="the old layout's spec, e.g. 'tp=8,pp=2,dp=4,role=train+...'")
-    parser.add_argument("--order", default=DEFAULT_ORDER, choices=[*Order, *ORDER_ALIASES])
-    parser.add_argument("--allow-idle", action="store_true", help="the old layout leaves ranks after its shards idle")
+    add_order_flag(parser)
+    add_allow_idle_flag(parser, meaning="the old layout leaves ranks after its shards idle")
     parser.add_argument("--lost", metavar="RANKS", help="lost old ranks and ranges, e.g. 8-15,40")
     parser.add_argument(
         "--new-world",
@@ -237,9 +237,7 @@ def add_replan_parser(subparsers: Any, common: argparse.ArgumentParser) -> argpa
         action="store_true",
         help="with --check: start on gloo that can shrink (a stand-in for NCCL), so the survivors call shrink_group",
     )
-    live.add_argument(
-        "--timeout", type=POSITIVE_SECONDS, default=120.0, help="with --check: seconds before a peer is an error"
-    )
+    add_timeout_flag(live, when="with --check: ")
     parser.set_defaults(func=cmd_replan)
     return parser
 

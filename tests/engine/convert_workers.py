@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import asdict
 from typing import Any
 
@@ -12,6 +11,7 @@ from shardcore.engine.live.refit_check import check_refit
 from shardcore.errors import ShardcoreError
 from shardcore.plan.layout import plan_layout
 from shardcore.refit import Manifest, TransformerConfig, manifest_from_config, plan_refit, preset
+from tests.engine.refit_workers import timed_outcome
 
 BLOCKY = TransformerConfig(layers=2, hidden=256, ffn=512, heads=2, kv_heads=2, vocab=1024, dtype="bfloat16")
 """Every tp part a run of whole 128x128 blocks at tp <= 2 (head_dim 128, hidden 256)."""
@@ -109,9 +109,4 @@ def killed_in_the_amax_exchange(rank: int, world: int, victim: int, timeout: flo
             os._exit(17)
 
         dist.batch_isend_irecv = dying
-    started = time.monotonic()
-    try:
-        check_refit(plan, rank, timeout=timeout)
-    except ShardcoreError as error:
-        return type(error).__name__, str(error), getattr(error, "ranks", ()), time.monotonic() - started
-    return "ok", "", (), time.monotonic() - started
+    return timed_outcome(plan, rank, timeout=timeout)

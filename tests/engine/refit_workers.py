@@ -175,6 +175,17 @@ def bad_inputs(rank: int, world: int) -> dict[str, str]:
     return out
 
 
+def timed_outcome(plan: Any, rank: int, **execute_options: Any) -> tuple[str, str, tuple, float]:
+    """``check_refit``'s outcome on this rank, and its seconds: ("ok", "", (), s), or the error's class name,
+    text and the ranks it names (the fault tests check that a dead or absent peer is named in time)."""
+    started = time.monotonic()
+    try:
+        check_refit(plan, rank, **execute_options)
+    except ShardcoreError as error:
+        return type(error).__name__, str(error), getattr(error, "ranks", ()), time.monotonic() - started
+    return "ok", "", (), time.monotonic() - started
+
+
 def killed_mid_transfer(rank: int, world: int, victim: int, timeout: float) -> tuple[str, str, tuple, float]:
     """``victim`` (a destination rank) dies after its first received bucket; the others must name it in time."""
     import torch.distributed as dist
@@ -190,12 +201,7 @@ def killed_mid_transfer(rank: int, world: int, victim: int, timeout: float) -> t
             return real(ops)
 
         dist.batch_isend_irecv = dying
-    started = time.monotonic()
-    try:
-        check_refit(plan, rank, bucket_bytes=64 << 10, timeout=timeout)
-    except ShardcoreError as error:
-        return type(error).__name__, str(error), getattr(error, "ranks", ()), time.monotonic() - started
-    return "ok", "", (), time.monotonic() - started
+    return timed_outcome(plan, rank, bucket_bytes=64 << 10, timeout=timeout)
 
 
 def absent(rank: int, world: int, missing: int, timeout: float) -> tuple[str, str, tuple, float]:
@@ -204,12 +210,7 @@ def absent(rank: int, world: int, missing: int, timeout: float) -> tuple[str, st
         time.sleep(timeout + 3)
         return "absent", "", (), 0.0
     plan = plan_refit(plan_layout(world, "tp=2 + tp=2"), 0, [1], preset("tiny-dense"))
-    started = time.monotonic()
-    try:
-        check_refit(plan, rank, timeout=timeout)
-    except ShardcoreError as error:
-        return type(error).__name__, str(error), getattr(error, "ranks", ()), time.monotonic() - started
-    return "ok", "", (), time.monotonic() - started
+    return timed_outcome(plan, rank, timeout=timeout)
 
 
 def staging_peaks(rank: int, world: int, cases: list[tuple], bucket_bytes: int) -> list[tuple[int, int, bool]]:

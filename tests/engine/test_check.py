@@ -66,6 +66,19 @@ CASES = [
 ]
 
 
+def write_distribution(
+    folder: Path, module: str, source: str, name: str, entry_points: str, version: str = "0.1"
+) -> None:
+    """An installed one-module distribution in ``folder``, laid out as pip lays one out, to put on PYTHONPATH:
+    ``module``.py holding ``source``, and the dist-info of ``name`` ``version`` whose entry_points.txt is
+    ``entry_points``."""
+    (folder / f"{module}.py").write_text(source)
+    info = folder / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(entry_points)
+
+
 def _env(extra_path: Path | None = None) -> dict[str, str]:
     paths = [str(p) for p in (extra_path, ROOT) if p is not None]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")])}
@@ -166,11 +179,8 @@ def test_bad_input_fails_before_any_process_starts(
 
 
 def test_a_worker_failure_shows_each_distinct_error_once(tmp_path: Path) -> None:
-    (tmp_path / "failing_backend.py").write_text(FAILING_PLUGIN)
-    info = tmp_path / "failing_backend-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: failing-backend\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[shardcore.backends]\nfailing = failing_backend\n")
+    entry_points = "[shardcore.backends]\nfailing = failing_backend\n"
+    write_distribution(tmp_path, "failing_backend", FAILING_PLUGIN, "failing-backend", entry_points)
     argv = [sys.executable, "-m", "shardcore", "check", "--nproc", "4", "--shards", "tp=2+tp=2"]
     argv += ["--backend", "failing", "--timeout", "30"]
     started = time.monotonic()
@@ -187,11 +197,9 @@ def test_a_worker_failure_shows_each_distinct_error_once(tmp_path: Path) -> None
 
 
 def test_a_plugin_that_fails_to_import_is_one_line_before_any_start(tmp_path: Path) -> None:
-    (tmp_path / "broken_backend.py").write_text("raise ImportError('needs libfoo.so')\n")
-    info = tmp_path / "broken_backend-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-backend\nVersion: 0.1\n")
-    (info / "entry_points.txt").write_text("[shardcore.backends]\nbroken = broken_backend\n")
+    source = "raise ImportError('needs libfoo.so')\n"
+    entry_points = "[shardcore.backends]\nbroken = broken_backend\n"
+    write_distribution(tmp_path, "broken_backend", source, "broken-backend", entry_points)
     argv = [sys.executable, "-m", "shardcore", "check", "--nproc", "2", "--shards", "tp=2", "--backend", "broken"]
     result = subprocess.run(argv, capture_output=True, text=True, env=_env(tmp_path), timeout=120, cwd=ROOT)
     assert result.returncode == 2 and result.stdout == ""

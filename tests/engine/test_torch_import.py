@@ -22,7 +22,7 @@ import pytest
 pytest.importorskip("torch")
 
 from shardcore.engine.torch_state import _extension_failure
-from tests.engine.test_check import NO_NUMPY
+from tests.engine.test_check import NO_NUMPY, write_distribution
 
 ROOT = Path(__file__).resolve().parents[2]
 CANN_ERROR = "libhccl.so: cannot open shared object file: No such file or directory"
@@ -50,11 +50,8 @@ ONE_LINE = (
 @pytest.fixture
 def broken_npu(tmp_path: Path) -> Path:
     """A directory holding the stand-in torch-npu, to put on PYTHONPATH."""
-    (tmp_path / "torch_npu.py").write_text(STAND_IN_NPU)
-    info = tmp_path / "stand_in_npu-2.13.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: stand-in-npu\nVersion: 2.13.0\n")
-    (info / "entry_points.txt").write_text("[torch.backends]\ntorch_npu = torch_npu:_autoload\n")
+    entry_points = "[torch.backends]\ntorch_npu = torch_npu:_autoload\n"
+    write_distribution(tmp_path, "torch_npu", STAND_IN_NPU, "stand-in-npu", entry_points, version="2.13.0")
     return tmp_path
 
 
