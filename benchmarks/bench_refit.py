@@ -115,14 +115,16 @@ def _matrix_floor(plan: Any, rank: int) -> float:
     return best
 
 
-def known_sources(plan: Any, rank: int) -> dict[str, Any]:
-    """This rank's source shards of the known global tensors (``refit_check.known_tensor``)."""
+def known_sources(plan: Any, rank: int, shard: Any = None) -> dict[str, Any]:
+    """This rank's source shards of the known global tensors (``refit_check.known_tensor``); with ``shard``, its
+    parts of them in that shard instead (what a destination must hold after the refit)."""
     from shardcore.engine.live.refit_check import cut, known_tensor
 
+    mine = plan.for_rank(rank)
     manifest, out = plan.manifest, {}
-    for name in plan.for_rank(rank).source_shapes:
+    for name in mine.source_shapes if shard is None else mine.destination_shapes:
         spec = manifest.tensor(name)
-        out[name] = cut(known_tensor(spec, manifest.index(name)), spec, plan.source, rank, manifest)
+        out[name] = cut(known_tensor(spec, manifest.index(name)), spec, shard or plan.source, rank, manifest)
     return out
 
 

@@ -18,7 +18,7 @@ import argparse
 import time
 from typing import Any
 
-from benchmarks.bench_refit import SPECS, add_world_arguments, bench_manifest, empty_destinations, known_sources
+from bench_refit import SPECS, add_world_arguments, bench_manifest, empty_destinations, known_sources
 
 CASES = [
     ("bf16 -> bf16", "bfloat16", None),

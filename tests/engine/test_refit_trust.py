@@ -133,3 +133,20 @@ def test_a_dead_peer_that_was_replaced_does_not_break_the_next_refit() -> None:
         assert second[0] == "ok" and correct, (rank, second)
     generation, _, second, correct = seen[world - 1]
     assert generation == 2 and second[0] == "ok" and correct
+
+
+@pytest.mark.parametrize("size", [4096 * 8, 4096 * 8 + 4, 4096 * 8 + 3, 100])  # int64, int32 and byte words
+def test_the_checksum_sees_a_flipped_bit_swapped_words_and_a_short_message(size: int) -> None:
+    import torch
+
+    from shardcore.engine.transfer.exchange import checksum
+
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size))
+    good = checksum(data)
+    assert checksum(data.clone()) == good
+    flipped = data.clone()
+    flipped[size // 2] ^= 1
+    swapped = data.clone()
+    swapped[0:8], swapped[8:16] = data[8:16].clone(), data[0:8].clone()
+    assert not torch.equal(swapped, data)
+    assert len({good, checksum(flipped), checksum(swapped), checksum(data[:-1]), checksum(data[:-8])}) == 5

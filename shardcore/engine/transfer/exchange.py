@@ -46,12 +46,18 @@ def checksum(data: torch.Tensor) -> int:
     """A position-weighted sum of a contiguous byte tensor's words (not cryptographic: it catches truncation,
     corruption and words out of place, the faults of a wrong or short message).
 
-    Words are int32 where the bytes allow, else single bytes; the result folds the plain sum, the
-    position-weighted sum and the length into one int64.
+    Words are int64 where the bytes allow (their sums wrap alike at both ends: addition modulo 2**64 does not
+    depend on the order a reduction takes), else int32, else single bytes; the result folds the plain sum,
+    the position-weighted sum and the length into one int64. Summing int64 words in their own dtype is about
+    ten times faster than widening int32 ones, and reads each byte once.
     """
     import torch
 
-    words = data.view(torch.int32) if data.numel() % 4 == 0 and data.storage_offset() % 4 == 0 else data
+    words = data
+    for dtype, size in ((torch.int64, 8), (torch.int32, 4)):
+        if data.numel() % size == 0 and data.storage_offset() % size == 0:
+            words = data.view(dtype)
+            break
     n = words.numel()
     whole = n - n % _CHECKSUM_WIDTH
     columns = [0] * _CHECKSUM_WIDTH

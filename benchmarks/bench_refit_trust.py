@@ -1,0 +1,97 @@
+"""What agreement and checking cost per refit, on a live local gloo world: ``verify="size"`` and ``"checksum"``.
+
+Each refit agrees before a byte moves (every rank checks its tensors, then the ranks compare the plan's
+fingerprint at a store meeting) and after (an end meeting where each rank brings its outcome); every message is
+checked against its sender's ledger (its size, and with ``verify="checksum"`` a checksum the sender computed).
+Per case, over ``--repeat`` refits of the same plan: the median refit time (slowest rank, barrier to barrier),
+of it the agreement (``TransferStats.agreement_seconds``: the checks, the start and the end meeting; slowest
+rank) and its share, and the same refit with checksums. Every destination is checked bitwise once.
+
+Cases (the issue's): ``tiny-dense`` at 8 ranks and ``bench_refit``'s 12-layer model at 16 ranks, on
+``bench_refit.SPECS``.
+
+Usage: python benchmarks/bench_refit_trust.py [--repeat 9] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+from bench_refit import SPECS, bench_manifest, empty_destinations, known_sources
+
+VERIFY = ("size", "checksum")
+
+
+def _manifest(model: str) -> Any:
+    from shardcore.refit import preset
+
+    return bench_manifest(12) if model == "12-layer" else preset(model)
+
+
+def bench_rank(rank: int, world: int, model: str, repeat: int, threads: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    from shardcore import execute_refit
+    from shardcore.plan.layout import plan_layout
+    from shardcore.refit import plan_refit
+
+    plan = plan_refit(plan_layout(world, SPECS[world]), 0, [1], _manifest(model))
+    sources, destinations = known_sources(plan, rank), empty_destinations(plan, rank)
+    out: dict[str, Any] = {}
+    for verify in VERIFY:
+        walls, agreements = [], []
+        for _ in range(repeat + 1):  # the first refit warms the store's connections and the allocator
+            dist.barrier()
+            started = time.perf_counter()
+            stats = execute_refit(plan, sources, destinations, timeout=600, verify=verify)
+            dist.barrier()
+            walls.append(time.perf_counter() - started)
+            agreements.append(stats.agreement_seconds)
+        out[verify] = (walls[1:], agreements[1:])
+    expected = known_sources(plan, rank, plan.destinations[0]) if destinations else {}
+    out["bitwise"] = all(torch.equal(destinations[name], expected[name]) for name in destinations)
+    return out
+
+
+def _slowest(results: list[dict[str, Any]], verify: str, which: int) -> list[float]:
+    """Per repeat, the slowest rank's figure (0: wall time, 1: agreement)."""
+    return [max(r[verify][which][i] for r in results) for i in range(len(results[0][verify][which]))]
+
+
+def main() -> None:
+    from shardcore.testing import run_world
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (torch.set_num_threads)")
+    args = parser.parse_args()
+    print(f"median of {args.repeat} refits after a warm-up one; {args.threads} thread(s) per rank")
+    print(
+        "| model | world | shards | MB moved | refit s (size) | of it agreement s | share | "
+        "refit s (checksum) | checksum cost | bitwise |"
+    )
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---|")
+    for model, world in (("tiny-dense", 8), ("12-layer", 16)):
+        from shardcore.plan.layout import plan_layout
+        from shardcore.refit import RefitStats, plan_refit
+
+        moved = RefitStats.of(plan_refit(plan_layout(world, SPECS[world]), 0, [1], _manifest(model))).total_bytes
+        results = run_world(world, bench_rank, model, args.repeat, args.threads, timeout=3600, pg_timeout=1200)
+        size = statistics.median(_slowest(results, "size", 0))
+        agreement = statistics.median(_slowest(results, "size", 1))
+        checksum = statistics.median(_slowest(results, "checksum", 0))
+        print(
+            f"| {model} | {world} | `{SPECS[world]}` | {moved / 1e6:,.1f} | {size:.4f} | {agreement:.4f} | "
+            f"{agreement / size:.1%} | {checksum:.4f} | {checksum / size - 1:+.1%} | "
+            f"{'yes' if all(r['bitwise'] for r in results) else 'NO'} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
