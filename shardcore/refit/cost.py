@@ -15,7 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .planner import RefitPlan
+from .placement import Placement
+from .planner import Piece, RefitPlan, Tile
 
 DEFAULT_INTRA_GBPS = 200.0
 """Default intra-node bandwidth per rank and direction, GB/s (NVLink-class)."""
@@ -106,6 +107,101 @@ class ShardCost:
         return _seconds(self.loads, self.relay_loads, intra_gbps, inter_gbps)
 
 
+@dataclass
+class _Tally:
+    """The running sums of one walk over a plan's tiles, whole-plan and per destination shard: kept
+    apart from ``RefitStats`` so that adding a tile and reading the totals are separate steps.
+
+    Attributes:
+        per_node: The plan's ``ranks_per_node`` (None: every byte between ranks is inter-node).
+        scales: Positions of the manifest's fp8 scale tensors.
+        loads / relayed: Per rank, every hop's load and the relays' forwards' alone.
+        shard_loads / shard_relayed / shard_bytes / shard_local: The same, and the bytes sent and
+            copied locally, per destination shard.
+        must_move: Bytes the holders must send, per holder set key (relays forward the rest).
+        holder_sets: The members of each holder set key.
+        count / local / scale_bytes: Pieces, bytes copied inside a rank, bytes of scale tensors sent.
+    """
+
+    per_node: int | None
+    scales: set[int]
+    shard_loads: list[defaultdict[int, Load]]
+    shard_relayed: list[defaultdict[int, Load]]
+    shard_bytes: list[int]
+    shard_local: list[int]
+    loads: defaultdict[int, Load] = field(default_factory=_new_loads)
+    relayed: defaultdict[int, Load] = field(default_factory=_new_loads)
+    must_move: defaultdict[int, int] = field(default_factory=lambda: defaultdict(int))
+    holder_sets: dict[int, frozenset[int]] = field(default_factory=dict)
+    count: int = 0
+    local: int = 0
+    scale_bytes: int = 0
+
+    @classmethod
+    def start(cls, plan: RefitPlan) -> _Tally:
+        """Empty sums, one set per destination shard of ``plan``."""
+        shards = len(plan.destination_placements)
+        return cls(
+            per_node=plan.ranks_per_node,
+            scales={position for position, tensor in enumerate(plan.manifest) if tensor.scale_of is not None},
+            shard_loads=[_new_loads() for _ in range(shards)],
+            shard_relayed=[_new_loads() for _ in range(shards)],
+            shard_bytes=[0] * shards,
+            shard_local=[0] * shards,
+        )
+
+    def add(self, tile: Tile, pieces: list[Piece]) -> None:
+        """Add one tile's pieces: a local copy counts only as local bytes, a transfer as load."""
+        row_bytes = tile.row_bytes
+        self.holder_sets[tile.sources.key] = tile.sources.members
+        self.count += len(pieces)
+        for src, dst, lo, hi, hop in pieces:
+            size = (hi - lo) * row_bytes
+            if src == dst:
+                self.local += size
+                self.shard_local[tile.shard] += size
+            else:
+                self._add_transfer(tile, src, dst, size, hop)
+
+    def _add_transfer(self, tile: Tile, src: int, dst: int, size: int, hop: int) -> None:
+        """Add ``size`` bytes sent from ``src`` to ``dst``: to both ranks' loads, the tile's shard's, and
+        (for a relay's forward, ``hop`` set) the relay loads too."""
+        if not hop:  # what the holders must send; relays forward the rest
+            self.must_move[tile.sources.key] += size
+        self.shard_bytes[tile.shard] += size
+        if tile.position in self.scales:
+            self.scale_bytes += size
+        per_node = self.per_node
+        inter = 1 if per_node is None or src // per_node != dst // per_node else 0
+        tables = (self.loads, self.shard_loads[tile.shard])
+        for table in (*tables, self.relayed, self.shard_relayed[tile.shard]) if hop else tables:
+            table[src][inter] += size
+            table[dst][2 + inter] += size
+
+    def must_move_by_holders(self) -> dict[frozenset[int], int]:
+        """Bytes the holders must send, per holder set's members (what ``lower_bound`` takes)."""
+        by_members: dict[frozenset[int], int] = defaultdict(int)
+        for key, size in self.must_move.items():
+            by_members[self.holder_sets[key]] += size
+        return by_members
+
+    def shard_cost(self, index: int, destination: Placement) -> ShardCost:
+        """The cost of the transfers into destination shard ``index`` (``destination``)."""
+        table = self.shard_loads[index]
+        volume = {rank: max(load[0] + load[1], load[2] + load[3]) for rank, load in table.items()}
+        top = max(volume, key=lambda rank: (volume[rank], -rank), default=None)
+        return ShardCost(
+            destination.index,
+            destination.label,
+            self.shard_bytes[index],
+            self.shard_local[index],
+            top,
+            volume.get(top, 0) if top is not None else 0,
+            dict(table),
+            dict(self.shard_relayed[index]),
+        )
+
+
 @dataclass(frozen=True)
 class RefitStats:
     """The cost of a whole plan. Byte counts exclude local copies unless named ``local``.
@@ -147,76 +243,32 @@ class RefitStats:
     @classmethod
     def of(cls, plan: RefitPlan) -> RefitStats:
         """Walk every tile of ``plan`` once and add up its pieces."""
-        per_node = plan.ranks_per_node
-        loads, relayed = _new_loads(), _new_loads()
-        targets = plan.destination_placements
-        shard_loads = [_new_loads() for _ in targets]
-        shard_relayed = [_new_loads() for _ in targets]
-        shard_bytes = [0] * len(targets)
-        shard_local = [0] * len(targets)
-        must_move: dict[int, int] = defaultdict(int)
-        holder_sets: dict[int, frozenset[int]] = {}
-        count = local = scale_bytes = 0
-        scales = {position for position, tensor in enumerate(plan.manifest) if tensor.scale_of is not None}
+        tally = _Tally.start(plan)
         for tile, pieces in plan.tiles():
-            row_bytes = tile.row_bytes
-            holder_sets[tile.sources.key] = tile.sources.members
-            count += len(pieces)
-            for src, dst, lo, hi, hop in pieces:
-                size = (hi - lo) * row_bytes
-                if src == dst:
-                    local += size
-                    shard_local[tile.shard] += size
-                    continue
-                if not hop:  # what the holders must send; relays forward the rest
-                    must_move[tile.sources.key] += size
-                shard_bytes[tile.shard] += size
-                if tile.position in scales:
-                    scale_bytes += size
-                inter = 1 if per_node is None or src // per_node != dst // per_node else 0
-                tables = (loads, shard_loads[tile.shard])
-                for table in (*tables, relayed, shard_relayed[tile.shard]) if hop else tables:
-                    table[src][inter] += size
-                    table[dst][2 + inter] += size
+            tally.add(tile, pieces)
+        loads, relayed = tally.loads, tally.relayed
         sent = {rank: load[0] + load[1] for rank, load in sorted(loads.items()) if load[0] + load[1]}
         received = {rank: load[2] + load[3] for rank, load in sorted(loads.items()) if load[2] + load[3]}
         busiest = max(sent, key=lambda rank: (sent[rank], -rank), default=None)
-        by_members: dict[frozenset[int], int] = defaultdict(int)
-        for key, size in must_move.items():
-            by_members[holder_sets[key]] += size
-        shards = []
-        for index, (destination, table) in enumerate(zip(targets, shard_loads)):
-            volume = {rank: max(load[0] + load[1], load[2] + load[3]) for rank, load in table.items()}
-            top = max(volume, key=lambda rank: (volume[rank], -rank), default=None)
-            shards.append(
-                ShardCost(
-                    destination.index,
-                    destination.label,
-                    shard_bytes[index],
-                    shard_local[index],
-                    top,
-                    volume.get(top, 0) if top is not None else 0,
-                    dict(table),
-                    dict(shard_relayed[index]),
-                )
-            )
         return cls(
             model_bytes=plan.manifest.nbytes,
             total_bytes=sum(sent.values()),
-            local_bytes=local,
-            transfers=count,
+            local_bytes=tally.local,
+            transfers=tally.count,
             sent=sent,
             received=received,
             busiest_sender=busiest,
             busiest_sent=sent.get(busiest, 0) if busiest is not None else 0,
-            lower_bound=lower_bound(by_members),
+            lower_bound=lower_bound(tally.must_move_by_holders()),
             intra_node_bytes=sum(load[0] for load in loads.values()),
             inter_node_bytes=sum(load[1] for load in loads.values()),
-            shards=tuple(shards),
+            shards=tuple(
+                tally.shard_cost(index, destination) for index, destination in enumerate(plan.destination_placements)
+            ),
             loads=dict(loads),
             relay_loads=dict(relayed),
             relayed_bytes=sum(load[0] + load[1] for load in relayed.values()),
-            scale_bytes=scale_bytes,
+            scale_bytes=tally.scale_bytes,
         )
 
     @property

@@ -166,55 +166,87 @@ def _rank_cells(
     node_labels = [f"node {node}" for node in range(nodes)]
     left = MARGIN + _label_width(node_labels, 12)
     pitch_x, pitch_y = cell_w + GAP, CELL_H + GAP
-    _el(svg, "text", "local rank", x=left - 12, y=top, font_size=11, fill=MUTED, text_anchor="end")
-    header = _el(svg, "g", font_size=11, fill=MUTED, text_anchor="middle", font_family=MONO)
-    for col in range(min(k, layout.world_size)):
-        _el(header, "text", str(col), x=left + col * pitch_x + cell_w / 2, y=top)
-    top += 10
-    labels = _el(svg, "g", font_size=12, fill=MUTED, text_anchor="end")
-    for node, text in enumerate(node_labels):
-        _el(labels, "text", text, x=left - 12, y=top + node * pitch_y + CELL_H / 2 + 4)
+    columns = min(k, layout.world_size)
+    top = _grid_headers(svg, columns, node_labels, left, top, cell_w)
 
     def corner(rank: int) -> tuple[float, float]:
         return left + (rank % k) * pitch_x, top + (rank // k) * pitch_y
 
     group = _el(svg, "g", class_="ranks")
     for rank, (plan, label, tooltip) in enumerate(cells):
-        x, y = corner(rank)
-        cell = _el(
-            group,
-            "rect",
-            class_="rank",
-            x=x,
-            y=y,
-            width=cell_w,
-            height=CELL_H,
-            rx=5,
-            fill=IDLE_FILL if plan is None else _fill(plan.index),
-            data_rank=rank,
-            data_shard="idle" if plan is None else plan.index,
-        )
-        _el(cell, "title", tooltip)
-        _el(group, "text", str(rank), x=x + 5, y=y + 13, font_size=10, fill=MUTED)
-        _el(
-            group,
-            "text",
-            label,
-            x=x + cell_w / 2,
-            y=y + 32,
-            font_size=13,
-            fill=MUTED if plan is None else INK,
-            text_anchor="middle",
-            font_family=MONO,
-        )
+        _rank_cell(group, rank, plan, label, tooltip, corner(rank), cell_w)
     if highlight is not None:
         _outlines(svg, layout, k, highlight, corner, cell_w)
     if marked:
-        marks = _el(svg, "g", class_="marked", fill="none", stroke=MARK, stroke_width=2, stroke_dasharray="3 3")
-        for rank in sorted(marked):
-            x, y = corner(rank)
-            _el(marks, "rect", x=x + 2, y=y + 2, width=cell_w - 4, height=CELL_H - 4, rx=4, data_rank=rank)
-    return left + min(k, layout.world_size) * pitch_x, top + nodes * pitch_y
+        _marks(svg, marked, corner, cell_w)
+    return left + columns * pitch_x, top + nodes * pitch_y
+
+
+def _grid_headers(
+    svg: ET.Element, columns: int, node_labels: list[str], left: float, top: float, cell_w: float
+) -> float:
+    """The local rank over each of ``columns`` columns and a node label before each row, so that a
+    cell's place reads as (node, local rank); returns the top of the first row."""
+    pitch_x, pitch_y = cell_w + GAP, CELL_H + GAP
+    _el(svg, "text", "local rank", x=left - 12, y=top, font_size=11, fill=MUTED, text_anchor="end")
+    header = _el(svg, "g", font_size=11, fill=MUTED, text_anchor="middle", font_family=MONO)
+    for col in range(columns):
+        _el(header, "text", str(col), x=left + col * pitch_x + cell_w / 2, y=top)
+    top += 10
+    labels = _el(svg, "g", font_size=12, fill=MUTED, text_anchor="end")
+    for node, text in enumerate(node_labels):
+        _el(labels, "text", text, x=left - 12, y=top + node * pitch_y + CELL_H / 2 + 4)
+    return top
+
+
+def _rank_cell(
+    group: ET.Element,
+    rank: int,
+    plan: ShardPlan | None,
+    label: str,
+    tooltip: str,
+    corner: tuple[float, float],
+    cell_w: float,
+) -> None:
+    """One rank's cell at ``corner``: filled with its shard's colour (grey when idle), its rank number,
+    its coordinates as ``label`` and ``tooltip`` on hover."""
+    x, y = corner
+    cell = _el(
+        group,
+        "rect",
+        class_="rank",
+        x=x,
+        y=y,
+        width=cell_w,
+        height=CELL_H,
+        rx=5,
+        fill=IDLE_FILL if plan is None else _fill(plan.index),
+        data_rank=rank,
+        data_shard="idle" if plan is None else plan.index,
+    )
+    _el(cell, "title", tooltip)
+    _el(group, "text", str(rank), x=x + 5, y=y + 13, font_size=10, fill=MUTED)
+    _el(
+        group,
+        "text",
+        label,
+        x=x + cell_w / 2,
+        y=y + 32,
+        font_size=13,
+        fill=MUTED if plan is None else INK,
+        text_anchor="middle",
+        font_family=MONO,
+    )
+
+
+def _marks(
+    svg: ET.Element, marked: frozenset[int], corner: Callable[[int], tuple[float, float]], cell_w: float
+) -> None:
+    """A dashed inner outline on each rank of ``marked``, drawn over the cells and outlines."""
+    marks = _el(svg, "g", class_="marked", fill="none", stroke=MARK, stroke_width=2, stroke_dasharray="3 3")
+    for rank in sorted(marked):
+        x, y = corner(rank)
+        _el(marks, "rect", x=x + 2, y=y + 2, width=cell_w - 4, height=CELL_H - 4, rx=4, data_rank=rank)
 
 
 def _outlines(

@@ -192,62 +192,122 @@ def run_local_job(
     context = multiprocessing.get_context("spawn")
     port, started = free_port(), time.time()
     processes: list[Any] = []
-    readers: dict[Any, int] = {}
     try:
         with _sigint_blocked():
-            for rank in range(nproc):
-                reader, writer = context.Pipe(duplex=False)
-                process = context.Process(
-                    target=_local_worker,
-                    args=(job, rank, nproc, port, options, timeout, writer, started, backend),
-                    daemon=True,
-                )
-                process.start()
-                writer.close()
-                processes.append(process)
-                readers[reader] = rank
-        reports: dict[int, Any] = {}
-        errors: dict[int, str] = {}
-        leaving: set[int] = set()
-        silence, last_news, give_up = timeout + SILENCE_SECONDS, time.monotonic(), None
-        while len(reports) + len(errors) < nproc and (give_up is None or time.monotonic() < give_up):
+            readers = _start_workers(context, processes, nproc, (job, options, timeout, port, started, backend))
+        gathering = _Gathering(nproc, processes, readers, timeout, on_event)
+        while gathering.waiting():
             ready: Any  # wait returns some of the readers it was given
             for ready in wait(list(readers), timeout=0.2):
-                rank = readers[ready]
-                try:
-                    message = ready.recv()
-                except EOFError:  # the process ended; its exit code says how
-                    del readers[ready]
-                    if rank in leaving:
-                        reports.setdefault(rank, None)
-                    elif rank not in reports and rank not in errors:
-                        processes[rank].join(1)
-                        errors[rank] = f"rank {rank} died (exit code {processes[rank].exitcode})"
-                    continue
-                last_news = time.monotonic()
-                kind, _, payload = message
-                if kind == "done":
-                    reports[rank] = payload
-                elif kind == "failed":
-                    errors[rank] = payload
-                else:
-                    if kind == LEAVING:
-                        leaving.add(rank)
-                    if on_event is not None:
-                        on_event(kind, rank, payload)
-            if errors and give_up is None:
-                give_up = time.monotonic() + GRACE_SECONDS
-            if time.monotonic() - last_news > silence:
-                out = [rank for rank in range(nproc) if rank not in reports and rank not in errors]
-                raise GroupCreationError(
-                    f"ranks {shown_ranks(out)} sent nothing for {silence:.0f}s "
-                    f"(timeout {timeout:g}s + {SILENCE_SECONDS:g}s)"
-                )
-        if errors:
-            raise GroupCreationError("shardcore check failed:\n" + "\n".join(distinct_errors(errors)))
-        return [reports[rank] for rank in sorted(reports)]
+                gathering.read(ready)
+            gathering.check_progress()
+        return gathering.reports_in_rank_order()
     finally:
         _end(processes)
+
+
+def _start_workers(
+    context: Any, processes: list[Any], nproc: int, work: tuple[Job, Any, float, int, float, str]
+) -> dict[Any, int]:
+    """Start a spawned process per rank running ``_local_worker`` on ``work`` (job, options, timeout,
+    port, start time, backend), each with a pipe back; returns each pipe's reading end with its rank.
+
+    Each process joins ``processes`` as it starts, so that the caller ends those already running when
+    a later one fails to start. The parent closes each writing end, so a reader sees EOF once its
+    process has ended.
+    """
+    job, options, timeout, port, started, backend = work
+    readers: dict[Any, int] = {}
+    for rank in range(nproc):
+        reader, writer = context.Pipe(duplex=False)
+        process = context.Process(
+            target=_local_worker,
+            args=(job, rank, nproc, port, options, timeout, writer, started, backend),
+            daemon=True,
+        )
+        process.start()
+        writer.close()
+        processes.append(process)
+        readers[reader] = rank
+    return readers
+
+
+class _Gathering:
+    """What the local ranks have sent so far (reports, errors, who said ``LEAVING``) and when they last
+    sent anything: ``run_local_job`` reads every pipe into it until each rank is accounted for, the
+    grace after the first failure is over, or the ranks fall silent.
+    """
+
+    def __init__(
+        self, nproc: int, processes: list[Any], readers: dict[Any, int], timeout: float, on_event: OnEvent | None
+    ) -> None:
+        self.nproc, self.processes, self.readers = nproc, processes, readers
+        self.timeout, self.on_event = timeout, on_event
+        self.reports: dict[int, Any] = {}
+        self.errors: dict[int, str] = {}
+        self.leaving: set[int] = set()
+        self.silence, self.last_news = timeout + SILENCE_SECONDS, time.monotonic()
+        self.give_up: float | None = None
+
+    def waiting(self) -> bool:
+        """Some rank has neither reported nor failed, and the grace after a failure (if any) is not over."""
+        accounted = len(self.reports) + len(self.errors)
+        return accounted < self.nproc and (self.give_up is None or time.monotonic() < self.give_up)
+
+    def read(self, ready: Any) -> None:
+        """Take one message from the pipe ``ready``, or its EOF once the process has ended."""
+        rank = self.readers[ready]
+        try:
+            message = ready.recv()
+        except EOFError:  # the process ended; its exit code says how
+            del self.readers[ready]
+            self._ended(rank)
+            return
+        self.last_news = time.monotonic()
+        kind, _, payload = message
+        if kind == "done":
+            self.reports[rank] = payload
+        elif kind == "failed":
+            self.errors[rank] = payload
+        else:
+            if kind == LEAVING:
+                self.leaving.add(rank)
+            if self.on_event is not None:
+                self.on_event(kind, rank, payload)
+
+    def _ended(self, rank: int) -> None:
+        """A rank's process ended: no report when it said it was leaving, a death when it said neither
+        its report nor its error first."""
+        if rank in self.leaving:
+            self.reports.setdefault(rank, None)
+        elif rank not in self.reports and rank not in self.errors:
+            self.processes[rank].join(1)
+            self.errors[rank] = f"rank {rank} died (exit code {self.processes[rank].exitcode})"
+
+    def check_progress(self) -> None:
+        """Start the grace at the first failure; raise when no rank has sent anything for too long.
+
+        Raises:
+            GroupCreationError: nothing for ``timeout + SILENCE_SECONDS`` (naming the ranks still out).
+        """
+        if self.errors and self.give_up is None:
+            self.give_up = time.monotonic() + GRACE_SECONDS
+        if time.monotonic() - self.last_news > self.silence:
+            out = [rank for rank in range(self.nproc) if rank not in self.reports and rank not in self.errors]
+            raise GroupCreationError(
+                f"ranks {shown_ranks(out)} sent nothing for {self.silence:.0f}s "
+                f"(timeout {self.timeout:g}s + {SILENCE_SECONDS:g}s)"
+            )
+
+    def reports_in_rank_order(self) -> list[Any]:
+        """Every rank's report, in rank order.
+
+        Raises:
+            GroupCreationError: some rank failed or died (each distinct error once).
+        """
+        if self.errors:
+            raise GroupCreationError("shardcore check failed:\n" + "\n".join(distinct_errors(self.errors)))
+        return [self.reports[rank] for rank in sorted(self.reports)]
 
 
 # ----------------------------------------------------------------------------- torchrun

@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 
     from ...plan.layout import ShardPlan
     from ...refit.manifest import Manifest
+    from ...refit.planner import RankRefit
+    from ...replan import Renumbering
+    from ..survivors import SurvivorWorld
+    from ..transfer.execute import TransferStats
 
 LOADED = Purpose("restore check", "the restore check's job", GroupCreationError)
 PHASES = ("old build", "form", "build", "plan", "restore")
@@ -144,32 +148,31 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
+class _Laps:
+    """Each phase's seconds since the one before (the report's ``seconds``), telling ``on_stage`` as each ends."""
+
+    def __init__(self, on_stage: Callable[[str], None]) -> None:
+        self.on_stage = on_stage
+        self.seconds: dict[str, float] = {}
+        self.clock = time.monotonic()
+
+    def __call__(self, phase: str) -> None:
+        now = time.monotonic()
+        self.seconds[phase], self.clock = now - self.clock, now
+        self.on_stage(phase)
+
+
 def restore_check_job(options: RestoreCheckOptions, on_stage: Callable[[str], None] = lambda stage: None) -> object:
     """One rank of the old world: build, fill, lose the gone ranks, re-form, build, restore, compare."""
-    import torch
     import torch.distributed as dist
 
     rank, wait = dist.get_rank(), timedelta(seconds=options.timeout)
     option = choose_option(options)
     old, manifest, numbering = option.old, option.manifest, option.renumbering
-    seconds: dict[str, float] = {}
-    clock = time.monotonic()
-
-    def lap(phase: str) -> None:
-        nonlocal clock
-        now = time.monotonic()
-        seconds[phase], clock = now - clock, now
-        on_stage(phase)
-
+    lap = _Laps(on_stage)
     shards = build_shards(old.world_size, old, backend=options.backend, timeout=wait)
     sources = _weights(manifest, old.shard_of(rank), rank)
-    try:  # every rank holds its weights
-        barrier(Party.world(), LOADED, wait, linger=True)
-    except GroupCreationError:
-        if numbering.is_gone(rank) or not numbering.is_gone(0):
-            raise
-        # rank 0, the store's host, lingered (a moment) and left: a survivor that had not yet read that
-        # every rank arrived loses the store, as after any failure, and goes on to form its world
+    _meet_loaded(numbering, rank, wait)
     lap("old build")
     if numbering.is_gone(rank):
         on_stage(LEAVING)
@@ -183,23 +186,55 @@ def restore_check_job(options: RestoreCheckOptions, on_stage: Callable[[str], No
     plan = restore_plan(option)
     mine = plan.for_rank(world.rank)
     lap("plan")
-    destinations = {
+    destinations = _unwritten(manifest, mine)
+    stats = execute_refit(plan, sources, destinations, timeout=wait, verify=options.verify)
+    lap("restore")
+    held = destinations if mine.destination_shapes else sources
+    report = _survivor_report(option, rank, world, bool(mine.destination_shapes), stats, lap.seconds)
+    report.checked, report.mismatches = _compare(manifest, option.layout.shard_of(world.rank), world.rank, held)
+    destroy_shards(built)
+    return report
+
+
+def _meet_loaded(numbering: Renumbering, rank: int, wait: timedelta) -> None:
+    """Meet the whole old world once every rank holds its weights, so that no rank leaves before all
+    have loaded; a survivor goes on when rank 0 left first."""
+    try:
+        barrier(Party.world(), LOADED, wait, linger=True)
+    except GroupCreationError:
+        if numbering.is_gone(rank) or not numbering.is_gone(0):
+            raise
+        # rank 0, the store's host, lingered (a moment) and left: a survivor that had not yet read that
+        # every rank arrived loses the store, as after any failure, and goes on to form its world
+
+
+def _unwritten(manifest: Manifest, mine: RankRefit) -> dict[str, torch.Tensor]:
+    """The rank's destination tensors, filled with -1 so that a piece the restore misses shows as a mismatch."""
+    import torch
+
+    return {
         name: torch.full(shape, -1.0).to(getattr(torch, manifest.tensor(name).dtype))
         for name, shape in mine.destination_shapes.items()
     }
-    stats = execute_refit(plan, sources, destinations, timeout=wait, verify=options.verify)
-    lap("restore")
+
+
+def _survivor_report(
+    option: ReplanOption,
+    old_rank: int,
+    world: SurvivorWorld,
+    restored: bool,
+    stats: TransferStats,
+    seconds: dict[str, float],
+) -> RestoreReport:
+    """A survivor's report before the comparison: its ranks, new shard, world formed, times and bytes."""
     target = option.layout.shard_of(world.rank)
-    held = destinations if mine.destination_shapes else sources
-    report = RestoreReport(rank, world.rank, None if target is None else target.index, bool(mine.destination_shapes))
+    report = RestoreReport(old_rank, world.rank, None if target is None else target.index, restored)
     report.how, report.store, report.seconds = world.how, world.store, seconds
     report.bytes_received, report.bytes_copied, report.bytes_sent = (
         stats.bytes_received,
         stats.bytes_copied,
         stats.bytes_sent,
     )
-    report.checked, report.mismatches = _compare(manifest, target, world.rank, held)
-    destroy_shards(built)
     return report
 
 
