@@ -82,7 +82,7 @@ def test_interleaved_pp_order_is_rejected() -> None:
 
 def test_unknown_option_and_short_per_shard_option() -> None:
     with pytest.raises(
-        LayoutError, match=r"unknown option\(s\) dp_shards for backend 'hyperparallel': it accepts dp_replicate"
+        LayoutError, match=r"unknown option\(s\) 'dp_shards' for backend 'hyperparallel': it accepts dp_replicate"
     ):
         _validate("tp=2", 2, dp_shards=1)
     with pytest.raises(LayoutError, match="gives no value for shard 1"):
