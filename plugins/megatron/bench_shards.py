@@ -24,18 +24,8 @@ from torch.distributed import distributed_c10d as c10d
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from shardcore.engine import live_group_count
-
-DECODER = {
-    "tp": "tp",
-    "cp": "cp",
-    "pp": "pp",
-    "dp": "dp",
-    "mp": ["tp", "pp"],
-    "tp_cp": ["tp", "cp"],
-    "dp_cp": ["cp", "dp"],
-    "tp_dp_cp": ["tp", "cp", "dp"],
-}
-EXPERT = {"ep": "ep", "expt_tp": "tp", "expt_dp": "dp", "tp_ep": ["tp", "ep"], "tp_ep_pp": ["tp", "ep", "pp"]}
+from tests.megatron_fields import DECODER_FIELDS as DECODER  # this folder's tests/: run as a script
+from tests.megatron_fields import EXPERT_FIELDS as EXPERT
 
 
 def megatron_recipe(world: int, shards: int, tp: int) -> None:

@@ -22,28 +22,11 @@ with warnings.catch_warnings():
     pytest.importorskip("megatron.core")
     from megatron.core.hyper_comm_grid import HyperCommGrid
 
+from plugins.megatron.tests.megatron_fields import DECODER_FIELDS, EXPERT_FIELDS
 from shardcore import Grid, LayoutError, ShardSpec, plan_layout
 
 NAMES = ("tp", "cp", "dp", "pp", "ep", "x")
 
-# build_inference_pg_collection (§1.5): field -> (grid, Megatron dims argument)
-DECODER_FIELDS: dict[str, str | list[str]] = {
-    "tp": "tp",
-    "cp": "cp",
-    "pp": "pp",
-    "dp": "dp",
-    "mp": ["tp", "pp"],
-    "tp_cp": ["tp", "cp"],
-    "dp_cp": ["cp", "dp"],
-    "tp_dp_cp": ["tp", "cp", "dp"],
-}
-EXPERT_FIELDS: dict[str, str | list[str]] = {
-    "ep": "ep",
-    "expt_tp": "tp",
-    "expt_dp": "dp",
-    "tp_ep": ["tp", "ep"],
-    "tp_ep_pp": ["tp", "ep", "pp"],
-}
 # Megatron's expert grid reuses the names tp / dp; shardcore's calls them expt_tp / expt_dp
 EXPERT_NAME = {"tp": "expt_tp", "ep": "ep", "dp": "expt_dp", "pp": "pp"}
 

@@ -7,6 +7,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from plugins.megatron.tests.megatron_fields import DECODER_FIELDS as DECODER
+from plugins.megatron.tests.megatron_fields import EXPERT_FIELDS as EXPERT
 from plugins.megatron.tests.megatron_recipe import fake_world, quiet
 from shardcore.engine import live_group_count
 
@@ -27,20 +29,6 @@ FIELDS = (
     "embd",
     "pos_embd",
 )
-# Megatron's inference recipe (build_inference_pg_collection in megatron/core/inference/shards.py):
-# field -> dims on its decoder / expert grid
-DECODER = {
-    "tp": "tp",
-    "cp": "cp",
-    "pp": "pp",
-    "dp": "dp",
-    "mp": ["tp", "pp"],
-    "tp_cp": ["tp", "cp"],
-    "dp_cp": ["cp", "dp"],
-    "tp_dp_cp": ["tp", "cp", "dp"],
-}
-EXPERT = {"ep": "ep", "expt_tp": "tp", "expt_dp": "dp", "tp_ep": ["tp", "ep"], "tp_ep_pp": ["tp", "ep", "pp"]}
-
 Ranks = "dict[str, tuple[int, ...] | None]"
 
 
