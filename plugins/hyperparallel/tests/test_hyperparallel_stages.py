@@ -20,7 +20,6 @@ import pytest
 pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parents[3]
-SCRIPT = Path(__file__).resolve().parent / "stage_names.py"
 REQUEST = {
     "world": 8,
     "sizes": {"dp_size": 2, "tp_size": 2, "pp_size": 2, "ep_size": 2, "dp_shard_size": 2},
@@ -32,7 +31,11 @@ REQUEST = {
 @pytest.fixture(scope="module")
 def names() -> dict[str, dict[str, dict[str, list]]]:
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), json.dumps(REQUEST)], capture_output=True, text=True, timeout=300, cwd=ROOT
+        [sys.executable, "-m", "plugins.hyperparallel.tests.stage_names", json.dumps(REQUEST)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,  # -m puts the checkout first on the path: the stand-in and the workers come from it
     )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.splitlines()[-1])
