@@ -232,6 +232,9 @@ class RefitPlan:
     fan_out: bool = False
     tensors: frozenset[int] | None = None
     _routes: dict[tuple[Any, ...], Routes] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _last_rank: dict[int, RankRefit] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """The rank part ``for_rank`` computed last: a rank asks for its own part to allocate its tensors, then
+    ``execute_refit`` asks again, and an RL loop refits with the same plan every step."""
 
     @property
     def manifest(self) -> Manifest:
@@ -507,13 +510,21 @@ class RefitPlan:
         return f"a world of {self.world_size} ranks"
 
     def for_rank(self, rank: int) -> RankRefit:
-        """Rank ``rank``'s sends, receives, local copies and local shapes, computed from its own tiles only.
+        """Rank ``rank``'s sends, receives, local copies and local shapes, computed from its own tiles only
+        (the last rank's part is kept, so asking again for it costs nothing; treat it as read-only).
 
         Raises:
             LayoutError: the rank is outside the world.
         """
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {shown(rank)} is outside the world [0, {self.world_size})")
+        if rank not in self._last_rank:
+            mine = self._rank_part(rank)
+            self._last_rank.clear()
+            self._last_rank[rank] = mine
+        return self._last_rank[rank]
+
+    def _rank_part(self, rank: int) -> RankRefit:
         tensors = self.manifest.tensors
         keyed: list[tuple[int, int, int, Box, int, Transfer]] = []
         destination_shapes: dict[str, tuple[int, ...]] = {}
