@@ -141,6 +141,12 @@ class RankRefit:
     def bytes_received(self) -> int:
         return sum(t.bytes for t in self.recvs)
 
+    @property
+    def sources_read(self) -> set[str]:
+        """The tensors this rank reads from its source tensors: those it sends or copies at hop 0 (a relay's
+        forwards, hop 1, read its destinations)."""
+        return {t.tensor for t in (*self.sends, *self.copies) if not t.hop}
+
 
 class Tile(NamedTuple):
     """The overlap of a source slice and a destination slice of one tensor, toward one destination."""

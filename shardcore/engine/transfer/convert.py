@@ -137,7 +137,7 @@ class Conversion:
             return None
         specs = [manifest.tensor(name) for name in {t.tensor for t in (*mine.sends, *mine.recvs, *mine.copies)}]
         wire = {spec.name: getattr(torch, spec.wire_dtype) for spec in specs if spec.to_dtype is not None}
-        outgoing = {t.tensor for t in (*mine.sends, *mine.copies) if not t.hop}  # a relay forwards, converted
+        outgoing = mine.sources_read  # a relay forwards bytes already converted
         scaled = {
             spec.scale_of or spec.name
             for spec in specs

@@ -378,7 +378,7 @@ def _checked_tensors(
     Raises:
         RefitInputError: every problem of this rank's tensors, in one message.
     """
-    read = {t.tensor for t in (*mine.sends, *mine.copies) if not getattr(t, "hop", 0)}  # forwards read destinations
+    read = mine.sources_read
     needed = read if conversion is None else conversion.needed_sources(read)
     problems = _side_problems("source", sources, mine.source_shapes, needed, manifest)
     problems += _side_problems(
