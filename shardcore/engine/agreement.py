@@ -13,9 +13,15 @@ name, whatever the session, so a rank in a build and a rank in a refit at the sa
 see that they disagree, instead of waiting at different keys.
 
 **Numbered by the store, never by a process.** Whoever decides a session's first meeting (the last to
-arrive, or the first to give up waiting) moves the epoch on, once, with a compare-and-set. A rank that
-failed before touching the store, skipped a session, or was replaced by a new process therefore reads
-the same epoch as every other rank at its next session: no counter in any process can drift.
+arrive, or the first to give up waiting) moves the epoch on, once, with a compare-and-set, before it
+writes the outcome. A rank that failed before touching the store, skipped a session, or was replaced by
+a new process therefore reads the same epoch as every other rank at its next session: no counter in any
+process can drift.
+
+**Cheap.** A refit meets twice, so its meetings cost what a refit's fixed cost is: a first meeting
+takes five store round trips per rank (epoch, reference, value, count, outcome) and a later one three
+(a later meeting compares nothing, so it has no reference), all in one call on shardcore's store
+thread; deleting old keys is queued behind it, off the caller's path.
 
 **Failures reach everyone at once.** A rank that fails on its own still arrives, with its error
 instead of a value (``arrive_failed``): the others stop at once and name it. During a session, a rank
@@ -45,7 +51,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
 from ..errors import ShardcoreError
 from ..plan.arguments import shown_ranks
-from .torch_state import dist, store_call, world_token
+from .torch_state import dist, store_call, store_in_background, world_token
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -62,7 +68,9 @@ _FAILED = "!"
 _ABSENT = "gone: "
 """After ``_FAILED``: another rank declared this one lost (``declare_absent``); it is the one at fault."""
 _ARRIVED = "arrived"
-"""What a rank brings to a meeting with nothing to compare."""
+"""What a rank brings to a later meeting, where nothing is compared: also its reference, never stored."""
+_DIFFER, _ALIKE = "~", "="
+"""After ``complete`` in a meeting's result: whether some rank brought another value than the reference."""
 _SHOWN_ERROR = 500
 """Characters of one rank's error kept for the others."""
 
@@ -203,10 +211,11 @@ def meet(
     phase: str,
     timeout: timedelta,
     *,
-    value: str = _ARRIVED,
     linger: bool = False,
 ) -> Outcome:
     """A later meeting of the session at ``epoch``: wait until every rank of the party reaches ``phase``.
+
+    Nothing is compared there (the first meeting did that): a rank brings only that it arrived, or its error.
 
     Args:
         linger: the session's final meeting before the job may end: the store's host stays until every
@@ -216,7 +225,7 @@ def meet(
         The purpose's error: a rank did not arrive in time, arrived with an error or was declared
         absent (naming it and why), or the store's host died or stopped answering.
     """
-    return _meet(party, purpose, epoch, phase, value, timeout, linger=linger)
+    return _meet(party, purpose, epoch, phase, _ARRIVED, timeout, linger=linger)
 
 
 def arrive_failed(
@@ -318,14 +327,15 @@ def _meet(
     def lost(message: str) -> ShardcoreError:
         return purpose.error(message, [])
 
-    meeting = store_call(
-        lambda store: _join(store, party, epoch, phase, value, rank, decide), seconds, _where(party, epoch, phase), lost
-    )
-    _remember(meeting)
+    deadline = time.monotonic() + seconds
+
+    def attend(store: Store) -> tuple[Meeting, tuple[str, list[tuple[list[int], str]] | None, str]]:
+        meeting = _join(store, party, epoch, phase, value, rank, decide)
+        _remember(meeting)
+        return meeting, _outcome(store, meeting, rank, max(0.001, deadline - time.monotonic()), linger)
+
+    meeting, (outcome, groups, payload) = store_call(attend, seconds + GRACE, _where(party, epoch, phase), lost)
     where = f"at '{phase}' of {purpose.noun} {meeting.epoch}"
-    outcome, groups, payload = store_call(
-        lambda store: _outcome(store, meeting, rank, seconds, linger), seconds + GRACE, where, lost
-    )
     if outcome == f"timeout:{rank}":  # this rank decided it: it deletes the shared keys
         pending = _pending[(world_token(), party.scope)]
         pending[pending.index(meeting)] = replace(meeting, decided=True)
@@ -359,32 +369,31 @@ def _join(
 ) -> Meeting:
     """Arrive (for ``rank``): read the epoch if needed, leave the value, count in; the last to arrive decides."""
     base = f"shardcore/{party.scope}/"
-    if epoch is None:
+    if epoch is None:  # a first meeting's outcome is written after the epoch moves on: none is decided at it
         epoch = store.add(f"{base}epoch", 0)
-        while store.check([f"{base}{epoch}/{OPEN}/result"]):  # decided, but its decider has not moved on yet
-            store.compare_set(f"{base}epoch", str(epoch), str(epoch + 1))
-            epoch += 1
     meeting = Meeting(party, epoch, phase)
     prefix = meeting.prefix
-    reference = store.compare_set(f"{prefix}reference", "", value).decode()
+    reference = store.compare_set(f"{prefix}reference", "", value).decode() if phase == OPEN else _ARRIVED
     stored = _SAME if reference == value else value
     if store.compare_set(f"{prefix}value/{rank}", "", stored).decode() != stored:
         return meeting  # already there: declared absent before it came (it reads the outcome and fails)
     if reference != value:
         store.append(f"{prefix}differ", f"{rank}:{_digest(value)},")  # type: ignore[attr-defined]  # not in stubs
     if store.add(f"{prefix}arrived", 1) == party.size:
-        payload = decide(store) if decide is not None and not store.check([f"{prefix}differ"]) else ""
-        return replace(meeting, decided=_decide(store, meeting, COMPLETE + payload) == COMPLETE + payload)
+        differ = store.check([f"{prefix}differ"])
+        payload = decide(store) if decide is not None and not differ else ""
+        result = COMPLETE + (_DIFFER if differ else _ALIKE) + payload
+        return replace(meeting, decided=_decide(store, meeting, result) == result)
     return meeting
 
 
 def _decide(store: Store, meeting: Meeting, outcome: str) -> str:
-    """Write the meeting's outcome unless someone did; whoever writes a first meeting's outcome moves the epoch on."""
-    written = store.compare_set(f"{meeting.prefix}result", "", outcome).decode()
-    if written == outcome and meeting.phase == OPEN:
-        base = f"shardcore/{meeting.party.scope}/epoch"
-        store.compare_set(base, str(meeting.epoch), str(meeting.epoch + 1))
-    return written
+    """Write the meeting's outcome unless someone did. A first meeting's decider moves the epoch on before, so
+    that a rank that has read the outcome (and starts its next session) can never read this epoch again, while
+    a rank that read it before, late, still joins this meeting and reads its outcome."""
+    if meeting.phase == OPEN:
+        store.compare_set(f"shardcore/{meeting.party.scope}/epoch", str(meeting.epoch), str(meeting.epoch + 1))
+    return store.compare_set(f"{meeting.prefix}result", "", outcome).decode()
 
 
 def _digest(value: str) -> str:
@@ -397,30 +406,38 @@ def _outcome(
     """Wait for the meeting's outcome (deciding ``timeout`` if none came in time); on ``complete``, delete the
     keys of the party's earlier meetings and read the groups of ranks by value if they differ."""
     prefix = meeting.prefix
-    try:
-        store.wait([f"{prefix}result"], timedelta(seconds=seconds))
+    try:  # this client is shardcore's own: its timeout bounds the get's wait for the key
+        store.set_timeout(timedelta(seconds=seconds))
         outcome = store.get(f"{prefix}result").decode()
     except dist().DistStoreError:  # a wait timeout: the store answers, a rank did not
         outcome = _decide(store, meeting, f"timeout:{rank}")
     if not outcome.startswith(COMPLETE):
         return outcome, None, ""
     pending = _pending.get((world_token(), meeting.party.scope), [])
-    for earlier in [m for m in pending if m.epoch != meeting.epoch or m.phase != meeting.phase]:
-        _forget(store, earlier, rank)
-        pending.remove(earlier)
-    groups = _groups(store, meeting, meeting.party.ranks) if store.check([f"{prefix}differ"]) else None
+    earlier = [m for m in pending if m.epoch != meeting.epoch or m.phase != meeting.phase]
+    for done in earlier:
+        pending.remove(done)
+    if earlier:  # off the caller's path: the next store call runs after it
+
+        def forget(later: Store) -> None:
+            for done in earlier:
+                _forget(later, done, rank)
+
+        store_in_background(forget)
+    differ, payload = outcome[len(COMPLETE)] == _DIFFER, outcome[len(COMPLETE) + 1 :]
+    groups = _groups(store, meeting, meeting.party.ranks) if differ else None
     if linger:
         _linger(store, meeting, rank)
-    return COMPLETE, groups, outcome[len(COMPLETE) :]
+    return COMPLETE, groups, payload
 
 
 def _linger(store: Store, meeting: Meeting, rank: int) -> None:
     """Count this rank as having read the outcome; the store's host waits (up to GRACE) for everyone to."""
-    read = store.add(f"{meeting.prefix}read", 1)
-    deadline = time.monotonic() + GRACE
-    while rank == meeting.party.host and read < meeting.party.size and time.monotonic() < deadline:
-        time.sleep(0.005)
-        read = store.add(f"{meeting.prefix}read", 0)
+    if store.add(f"{meeting.prefix}read", 1) == meeting.party.size:
+        store.set(f"{meeting.prefix}all-read", "1")
+    if rank == meeting.party.host:
+        with contextlib.suppress(dist().DistStoreError):  # a rank gone before it read: it will not
+            store.wait([f"{meeting.prefix}all-read"], timedelta(seconds=GRACE))
 
 
 def _forget(store: Store, meeting: Meeting, rank: int) -> None:
@@ -428,7 +445,8 @@ def _forget(store: Store, meeting: Meeting, rank: int) -> None:
     prefix = meeting.prefix
     store.delete_key(f"{prefix}value/{rank}")
     if meeting.decided:
-        for key in ("reference", "differ", "arrived", "result", "read"):
+        shared = ("differ", "arrived", "result", "read", "all-read")
+        for key in ("reference", *shared) if meeting.phase == OPEN else shared:
             store.delete_key(f"{prefix}{key}")
         if meeting.phase == OPEN:
             store.delete_key(f"{meeting.session}failed")
@@ -444,8 +462,10 @@ def _groups(store: Store, meeting: Meeting, arrived: Sequence[int]) -> list[tupl
         by_digest.setdefault(digest_of.get(rank, ""), []).append(rank)
     groups = []
     for digest, ranks in by_digest.items():
-        key = f"{prefix}value/{ranks[0]}" if digest else f"{prefix}reference"
-        groups.append((ranks, store.get(key).decode()))
+        if digest or meeting.phase == OPEN:
+            groups.append((ranks, store.get(f"{prefix}value/{ranks[0]}" if digest else f"{prefix}reference").decode()))
+        else:
+            groups.append((ranks, _ARRIVED))
     return sorted(groups, key=lambda group: (-len(group[0]), group[0][0]))
 
 

@@ -241,6 +241,8 @@ class RefitPlan:
     _last_rank: dict[int, RankRefit] = field(default_factory=dict, init=False, repr=False, compare=False)
     """The rank part ``for_rank`` computed last: a rank asks for its own part to allocate its tensors, then
     ``execute_refit`` asks again, and an RL loop refits with the same plan every step."""
+    _fingerprint: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """``fingerprint()``, made once: it digests the whole manifest, and every refit asks for it."""
 
     @property
     def manifest(self) -> Manifest:
@@ -455,6 +457,11 @@ class RefitPlan:
     def fingerprint(self) -> dict[str, str]:
         """What every rank executing this plan must agree on, part by part, as short readable texts:
         equal plans give equal parts (the executor compares them before a byte moves)."""
+        if not self._fingerprint:
+            self._fingerprint.update(self._fingerprint_parts())
+        return dict(self._fingerprint)
+
+    def _fingerprint_parts(self) -> dict[str, str]:
         manifest = self.manifest
         return {
             "layout": self._world(),

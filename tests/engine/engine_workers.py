@@ -113,3 +113,17 @@ def bad_calls(rank: int, world: int) -> dict[str, str]:
         except ShardcoreError as error:
             messages[key] = str(error)
     return messages
+
+
+def sessions_on_one_store_thread(rank: int, world: int, sessions: int) -> list[str]:
+    """Run ``sessions`` sessions of two meetings (as a refit does); the store threads alive after them."""
+    import threading
+    from datetime import timedelta
+
+    from shardcore.engine.agreement import Party, Purpose, convene, meet
+
+    purpose = Purpose("check", "sessions_on_one_store_thread", GroupCreationError)
+    for _ in range(sessions):
+        epoch = convene(Party.world(), purpose, "check:same", timedelta(seconds=60)).epoch
+        meet(Party.world(), purpose, epoch, "end", timedelta(seconds=60), linger=True)
+    return sorted(thread.name for thread in threading.enumerate() if thread.name.startswith("shardcore-store"))

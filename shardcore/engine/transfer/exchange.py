@@ -130,7 +130,9 @@ class Exchange:
     bytes_copied: int = 0
     wrote: bool = False
     """Whether any destination byte may have been written (a receive posted or a local copy made)."""
-    _polled: float = 0.0
+    _polled: float = field(default_factory=time.monotonic)
+    """When this rank last looked for published failures: not before the first batch (the start meeting has just
+    shown that every rank was well), so a short refit costs no poll."""
     _directions: dict[tuple[int, bool], dict[tuple[int, ...], Message]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -209,7 +209,7 @@ def execute_refit(
     world = dist().get_world_size()
     exchange = Exchange(
         rank,
-        rank_batches(prepared.mine, rank, world, bucket_bytes, max_ops, prepared.shapes, _converting(plan)),
+        _schedule(plan, prepared, rank, world, bucket_bytes, max_ops),
         prepared.mine.copies,
         prepared.sources,
         prepared.destinations,
@@ -278,6 +278,23 @@ def _global_shapes(manifest: Any, mine: Any) -> dict[str, tuple[int, ...]]:
     """The global shape of every tensor this rank moves (what ``schedule.may_stage`` reads)."""
     names = {t.tensor for t in (*mine.sends, *mine.recvs)}
     return {name: tuple(manifest.tensor(name).shape) for name in names}
+
+
+_last_schedule: list[Any] = []
+"""The last schedule made: [the plan part, the options, the batches]; an RL job refits one plan thousands of times."""
+
+
+def _schedule(plan: Any, prepared: _Prepared, rank: int, world: int, bucket_bytes: int, max_ops: int) -> list[Any]:
+    """This rank's batches (read-only), made once per plan part and options: the part is the plan's own object,
+    kept while the plan lives (``for_rank``), and a schedule costs milliseconds that need not be spent again."""
+    options = (rank, world, bucket_bytes, max_ops, _converting(plan))
+    if not (_last_schedule and _last_schedule[0] is prepared.mine and _last_schedule[1] == options):
+        _last_schedule[:] = [
+            prepared.mine,
+            options,
+            rank_batches(prepared.mine, *options[:4], prepared.shapes, options[4]),
+        ]
+    return _last_schedule[2]
 
 
 def _converting(plan: Any) -> frozenset[str]:
