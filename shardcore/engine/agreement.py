@@ -229,19 +229,30 @@ def meet(
 
 
 def arrive_failed(
-    party: Party, purpose: Purpose, epoch: int | None, phase: str, error: BaseException, timeout: timedelta
+    party: Party,
+    purpose: Purpose,
+    epoch: int | None,
+    phase: str,
+    error: BaseException,
+    timeout: timedelta,
+    *,
+    stay: bool = False,
 ) -> None:
     """Arrive at ``phase`` with ``error`` instead of a value: the others stop at once and name it.
 
     ``epoch`` None is a failure before the session's first meeting: then it waits, like every rank,
     for the meeting's outcome, so that this rank's next session cannot read the epoch before it has
-    moved on. At a later meeting the session's epoch is already past, so it leaves at once. Best
+    moved on. At a later meeting the session's epoch is already past, so it leaves at once, unless
+    ``stay``: then it too waits for the outcome (every rank arrived, or the timeout), for a rank that
+    must not clean up while the others may still use what it left (a build's group connect keys). Best
     effort: whatever the meeting says, or a store that cannot be reached, the caller raises its own error.
     """
     text = f"{_FAILED}{type(error).__name__}: {error}"[:_SHOWN_ERROR]
     try:
         if epoch is None:
             _meet(party, purpose, None, OPEN, text, timeout)
+        elif stay:
+            _meet(party, purpose, epoch, phase, text, timeout)
         else:
             rank = dist().get_rank()
             meeting = store_call(

@@ -15,6 +15,7 @@ from typing import Any
 from shardcore import build_shards
 from shardcore.engine.build import shards as shards_module
 from shardcore.engine.build.shards import Shard, destroy_shards, my_shard
+from shardcore.engine.torch_state import default_store, group_keys
 from shardcore.errors import BackendUnavailableError, GroupCreationError, ShardcoreError
 from shardcore.plan.layout import distinct_groups
 
@@ -67,14 +68,52 @@ def _failing_backend(real: Any) -> Any:
 
 
 def _failing_after_groups(real: Any) -> Any:
-    def create_groups(*args: Any, **kwargs: Any) -> Any:
-        _, _, created = real(*args, **kwargs)
-        from shardcore.engine.groups.create import destroy_groups
+    """Create every group (left in the build's ``created`` list, for it to destroy), then fail."""
 
-        destroy_groups(created)
+    def create_groups(*args: Any, **kwargs: Any) -> Any:
+        real(*args, **kwargs)
         raise GroupCreationError("injected: failed after creating its groups")
 
     return create_groups
+
+
+def _looking_late(hold: float, seen: dict[str, bool]) -> Any:
+    """Create every group, wait ``hold`` seconds, then note whether rank 1's connect key of the tp group is still
+    in the store: what a rank that is slow inside its own ``new_group`` (descheduled) would read then."""
+
+    def wrap(real: Any) -> Any:
+        def create_groups(*args: Any, **kwargs: Any) -> Any:
+            ranks_by_name, groups = real(*args, **kwargs)
+            time.sleep(hold)
+            [own] = group_keys(groups["tp"])  # ".../<group rank>"; rank 1 is group rank 1 of [0, 1]
+            seen["peer_key"] = bool(default_store().check([own.rpartition("/")[0] + "/1"]))
+            return ranks_by_name, groups
+
+        return create_groups
+
+    return wrap
+
+
+def slow_reader(rank: int, world: int, hold: float, timeout: float) -> dict[str, Any]:
+    """Rank 1 fails after creating its groups while rank 0, slower, still creates its own (``_looking_late``):
+    every rank's error, when, and (rank 0) whether rank 1's connect key outlived rank 1's failure."""
+    import torch.distributed as dist
+
+    seen: dict[str, bool] = {}
+    patch = {0: _looking_late(hold, seen), 1: _failing_after_groups}.get(rank)
+    started = time.monotonic()
+    try:
+        if patch is not None:
+            with _patched("create_groups", patch):
+                destroy_shards(build_shards(world, GOOD_SPEC, timeout=timeout, strategy="local"))
+        else:
+            destroy_shards(build_shards(world, GOOD_SPEC, timeout=timeout, strategy="local"))
+        failure = "built"
+    except ShardcoreError as error:
+        failure = type(error).__name__
+    failed_in = time.monotonic() - started
+    dist.barrier()  # rank 0 hosts the store: it must not exit while the others still read why the build failed
+    return {"failure": failure, "failed_in": failed_in, **seen}
 
 
 def _slow_groups(delay: float) -> Any:
@@ -161,8 +200,6 @@ def frozen_store_host(rank: int, world: int, timeout: float, resume_after: float
 
 
 def store_keys() -> int:
-    from shardcore.engine.torch_state import default_store
-
     return int(default_store().num_keys())
 
 

@@ -297,11 +297,16 @@ def _create(
     backend_options: Mapping[str, Any],
     party: Party | None,
 ) -> tuple[list[Shard], list[Any]]:
-    """Create this rank's groups and handles; on any failure destroy what was created and arrive with the error."""
+    """Create this rank's groups and handles; on any failure arrive with the error, then destroy what was created.
+
+    In that order: destroying deletes this rank's connect keys, and a member still inside ``new_group``
+    may not have read them yet (it would wait out the timeout). Arriving with ``stay`` waits until every
+    rank has reached the meeting, so past creating, or until the meeting times out.
+    """
     extras = {plan.index: chosen.extra_groups(plan, backend_options) for plan in layout.shards}
     created: list[Any] = []
     try:
-        ranks_by_name, process_groups, created = create_groups(layout, rank, extras, strategy, wait, names)
+        ranks_by_name, process_groups = create_groups(layout, rank, extras, strategy, wait, names, created=created)
         result = []
         for plan in layout.shards:
             shard = Shard(plan.index, plan.spec, plan.rank_offset, plan.size, plan, layout, dict.fromkeys(GROUP_NAMES))
@@ -312,9 +317,9 @@ def _create(
                 shard.handle = chosen.make_handle(plan, rank, shard.groups, backend_options)
             result.append(shard)
     except BaseException as error:
-        destroy_groups(created)
         if party is not None:
-            arrive_failed(party, BUILD, epoch, "built", error, wait)
+            arrive_failed(party, BUILD, epoch, "built", error, wait, stay=True)
+        destroy_groups(created)
         raise
     return result, created
 

@@ -101,20 +101,24 @@ def create_groups(
     strategy: Strategy,
     timeout: timedelta,
     names: Collection[str] = GROUP_NAMES,
-) -> tuple[RankGroups, dict[str, ProcessGroup | None], list[ProcessGroup]]:
-    """Create this rank's groups among ``names`` plus the backend's extras.
+    *,
+    created: list[ProcessGroup],
+) -> tuple[RankGroups, dict[str, ProcessGroup | None]]:
+    """Create this rank's groups among ``names`` plus the backend's extras, appending each to ``created``.
 
-    Returns (planned ranks by name, process group by name, groups created); build_shards
-    checks ``strategy`` before any rank communicates.
+    Returns (planned ranks by name, process group by name); build_shards checks ``strategy``
+    before any rank communicates. Both dicts are empty on an idle rank.
 
-    Both dicts are empty on an idle rank. On failure every group created so far is
-    destroyed before the error propagates.
+    On failure the groups created so far stay in ``created``, not destroyed: destroying one
+    deletes this rank's connect keys, which a member still inside its ``new_group`` may not
+    have read yet (gloo's connecting side finishes before its peer reads its address), and
+    that member would then wait out its whole timeout. The caller destroys them once every
+    rank is past creating (``build_shards``: after the build's last meeting).
     """
     mine = layout.shard_of(rank)
     ranks_by_name = requested_groups(mine, rank, extras.get(mine.index, {}), names) if mine is not None else {}
     process_groups: dict[str, ProcessGroup | None] = dict.fromkeys(ranks_by_name)
     shared = {group.ranks: group.names for group in distinct_groups(ranks_by_name)}
-    created: list[ProcessGroup] = []
 
     def create(ranks: tuple[int, ...], plan: ShardPlan) -> None:
         pg = _new_group(ranks, shared.get(ranks, ()), plan, timeout)
@@ -122,30 +126,27 @@ def create_groups(
             created.append(pg)
             process_groups.update(dict.fromkeys(shared[ranks], pg))
 
-    try:
-        if strategy == Strategy.WORLD:
-            for plan in layout.shards:
-                for ranks in _all_groups(plan, extras.get(plan.index, {}), names):
-                    create(ranks, plan)
-        else:
-            slots = [*GROUP_NAMES, *sorted({name for extra in extras.values() for name in extra})]
-            start, slot_of = group_counter(), {name: i for i, name in enumerate(slots)}
-            for ranks, group_names in shared.items():
-                set_group_counter(start + slot_of[group_names[0]] * layout.world_size + ranks[0])
-                create(ranks, mine)  # type: ignore[arg-type]  # shared is empty on an idle rank
-            set_group_counter(start + len(slots) * layout.world_size)
-    except BaseException:
-        destroy_groups(created)
-        raise
-    return ranks_by_name, process_groups, created
+    if strategy == Strategy.WORLD:
+        for plan in layout.shards:
+            for ranks in _all_groups(plan, extras.get(plan.index, {}), names):
+                create(ranks, plan)
+    else:
+        slots = [*GROUP_NAMES, *sorted({name for extra in extras.values() for name in extra})]
+        start, slot_of = group_counter(), {name: i for i, name in enumerate(slots)}
+        for ranks, group_names in shared.items():
+            set_group_counter(start + slot_of[group_names[0]] * layout.world_size + ranks[0])
+            create(ranks, mine)  # type: ignore[arg-type]  # shared is empty on an idle rank
+        set_group_counter(start + len(slots) * layout.world_size)
+    return ranks_by_name, process_groups
 
 
 def destroy_groups(groups: Sequence[ProcessGroup]) -> None:
     """Destroy each group once (shared names hold the same object) and delete the store keys it left.
 
     Each member deletes the keys it wrote to connect the group (``torch_state.group_keys``):
-    a default-mode group's name is never used again, and by the time a group is destroyed
-    its members have connected, so no later group reads them. Deleting is best effort: a
+    a default-mode group's name is never used again, so no later group reads them. Call it
+    only once every member of these groups is past creating them (after a meeting all of them
+    reached, or gave up on): a member still connecting reads them. Deleting is best effort: a
     store that does not answer within ``KEY_DELETION_TIMEOUT`` leaves them (logged); a store given
     up because its host is gone (``torch_state.abandon_store``) is not asked.
     """
