@@ -181,7 +181,7 @@ class Exchange:
             if flight is not None and not slot.overlaps:
                 self._land(flight)
                 flight = None
-            if number:  # the first batch follows the start meeting: nothing has failed in the exchange yet
+            if number:  # the first batch follows the start meeting at once; a failure since shows at the next poll
                 self._poll()
             posted = self._post(batch, slot)
             if number == 0:
