@@ -187,20 +187,21 @@ def timed_outcome(plan: Any, rank: int, **execute_options: Any) -> tuple[str, st
 
 
 def killed_mid_transfer(rank: int, world: int, victim: int, timeout: float) -> tuple[str, str, tuple, float]:
-    """``victim`` (a destination rank) dies after its first received bucket; the others must name it in time."""
-    import torch.distributed as dist
+    """``victim`` (a destination rank) dies after its first received batch, with the next one already posted
+    (two batches in flight); the others must name it in time."""
+    from shardcore.engine.transfer.exchange import Exchange
 
     plan = plan_refit(plan_layout(world, "tp=2 + tp=1 + tp=1"), 0, [1, 2], preset("tiny-dense"))
     if rank == victim:
-        real, calls = dist.batch_isend_irecv, [0]
+        real, landed = Exchange._land, [0]
 
-        def dying(ops: list) -> list:
-            calls[0] += 1
-            if calls[0] == 3:
+        def dying(self: Exchange, flight: Any) -> None:
+            if landed[0] == 1:
                 os._exit(17)
-            return real(ops)
+            real(self, flight)
+            landed[0] += 1
 
-        dist.batch_isend_irecv = dying
+        Exchange._land = dying  # type: ignore[method-assign]
     return timed_outcome(plan, rank, bucket_bytes=64 << 10, timeout=timeout)
 
 

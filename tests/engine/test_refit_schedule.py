@@ -15,7 +15,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardcore.engine.transfer.schedule import aligned, fan, may_stage, rank_batches, tournament_round
+from shardcore.engine.transfer.schedule import (
+    ALIGN,
+    Batch,
+    aligned,
+    fan,
+    may_stage,
+    rank_batches,
+    staging_layout,
+    tournament_round,
+)
 from tests.engine import refit_workers as workers
 
 
@@ -94,26 +103,33 @@ def _random_plan(world: int, pairs: int, seed: int) -> list[_Part]:
     return parts
 
 
-def _completes(batches: list[list]) -> bool:
-    """Simulate every rank posting its batches in its order and waiting for each: a rank's batch completes once
-    each of its partners has posted the same batch (now, or earlier: then it completed the ops they share).
-    True when every rank finishes; False when some ranks wait on each other in a cycle."""
-    position = [0] * len(batches)
+def _completes(batches: list[list], ahead: list[list[bool]] | None = None) -> bool:
+    """Simulate every rank posting its batches in its order and landing (waiting for) each in that order: a
+    rank posts batch k+1 before it lands batch k where ``ahead[rank][k+1]`` says so (two in flight), else
+    after; a posted batch lands once each of its partners has posted the same batch (now, or earlier: then
+    it completed the ops they share). True when every rank finishes; False when some wait on each other."""
+    posted = [0] * len(batches)
+    landed = [0] * len(batches)
 
-    def posted(rank: int, key: object) -> bool:
-        return any(batch.key == key for batch in batches[rank][: position[rank] + 1])
+    def has_posted(rank: int, key: object) -> bool:
+        return any(batch.key == key for batch in batches[rank][: posted[rank]])
 
-    while any(position[rank] < len(mine) for rank, mine in enumerate(batches)):
-        ready = [
-            rank
-            for rank, mine in enumerate(batches)
-            if position[rank] < len(mine)
-            and all(posted(p, mine[position[rank]].key) for p in mine[position[rank]].peers)
-        ]
-        if not ready:
+    while any(landed[rank] < len(mine) for rank, mine in enumerate(batches)):
+        moved = False
+        for rank, mine in enumerate(batches):
+            next_ = posted[rank]
+            ahead_ok = ahead is not None and next_ < len(mine) and ahead[rank][next_] and next_ == landed[rank] + 1
+            if next_ < len(mine) and (next_ == landed[rank] or ahead_ok):
+                posted[rank] += 1
+                moved = True
+                continue
+            if landed[rank] < posted[rank] and all(
+                has_posted(p, mine[landed[rank]].key) for p in mine[landed[rank]].peers
+            ):
+                landed[rank] += 1
+                moved = True
+        if not moved:
             return False
-        for rank in ready:
-            position[rank] += 1
     return True
 
 
@@ -130,6 +146,9 @@ def test_the_simulation_finds_a_cycle() -> None:
         [[Batch(x, {1}), Batch(y, {2})], [Batch(z, {2}), Batch(x, {0})], [Batch(y, {0}), Batch(z, {1})]]
     )
     assert _completes([[Batch(x, {1}), Batch(y, {2})], [Batch(x, {0}), Batch(z, {2})], [Batch(y, {0}), Batch(z, {1})]])
+    rotated = [[Batch(x, {1}), Batch(y, {2})], [Batch(z, {2}), Batch(x, {0})], [Batch(y, {0}), Batch(z, {1})]]
+    assert not _completes(rotated, [[False, False]] * 3)  # waiting in order, the rotation deadlocks
+    assert _completes(rotated, [[False, True]] * 3)  # all posted at once it would not: the check can tell
 
 
 @settings(max_examples=60, deadline=None)
@@ -144,6 +163,10 @@ def test_no_plan_deadlocks(world: int, pairs: int, seed: int, max_ops: int) -> N
     shapes = {f"t{index}": (1 << 20,) for index in range(pairs)}
     batches = [rank_batches(part, rank, world, 1 << 16, max_ops, shapes) for rank, part in enumerate(parts)]
     assert _completes(batches)
+    rng = random.Random(seed)  # two in flight: each rank posts ahead where its own staging (random here) allows
+    layouts = [staging_layout(mine, [ALIGN * rng.randrange(4096) for _ in mine], 1 << 16) for mine in batches]
+    assert _completes(batches, [[slot.overlaps for slot in layout.slots] for layout in layouts])
+    assert _completes(batches, [[True] * len(mine) for mine in batches])  # every rank always ahead
     for mine in batches:  # every message in a batch of its own hop; all of a rank's hop 0 before its hop 1
         assert all(message.hop == batch.key[0] for batch in mine for message in batch.messages)
         hops = [batch.key[0] for batch in mine]
@@ -192,3 +215,28 @@ def _cells(offset: tuple[int, ...], shape: tuple[int, ...]) -> set[tuple[int, ..
     for start, size in zip(offset, shape):
         cells = {(*cell, i) for cell in cells for i in range(start, start + size)}
     return cells
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    staged=st.lists(st.integers(0, 64).map(lambda n: n * ALIGN), max_size=12),
+    hops=st.lists(st.integers(0, 1), min_size=12, max_size=12),
+    bucket=st.integers(1, 80).map(lambda n: n * ALIGN),
+)
+def test_two_batches_in_flight_never_share_staging_and_stay_within_the_bucket(
+    staged: list[int], hops: list[int], bucket: int
+) -> None:
+    batches = [Batch((hop, 0, index)) for index, hop in enumerate(sorted(hops[: len(staged)]))]
+    layout = staging_layout(batches, staged, bucket)
+    assert [slot.nbytes for slot in layout.slots] == staged
+    assert layout.nbytes <= max([bucket, *staged])  # the bucket, or one batch that alone holds more
+    for k, slot in enumerate(layout.slots):
+        assert slot.offset % ALIGN == 0 and slot.offset + slot.nbytes <= layout.nbytes
+        if not slot.overlaps:
+            continue
+        before = layout.slots[k - 1]
+        assert k > 0 and batches[k].key[0] == batches[k - 1].key[0]  # never across a hop: relays read what landed
+        assert before.nbytes + slot.nbytes <= bucket
+        assert before.offset + before.nbytes <= slot.offset or slot.offset + slot.nbytes <= before.offset
+    within = [k for k in range(1, len(staged)) if hops and batches[k].key[0] == batches[k - 1].key[0]]
+    assert all(layout.slots[k].overlaps == (staged[k - 1] + staged[k] <= bucket) for k in within)

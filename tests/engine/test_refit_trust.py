@@ -87,6 +87,19 @@ def test_a_faulty_message_is_named_by_its_sender_receiver_and_tensor(mode: str) 
         assert kind == "RefitPeerError" and "RefitIntegrityError" in message and "rank 2" in message, results[rank]
 
 
+def test_a_failure_with_two_batches_in_flight_drains_names_the_rank_and_the_next_refit_works() -> None:
+    """Rank 2 fails while it unpacks one batch and the next is already on the wire: every rank still completes
+    every batch (the failing one drains), names rank 2 within the timeout, and the next refit is bitwise."""
+    results = run_world(4, workers.failing_with_two_in_flight, TIMEOUT, timeout=300)
+    assert results[2]["ahead"], "no batch was posted ahead at this bucket: the case does not test two in flight"
+    for rank, out in enumerate(results):
+        kind, message, ranks, elapsed = out["failed"]
+        assert kind == "RefitPeerError" and 2 in ranks and "injected failure" in message, (rank, out["failed"])
+        assert elapsed < TIMEOUT, (rank, elapsed)  # drained, not timed out
+        assert out["after"][0] == "ok" and out["correct"], (rank, out["after"])
+        assert out["batches"] > 2, out
+
+
 def test_a_plan_of_over_100000_transfers_runs_in_bounded_batches() -> None:
     results = run_world(16, workers.many_transfers, 13_000, timeout=900)
     assert sum(out["transfers"] for out in results) > 100_000

@@ -172,8 +172,8 @@ def faulty_message(rank: int, world: int, mode: str) -> tuple[str, str, tuple[in
             if message.peer == 2 and message.key[0] == 0:
                 wire[0] ^= 0xFF
 
-        def shortening(self: Any, messages: Any) -> Any:
-            wires = real_bind(self, messages)
+        def shortening(self: Any, messages: Any, region: Any) -> Any:
+            wires = real_bind(self, messages, region)
             out = []
             for message, (wire, staged) in zip(messages, wires):
                 if message.send and not message.ledger and message.peer == 2 and message.key[0] == 0:
@@ -192,6 +192,40 @@ def faulty_message(rank: int, world: int, mode: str) -> tuple[str, str, tuple[in
     sources, destinations = _tensors(plan, rank)
     verify = "checksum" if mode == "corrupt" else "size"
     return _outcome(lambda: execute_refit(plan, sources, destinations, timeout=30, verify=verify))
+
+
+def failing_with_two_in_flight(rank: int, world: int, timeout: float) -> dict[str, Any]:
+    """At a small bucket (batches posted two at a time), destination rank 2 raises while unpacking its second
+    batch, with its third already on the wire; then a good refit. Reports both outcomes, whether batches were
+    posted ahead on this rank, and whether the second refit's destinations are right."""
+    plan = _plan(world)
+    bucket = 1 << 14
+    real, unpacked, ahead = exchange_module.Exchange._unpack, [0], [False]
+
+    def unpacking(self: Any, message: Any, wire: torch.Tensor) -> None:
+        ahead[0] = ahead[0] or any(slot.overlaps for slot in self.layout.slots)
+        unpacked[0] += 1
+        if rank == 2 and unpacked[0] == 2:
+            raise RuntimeError("injected failure unpacking with two batches in flight")
+        real(self, message, wire)
+
+    exchange_module.Exchange._unpack = unpacking  # type: ignore[method-assign]
+    sources, destinations = _tensors(plan, rank)
+    try:
+        failed = _outcome(lambda: execute_refit(plan, sources, destinations, timeout=timeout, bucket_bytes=bucket))
+    finally:
+        exchange_module.Exchange._unpack = real  # type: ignore[method-assign]
+    stats: list[Any] = []
+    after = _outcome(
+        lambda: stats.append(execute_refit(plan, sources, destinations, timeout=timeout, bucket_bytes=bucket))
+    )
+    return {
+        "failed": failed,
+        "after": after,
+        "correct": _correct(plan, rank, destinations),
+        "ahead": ahead[0],
+        "batches": stats[0].batches if stats else 0,
+    }
 
 
 def many_transfers(rank: int, world: int, tensors: int) -> dict[str, Any]:
@@ -234,7 +268,7 @@ def replaced_world_rank(rank: int, world: int, ports: tuple[int, int], generatio
     first = ("replaced", "", (), 0.0)
     if generation == 1:
         if rank == world - 1:
-            dist.batch_isend_irecv = lambda ops: os._exit(17)  # type: ignore[assignment]
+            exchange_module.Exchange._issue = lambda self, messages, wires: os._exit(17)  # type: ignore[method-assign]
         first = _outcome(lambda: execute_refit(plan, sources, destinations, timeout=15))
         dist.destroy_process_group()
         dist.init_process_group(
@@ -252,6 +286,7 @@ def replaced_world_rank(rank: int, world: int, ports: tuple[int, int], generatio
 __all__ = [
     "SPEC",
     "disagreeing_plans",
+    "failing_with_two_in_flight",
     "faulty_message",
     "many_transfers",
     "one_failure_each",

@@ -221,6 +221,7 @@ class Conversion:
             exchange.epoch,
             exchange.deadline,
             exchange.gloo,
+            bucket_bytes,
         )
         if not phase.batches:
             return

@@ -1,4 +1,11 @@
-"""Moving one rank's messages: post each batch, wait for it, unpack what was staged, check every message.
+"""Moving one rank's messages: post each batch, land the one before while it is on the wire, check every message.
+
+Two batches are in flight at a time: a rank posts batch k+1, then waits for batch k and unpacks what
+it staged, while k+1 is on the wire (``transfer.schedule`` argues why this cannot deadlock). It does so
+when k and k+1 are of the same hop and their staged bytes fit in ``bucket_bytes`` together; else it
+lands k first. The staging buffer holds both: k at its low end, k+1 at its high end, so staging stays
+within ``bucket_bytes`` (or the one batch's own bytes, where a message bigger than the bucket travels
+alone).
 
 A rank never leaves its batches half posted while its peers live: a peer whose op is never posted
 waits until its deadline, and a gloo wait that times out closes the connection for good (measured
@@ -9,13 +16,15 @@ result (on gloo a drained send is one byte, which gloo accepts for a longer rece
 backends it is the whole buffer, unpacked). The refit then fails at its end meeting on every rank,
 naming the rank at fault, and every connection is as clean as before: the next refit works. Only a
 peer that died or hung is dropped: its connection is gone anyway, and this rank declares it absent
-so that the end meeting does not wait for it.
+so that the end meeting does not wait for it. On gloo each op is posted alone (torch posts a gloo
+batch op by op anyway), so that a connection that closed while the batch before was in flight fails
+its own ops only, and the batch's other ops are still posted.
 
 Every received message is checked against its sender's ledger: its size always, and with
 ``verify="checksum"`` a checksum the sender computed over the bytes it sent.
 
 A relay's forwards (hop 1, fan-out) are sent from its destination tensors, which its hop-0 batches,
-all run before, have filled.
+all landed before its first hop-1 batch is posted, have filled.
 """
 
 from __future__ import annotations
@@ -25,11 +34,12 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ...plan.arguments import shown_ranks
 from ..agreement import Party, publish_failure, published_failures
-from .schedule import Batch, Message, aligned
+from .schedule import Batch, Message, Slot, StagingLayout, aligned, staging_layout
 
 if TYPE_CHECKING:
     import torch
@@ -95,6 +105,14 @@ class Integrity:
         return f"rank {rank} received from rank {sender} a message of {shown} that {what}{more}"
 
 
+class _InFlight(NamedTuple):
+    """A posted batch not yet landed: its messages as posted, their wires (bytes, staged), and their works."""
+
+    messages: list[Message]
+    wires: list[tuple[torch.Tensor, bool]]
+    works: list[Any]
+
+
 @dataclass
 class Exchange:
     """One rank's exchange in one refit: its batches, its tensors, and what it saw."""
@@ -111,6 +129,8 @@ class Exchange:
     epoch: int
     deadline: float
     gloo: bool
+    bucket_bytes: int
+    """Staging bytes one batch may hold, and two batches in flight together (``schedule.staging_layout``)."""
     conversion: Any = None
     """The refit's conversions on this rank (``transfer.convert.Conversion``), or None when nothing converts."""
     staging: torch.Tensor | None = None
@@ -141,14 +161,40 @@ class Exchange:
                 if not message.ledger:
                     self._directions.setdefault((message.peer, message.send), {})[message.key] = message
 
+    @cached_property
+    def layout(self) -> StagingLayout:
+        """Where each batch stages, whether it goes on the wire while the batch before it is in flight, and the
+        staging buffer's size (see ``schedule.staging_layout``)."""
+        return staging_layout(
+            self.batches, [self._staged_bytes(batch.messages) for batch in self.batches], self.bucket_bytes
+        )
+
+    def staging_bytes(self) -> int:
+        """The staging memory the batches need: the most that two batches in flight stage together, or one alone
+        (in-place messages take none): within ``bucket_bytes`` unless one message is bigger on its own."""
+        return self.layout.nbytes
+
     def run(self) -> None:
-        """Post every batch in order, copying locally while the first is on the wire; never raises for a
-        fault it can record (its own, a peer's, a faulty message)."""
+        """Post every batch in order, each while the one before is still in flight where the layout allows,
+        copying locally while the first is on the wire; never raises for a fault it can record (its own, a
+        peer's, a faulty message)."""
+        flight: _InFlight | None = None
+        for number, (batch, slot) in enumerate(zip(self.batches, self.layout.slots)):
+            if flight is not None and not slot.overlaps:
+                self._land(flight)
+                flight = None
+            if number:  # the first batch follows the start meeting at once; a failure since shows at the next poll
+                self._poll()
+            posted = self._post(batch, slot)
+            if number == 0:
+                self._guarded(self._copy_locally)
+            if flight is not None:
+                self._land(flight)
+            flight = posted
+        if flight is not None:
+            self._land(flight)
         if not self.batches:
             self._guarded(self._copy_locally)
-        for number, batch in enumerate(self.batches):
-            self._poll()
-            self._run_batch(batch, self._copy_locally if number == 0 else None)
 
     def _copy_locally(self) -> None:
         """The pieces this rank holds on both sides, copied from its source tensors into its destinations."""
@@ -203,26 +249,53 @@ class Exchange:
 
     # -- one batch -------------------------------------------------------------------------------
 
-    def _run_batch(self, batch: Batch, copy_locally: Any) -> None:
+    def _post(self, batch: Batch, slot: Slot) -> _InFlight:
+        """Bind the batch's messages (peers already lost left out) to their bytes in ``slot``, and post them."""
+        live = [m for m in batch.messages if m.peer not in self.lost]
+        region = None if self.staging is None else self.staging[slot.offset : slot.offset + slot.nbytes]
+        wires = self._bind(live, region)
+        self.wrote = self.wrote or any(not m.send and not m.ledger for m in live)
+        return _InFlight(live, wires, self._issue(live, wires))
+
+    def _issue(self, messages: Sequence[Message], wires: Sequence[tuple[torch.Tensor, bool]]) -> list[Any]:
+        """Post the ops: one ``batch_isend_irecv`` where the backend coalesces a batch (NCCL, HCCL); on gloo,
+        which does not (torch posts a gloo batch op by op anyway), each op straight on the default group, so
+        that a connection that closed fails its own peer's ops only and the batch's other ops are still
+        posted, without torch's per-call checks. Returns a work per op (None where it could not be posted), or
+        the backend's works for the whole batch."""
         import torch.distributed as dist
 
-        live = [m for m in batch.messages if m.peer not in self.lost]
-        wires = self._bind(live)
-        ops = [
-            dist.P2POp(dist.isend if m.send else dist.irecv, wire, m.peer, tag=self.tag)
-            for m, (wire, _) in zip(live, wires)
-        ]
-        self.wrote = self.wrote or any(not m.send and not m.ledger for m in live)
-        try:
-            works = dist.batch_isend_irecv(ops) if ops else []
-        except Exception as error:  # a connection already gone: which peer is unknown, so blame the batch's
-            for peer in {m.peer for m in live}:
-                self.lost.setdefault(peer, f"its connection failed ({_first_line(error)})")
-            return
-        self._guarded(copy_locally)
-        per_op = len(works) == len(live)
+        if not self.gloo:
+            ops = [
+                dist.P2POp(dist.isend if m.send else dist.irecv, wire, m.peer, tag=self.tag)
+                for m, (wire, _) in zip(messages, wires)
+            ]
+            try:
+                return list(dist.batch_isend_irecv(ops)) if ops else []
+            except Exception as error:  # a connection already gone: which peer is unknown, so blame the batch's
+                for peer in {m.peer for m in messages}:
+                    self.lost.setdefault(peer, f"its connection failed ({_first_line(error)})")
+                return []
+        world: Any = dist.group.WORLD  # the exchange's ranks are the default group's
+        works: list[Any] = []
+        for message, (wire, _) in zip(messages, wires):
+            work = None
+            if message.peer not in self.lost:
+                try:
+                    work = (world.send if message.send else world.recv)([wire], message.peer, self.tag)
+                except Exception as error:  # gloo: the connection closed (the peer died) while a batch was out
+                    self.lost.setdefault(message.peer, f"its connection failed ({_first_line(error)})")
+            works.append(work)
+        return works
+
+    def _land(self, flight: _InFlight) -> None:
+        """Wait for a posted batch, then complete each message (unpack, record, check its ledger)."""
+        messages, wires, works = flight
+        per_op = len(works) == len(messages)
         for index, work in enumerate(works):
-            done = range(index, index + 1) if per_op else range(len(live))
+            if work is None:
+                continue
+            done = range(index, index + 1) if per_op else range(len(messages))
             try:
                 work.wait(self.remaining())
             except Exception as error:  # gloo: a closed connection (a dead peer) or a timeout (a hung one)
@@ -233,26 +306,41 @@ class Exchange:
                     else "closed the connection (it has probably died)"
                 )
                 for i in done:
-                    self.lost.setdefault(live[i].peer, f"{why}: {_first_line(error)}")
+                    self.lost.setdefault(messages[i].peer, f"{why}: {_first_line(error)}")
                 continue
             if per_op or index == len(works) - 1:
                 for i in done:
-                    self._completed(live[i], *wires[i])
+                    self._completed(messages[i], *wires[i])
 
-    def _bind(self, messages: Sequence[Message]) -> list[tuple[torch.Tensor, bool]]:
+    def _staged_bytes(self, messages: Sequence[Message]) -> int:
+        """The staging bytes ``messages`` take on this rank (in-place ones and ledgers take none)."""
+        used = 0
+        for message in messages:
+            if not message.ledger and message.key not in self._in_place:
+                used = aligned(used + message.nbytes)
+        return used
+
+    def _bind(self, messages: Sequence[Message], region: torch.Tensor | None) -> list[tuple[torch.Tensor, bool]]:
         """The bytes each message goes from or into, and whether they are staged: its tensor slice, a slot of
-        the staging buffer, or a ledger. Sends are packed (and summed) first, then ledgers filled."""
+        the batch's staging ``region``, or a ledger. Sends are packed (and summed) first, then ledgers filled.
+        Without a region (the staging buffer could not be allocated: this rank drains) a staged message gets
+        a buffer of its own, which a receive needs whole."""
+        import torch
+
         wires: list[tuple[Any, bool]] = []
         slot = 0
         for message in messages:
             if message.ledger:
                 wires.append((self._ledger_wire(message), False))
                 continue
-            wire = self._in_place(message)
+            wire = self._in_place.get(message.key)
             staged = wire is None
             if wire is None:
-                wire = self.staging[slot : slot + message.nbytes]  # type: ignore[index]  # sized for every batch
-                slot = aligned(slot + message.nbytes)
+                if region is None:
+                    wire = torch.empty(message.nbytes, dtype=torch.uint8, device=self.device)
+                else:
+                    wire = region[slot : slot + message.nbytes]
+                    slot = aligned(slot + message.nbytes)
             if message.send and not self.draining:
                 self._guarded(lambda m=message, w=wire, packed=staged: self._pack(m, w, packed))
             wires.append((wire, staged))
@@ -272,15 +360,30 @@ class Exchange:
         """The tensors a send reads: the sources, or for a relay's forward (hop 1) its destinations."""
         return self.destinations if message.hop else self.sources
 
-    def _in_place(self, message: Message) -> torch.Tensor | None:
+    @cached_property
+    def _in_place(self) -> dict[tuple[int, ...], torch.Tensor]:
+        """The bytes, in its own tensor, of every message that travels in place, by key (found once, for the
+        layout and the posts); the others are staged."""
+        wires: dict[tuple[int, ...], torch.Tensor] = {}
+        for batch in self.batches:
+            for message in batch.messages:
+                wire = None if message.ledger else self._contiguous_slice(message)
+                if wire is not None:
+                    wires[message.key] = wire
+        return wires
+
+    def _contiguous_slice(self, message: Message) -> torch.Tensor | None:
+        """A one-piece message's slice of its tensor as bytes, where contiguous and not cast on the way."""
         if len(message.pieces) != 1:
             return None
         piece = message.pieces[0][0]
         reads_source = message.send and not message.hop  # a relay's forward reads its destination
         if self.conversion is not None and not self.conversion.in_place(piece.tensor, reads_source):
             return None  # cast on the way: through the staging buffer
-        tensors = self._sent_from(message) if message.send else self.destinations
-        view = view_of(tensors[piece.tensor], piece.src_offset if message.send else piece.dst_offset, piece.shape)
+        tensor = (self._sent_from(message) if message.send else self.destinations).get(piece.tensor)
+        if tensor is None:  # a scale this rank never computed: it drains, and the message is never read
+            return None
+        view = view_of(tensor, piece.src_offset if message.send else piece.dst_offset, piece.shape)
         return as_bytes(view) if view.is_contiguous() else None
 
     def _pack(self, message: Message, wire: torch.Tensor, staged: bool) -> None:
@@ -305,11 +408,11 @@ class Exchange:
 
     def _fill_ledger(self, ledger: Message, wire: torch.Tensor) -> None:
         """Every message of this direction of the pair: (bytes sent, checksum); all are bound by now."""
-        entries = wire.view(-1, 2)
-        for index in range(entries.shape[0]):
-            key = (index, *ledger.key[1:])
-            entries[index, 0] = self.posted.get(key, -1)
-            entries[index, 1] = self.sent_sums.get(key, 0)
+        import torch
+
+        keys = [(index, *ledger.key[1:]) for index in range(wire.numel() // 2)]
+        entries = [value for key in keys for value in (self.posted.get(key, -1), self.sent_sums.get(key, 0))]
+        wire.copy_(torch.tensor(entries, dtype=torch.int64))
 
     def _completed(self, message: Message, wire: torch.Tensor, staged: bool) -> None:
         if message.send:
@@ -344,17 +447,6 @@ class Exchange:
                 )
             elif self.verify == "checksum" and self.received_sums.get(message.key) != summed:
                 self.integrity.faults.append((ledger.peer, message, "does not match the checksum its sender computed"))
-
-    def staging_bytes(self) -> int:
-        """The staging memory the batches need: the most any one batch stages (in-place messages take none)."""
-        most = 0
-        for batch in self.batches:
-            used = 0
-            for message in batch.messages:
-                if not message.ledger and self._in_place(message) is None:
-                    used = aligned(used + message.nbytes)
-            most = max(most, used)
-        return most
 
     @property
     def device(self) -> Any:

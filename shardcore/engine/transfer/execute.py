@@ -219,6 +219,7 @@ def execute_refit(
         epoch,
         started + prepared.wait.total_seconds(),
         "gloo" in str(dist().get_backend()),
+        bucket_bytes,
         prepared.conversion,
     )
     if prepared.conversion is not None:

@@ -35,13 +35,37 @@ batches, each waited for and unpacked, before its first hop-1 batch. So a relay'
 destination only after every hop-0 receive it has landed there, and the forwarded box is one the
 relay receives in full at hop 0 (the planner forwards a tile only from a needer of the same tile).
 
+**Two batches in flight.** A rank may post batch k+1 before it waits for batch k, never further
+ahead (``staging_layout``: when both are of one hop and their staged bytes fit in ``bucket_bytes``
+together); it lands k (waits, unpacks, checks) while k+1 is on the wire. Whether it posts ahead is
+its own choice, from its own staging, and both ends still post every batch, and every op in it, in
+the same order.
+
 **Why no plan can deadlock.** Every rank posts its batches in increasing (hop, s, c) and waits for
-each before the next; a batch needs only its partners' same batch, which contains the matching ops
+them in that order; a batch needs only its partners' same batch, which contains the matching ops
 (both ends derive the key from the message alone: its hop, and the pair's round). Take the
 smallest batch any unfinished rank is waiting in: each of its partners has posted that batch too
-(it cannot be past it, since completing it needs this rank's ops, nor before it, by minimality), so
-every op in it is matched and it completes. Induction on the batch order does the rest; the hop is
-just the most significant part of the order, so the argument holds for any number of hops.
+(it posts in order, and it is waiting in that batch or a later one, by minimality, or still runs
+and will post it; it cannot be past it, since completing it needs this rank's ops), so every op in
+it is matched and it completes. Induction on the batch order does the rest; the hop is just the
+most significant part of the order, so the argument holds for any number of hops. Posting ahead
+only makes a batch posted earlier, so the argument holds with one or two batches in flight, and
+for ranks that choose differently. On each backend "posted and matched" means "completes":
+
+* gloo moves every posted op on its own I/O threads, whatever else is posted (each op is posted
+  alone, as torch posts a gloo batch anyway), and two in-flight messages of one pair and tag match
+  in the order both ends posted them, which is the same.
+* NCCL and HCCL run each ``batch_isend_irecv`` as one group, launched on the communicator's stream:
+  the device runs a rank's batches in posting order, whatever the host queued ahead, so the
+  induction above holds on the device (the first unfinished batch of the world has every partner's
+  same group at the head of its stream). Posting ahead only queues the next group: the host does
+  not block in it. Each batch still holds at most ``max_ops`` ops and is symmetric, the two hazards
+  of pytorch #174288 and NVIDIA/nccl #2130; at most two groups are ever outstanding.
+
+Staging: two batches in flight never share a byte of the buffer (``staging_layout`` puts them at
+its two ends), and batch k+2 reuses batch k's bytes only after k landed: on the host, and on NCCL
+in stream order too (k's unpack is queued before k+2's pack, and k+2's ops wait for the current
+stream; k+2's pack comes after k's wait, which orders it after k's sends read the bytes).
 """
 
 from __future__ import annotations
@@ -58,6 +82,22 @@ MAX_FAN = 16
 """Most tournament rounds per super-round: how many partners a rank talks to in one batch, at most."""
 LEDGER_ENTRY_BYTES = 16
 """One ledger entry: the message's bytes and its checksum, two int64."""
+
+
+class Slot(NamedTuple):
+    """Where one batch stages in a rank's staging buffer, and whether it is posted while the batch before it is
+    still in flight."""
+
+    offset: int
+    nbytes: int
+    overlaps: bool
+
+
+class StagingLayout(NamedTuple):
+    """A rank's slots, one per batch in order, and the staging buffer they need."""
+
+    slots: list[Slot]
+    nbytes: int
 
 
 class Piece(NamedTuple):
@@ -242,6 +282,34 @@ def rank_batches(
     return ordered
 
 
+def staging_layout(batches: Sequence[Batch], staged: Sequence[int], bucket_bytes: int) -> StagingLayout:
+    """Which batches go on the wire while the one before is in flight, and where each stages.
+
+    Batch k overlaps batch k-1 when both are of one hop (a relay forwards only what its hop-0 batches, all
+    landed before, brought it) and their staged bytes fit in ``bucket_bytes`` together. A chain of
+    overlapping batches alternates between the buffer's low and high ends, so the two in flight never share
+    a byte; the buffer is the most any batch stages alone or with the one before it. So staging stays within
+    ``bucket_bytes``, unless one batch alone holds more (a message bigger than its pair's budget travels
+    alone), and never needs more than that batch.
+
+    Args:
+        batches: this rank's batches, in order.
+        staged: the bytes each batch stages on this rank (aligned; in-place messages take none).
+        bucket_bytes: the staging bytes two batches in flight may hold together.
+    """
+    overlaps = [
+        k > 0 and batches[k].key[0] == batches[k - 1].key[0] and staged[k - 1] + staged[k] <= bucket_bytes
+        for k in range(len(batches))
+    ]
+    nbytes = max((staged[k] + (staged[k - 1] if overlaps[k] else 0) for k in range(len(batches))), default=0)
+    slots: list[Slot] = []
+    high = False
+    for overlapping, size in zip(overlaps, staged):
+        high = overlapping and not high
+        slots.append(Slot(nbytes - size if high else 0, size, overlapping))
+    return StagingLayout(slots, nbytes)
+
+
 def _chunks(
     messages: Sequence[Message],
     ops: int,
@@ -272,11 +340,14 @@ __all__ = [
     "Batch",
     "Message",
     "Piece",
+    "Slot",
+    "StagingLayout",
     "aligned",
     "fan",
     "may_stage",
     "pair_messages",
     "pieces_of",
     "rank_batches",
+    "staging_layout",
     "tournament_round",
 ]
