@@ -65,6 +65,16 @@ def test_after_each_kind_of_failure_the_next_refit_succeeds_everywhere() -> None
         assert held is None or held.intact is False, held  # fresh tensors, partly written by the failed refit
 
 
+def test_a_rank_without_staging_memory_fails_every_rank_at_once_and_the_next_refit_works() -> None:
+    """Before: a rank whose staging allocation failed drained, then raised a raw TypeError at its first staged
+    message (the buffer was None), and its peers waited for messages it never posted."""
+    for rank, (failed, good) in enumerate(run_world(4, workers.staging_that_cannot_be_allocated, TIMEOUT, timeout=300)):
+        assert failed["kind"] in ("RefitPeerError", "RefitInputError"), (rank, failed)
+        assert "rank 2" in failed["message"] and failed["elapsed"] < TIMEOUT, (rank, failed)
+        assert "TypeError" not in failed["message"], (rank, failed)
+        assert good["kind"] == "ok" and good["correct"], (rank, good)
+
+
 def test_parameters_are_written_in_place_and_keep_requiring_grad() -> None:
     """Before: a destination that is an nn.Parameter raised a raw RuntimeError on its rank."""
     for rank, out in enumerate(run_world(4, workers.parameters, timeout=300)):

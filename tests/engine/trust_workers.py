@@ -293,3 +293,20 @@ __all__ = [
     "parameters",
     "replaced_world_rank",
 ]
+
+
+def staging_that_cannot_be_allocated(rank: int, world: int, timeout: float) -> list[dict[str, Any]]:
+    """Rank 2 (a destination that stages pieces) asks for more staging memory than any machine has: its
+    allocation fails, it drains, every rank names it within the timeout, and the next refit is right."""
+    plan = _plan(world)
+    sources, destinations = _tensors(plan, rank)
+    real = exchange_module.Exchange.staging_bytes
+    steps = []
+    for label in ("no staging", "good"):
+        if rank == 2 and label == "no staging":
+            exchange_module.Exchange.staging_bytes = lambda self: 1 << 60  # type: ignore[method-assign]
+        kind, message, ranks, elapsed = _outcome(lambda: execute_refit(plan, sources, destinations, timeout=timeout))
+        exchange_module.Exchange.staging_bytes = real  # type: ignore[method-assign]
+        steps.append({"label": label, "kind": kind, "message": message, "ranks": ranks, "elapsed": elapsed,
+                      "correct": _correct(plan, rank, destinations)})  # fmt: skip
+    return steps
