@@ -47,7 +47,7 @@ def _quiet() -> None:
 
 def _register_groups_backend() -> None:
     import shardcore
-    from shardcore.engine.build.backend import Backend
+    from shardcore.engine.backends.backend import Backend
 
     class GroupsOnly(Backend):
         name = "groups-only"

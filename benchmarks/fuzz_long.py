@@ -27,7 +27,7 @@ from typing import Any
 from benchmarks.manifest_inputs import random_input as refit_input
 from benchmarks.measure import measure_input
 from shardcore.cli import main
-from shardcore.engine.build.shards import build_shards
+from shardcore.engine.backends.shards import build_shards
 from shardcore.plan.arguments import shown
 from shardcore.plan.layout import plan_layout
 from shardcore.plan.spec import parse_shards

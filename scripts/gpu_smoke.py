@@ -37,7 +37,7 @@ def main() -> int:
     import torch.distributed as dist
 
     from shardcore import GroupCreationError, build_shards
-    from shardcore.engine.build.shards import destroy_shards, my_shard
+    from shardcore.engine.backends.shards import destroy_shards, my_shard
     from shardcore.engine.groups.strategy import choose_strategy
     from shardcore.engine.live.check import CheckOptions, check_groups
     from shardcore_dtensor import ensure_distributed_initialized

@@ -1,11 +1,11 @@
 """shardcore: lay out heterogeneous parallel jobs, build each rank's process groups, move weights between layouts.
 
 Subpackages, imported one way only (``cli`` -> ``engine`` -> ``refit`` -> ``plan``; ``views`` -> ``plan``;
-``replan`` -> ``refit``, ``views``; everything -> ``errors``); the README's design section states the rule, and
+``replan`` -> ``refit``; everything -> ``errors``); the README's design section states the rule, and
 ``tests/core/test_architecture.py`` checks it:
 
-* ``plan``: shard specs, grids and layouts, pure index math (no torch, no numpy);
-* ``views``: topology findings, tables and pictures of a plan (no torch);
+* ``plan``: shard specs, grids, layouts and their node topology, pure index math (no torch, no numpy);
+* ``views``: tables and pictures of a plan (no torch);
 * ``refit``: manifests, the refit planner and layout search (no torch);
 * ``replan``: elastic re-layout after ranks are lost or added (no torch);
 * ``engine``: group creation, builds, refit execution, live checks (torch imported on use);
@@ -16,24 +16,8 @@ This module and each subpackage's ``__init__`` are the public API, the one a bac
 
 from __future__ import annotations
 
-from .engine import (
-    Backend,
-    BackendInfo,
-    Shard,
-    Strategy,
-    TransferStats,
-    build_shards,
-    destroy_shards,
-    execute_refit,
-    form_survivor_world,
-    get_backend,
-    held_version,
-    hookimpl,
-    list_backends,
-    my_shard,
-    register_backend,
-    unregister_backend,
-)
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     BackendNotFoundError,
     BackendUnavailableError,
@@ -70,6 +54,64 @@ from .plan import (
     plan_layout,
 )
 from .version import __version__
+
+if TYPE_CHECKING:
+    from .engine import (
+        Backend,
+        BackendInfo,
+        Shard,
+        Strategy,
+        TransferStats,
+        build_shards,
+        destroy_shards,
+        execute_refit,
+        form_survivor_world,
+        get_backend,
+        held_version,
+        hookimpl,
+        list_backends,
+        my_shard,
+        register_backend,
+        unregister_backend,
+    )
+
+# The engine's public names load with the engine, on first use: plan, spec and layout work needs no torch
+# machinery, no plugin discovery and no refit executor.
+_ENGINE_NAMES = frozenset(
+    {
+        "Backend",
+        "BackendInfo",
+        "Shard",
+        "Strategy",
+        "TransferStats",
+        "build_shards",
+        "destroy_shards",
+        "execute_refit",
+        "form_survivor_world",
+        "get_backend",
+        "held_version",
+        "hookimpl",
+        "list_backends",
+        "my_shard",
+        "register_backend",
+        "unregister_backend",
+    }
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _ENGINE_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from . import engine
+
+    value = getattr(engine, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "DEFAULT_ORDER",

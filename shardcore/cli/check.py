@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, TextIO
 
 from ..engine import DEFAULT_BACKEND, install_hint
 from ..errors import CheckError
-from ..plan.arguments import number_or_long, shown
-from ..views.tables import counted, format_table
+from ..plan.arguments import counted, number_or_long, shown
+from ..views.tables import format_table
 
 if TYPE_CHECKING:
     from ..engine.live.check import CheckOptions, Prepared, RankReport

@@ -18,9 +18,9 @@ from ..errors import ShardcoreError
 from ..plan.arguments import clipped
 from ..plan.layout import plan_layout
 from ..plan.loading import shown_path
+from ..plan.topology import TOPOLOGY_GROUPS, check_topology
 from ..views.picture import DEFAULT_RANKS_PER_NODE, draws_ranks, render_svg
 from ..views.tables import format_table, layout_table, rank_table, shown_groups
-from ..views.topology import TOPOLOGY_GROUPS, check_topology
 from .arguments import (
     NON_NEGATIVE_INT,
     POSITIVE_INT,
@@ -36,7 +36,7 @@ from .replan import add_replan_parser
 
 if TYPE_CHECKING:
     from ..plan.layout import Layout
-    from ..views.topology import TopologyReport
+    from ..plan.topology import TopologyReport
 
 
 def _one_line_warning(message: Warning | str, category: type[Warning], *_: Any, **__: Any) -> None:
@@ -132,7 +132,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_backends(args: argparse.Namespace) -> int:
-    from ..engine.build.plugins import list_backends
+    from ..engine.backends.plugins import list_backends
     from ..engine.device import device_notes
 
     notes = device_notes()  # first: it imports torch through the guard, which the listing then reuses

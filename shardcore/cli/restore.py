@@ -14,9 +14,9 @@ import sys
 from typing import TYPE_CHECKING
 
 from ..errors import CheckError
-from ..plan.arguments import format_bytes
+from ..plan.arguments import counted, format_bytes
 from ..replan import ReplanOption, format_ranks
-from ..views.tables import counted, format_table
+from ..views.tables import format_table
 from .check import TORCH_HINT, Progress, check_machine
 
 if TYPE_CHECKING:

@@ -12,10 +12,10 @@ from ..errors import RefitError
 from ..plan.arguments import MAX_WORLD_SIZE, format_bytes
 from ..plan.choices import AXES
 from ..plan.layout import plan_layout
+from ..plan.topology import check_topology
 from ..refit.documents import model_manifest
 from ..refit.search import Candidate, SearchResult, search
 from ..views.tables import format_table
-from ..views.topology import check_topology
 from .arguments import NON_NEGATIVE_INT, POSITIVE_INT, missing_flags
 
 PROGRESS_AFTER = 1.0

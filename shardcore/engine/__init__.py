@@ -4,7 +4,7 @@ Folders by concept (see the README's design section):
 
 * ``agreement``: the one protocol by which ranks agree before they act (store epochs, failures);
 * ``groups/``: creating process groups (``strategy``, ``create``) and window-local groups (``window``);
-* ``build/``: the backend contract and its discovery, and ``build_shards``;
+* ``backends/``: the backend contract and its discovery, and ``build_shards``;
 * ``transfer/``: executing a refit plan with point-to-point messages;
 * ``survivors``: the survivors' world after ranks are lost (``shrink_group``, or a new world);
 * ``live/``: worlds for live checks (``shardcore check``, ``shardcore refit --check``).
@@ -14,36 +14,91 @@ What a backend plugin may use is exported here and by ``shardcore``; the modules
 
 from __future__ import annotations
 
-from .build.backend import Backend
-from .build.hookspecs import hookimpl
-from .build.plugins import (
-    BACKEND_ENV,
-    DEFAULT_BACKEND,
-    ENTRY_POINT_GROUP,
-    SHIPPED_BACKENDS,
-    BackendInfo,
-    get_backend,
-    install_hint,
-    list_backends,
-    register_backend,
-    unregister_backend,
-)
-from .build.shards import Shard, build_shards, destroy_shards, my_shard
-from .device import comm_backend, device_type, npu_status
-from .groups.strategy import Strategy
-from .groups.window import Window, window_of
-from .live.launch import all_gather_objects
-from .survivors import SurvivorWorld, form_survivor_world
-from .torch_state import live_group_count
-from .transfer.execute import (
-    DEFAULT_BUCKET_BYTES,
-    DEFAULT_MAX_OPS,
-    HeldVersion,
-    TransferStats,
-    Verify,
-    execute_refit,
-    held_version,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .backends.backend import Backend
+    from .backends.hookspecs import hookimpl
+    from .backends.plugins import (
+        BACKEND_ENV,
+        DEFAULT_BACKEND,
+        ENTRY_POINT_GROUP,
+        SHIPPED_BACKENDS,
+        BackendInfo,
+        get_backend,
+        install_hint,
+        list_backends,
+        register_backend,
+        unregister_backend,
+    )
+    from .backends.shards import Shard, build_shards, destroy_shards, my_shard
+    from .collectives import all_gather_objects
+    from .device import comm_backend, device_type, npu_status
+    from .groups.strategy import Strategy
+    from .groups.window import Window, window_of
+    from .survivors import SurvivorWorld, form_survivor_world
+    from .torch_state import live_group_count
+    from .transfer.execute import (
+        DEFAULT_BUCKET_BYTES,
+        DEFAULT_MAX_OPS,
+        HeldVersion,
+        TransferStats,
+        Verify,
+        execute_refit,
+        held_version,
+    )
+
+# Each public name and the module that owns it, imported on first use (PEP 562): ``import shardcore``
+# for plan, spec and layout work loads neither the executor nor the plugin discovery.
+_LAZY: dict[str, str] = {
+    "BACKEND_ENV": ".backends.plugins",
+    "Backend": ".backends.backend",
+    "BackendInfo": ".backends.plugins",
+    "DEFAULT_BACKEND": ".backends.plugins",
+    "DEFAULT_BUCKET_BYTES": ".transfer.execute",
+    "DEFAULT_MAX_OPS": ".transfer.execute",
+    "ENTRY_POINT_GROUP": ".backends.plugins",
+    "HeldVersion": ".transfer.execute",
+    "SHIPPED_BACKENDS": ".backends.plugins",
+    "Shard": ".backends.shards",
+    "Strategy": ".groups.strategy",
+    "SurvivorWorld": ".survivors",
+    "TransferStats": ".transfer.execute",
+    "Verify": ".transfer.execute",
+    "Window": ".groups.window",
+    "all_gather_objects": ".collectives",
+    "build_shards": ".backends.shards",
+    "comm_backend": ".device",
+    "destroy_shards": ".backends.shards",
+    "device_type": ".device",
+    "execute_refit": ".transfer.execute",
+    "form_survivor_world": ".survivors",
+    "get_backend": ".backends.plugins",
+    "held_version": ".transfer.execute",
+    "hookimpl": ".backends.hookspecs",
+    "install_hint": ".backends.plugins",
+    "list_backends": ".backends.plugins",
+    "live_group_count": ".torch_state",
+    "my_shard": ".backends.shards",
+    "npu_status": ".device",
+    "register_backend": ".backends.plugins",
+    "unregister_backend": ".backends.plugins",
+    "window_of": ".groups.window",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "BACKEND_ENV",

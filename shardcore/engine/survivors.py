@@ -37,7 +37,7 @@ from typing import Any
 from ..errors import GroupCreationError, LayoutError
 from ..plan.arguments import as_timedelta, check_count, shown, shown_ranks
 from .agreement import Party, Purpose, Terms, convene
-from .build.shards import Shard, destroy_shards
+from .backends.shards import Shard, destroy_shards
 from .torch_state import (
     abandon_store,
     agent_hosts_store,

@@ -111,6 +111,11 @@ class _Short(reprlib.Repr):
 _short = _Short()
 
 
+def counted(count: int, singular: str, plural: str | None = None) -> str:
+    """``1 rank``, ``2 ranks``, ``1 process``, ``4 processes``."""
+    return f"{count} {singular if count == 1 else plural or singular + 's'}"
+
+
 def shown(value: object) -> str:
     """``repr(value)`` for an error message, bounded: never thousands of digits or characters."""
     if isinstance(value, bool) or value is None:
@@ -288,6 +293,7 @@ __all__ = [
     "check_names",
     "check_size",
     "clipped",
+    "counted",
     "format_bytes",
     "number_or_long",
     "shown",

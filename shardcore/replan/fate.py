@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..plan.layout import GRID_GROUP_NAMES, GROUP_NAMES, Layout, ShardPlan
+from ..plan.topology import BANDWIDTH_GROUPS, node_crossings
 from ..refit.manifest import Manifest
 from ..refit.placement import expert_range
-from ..views.topology import BANDWIDTH_GROUPS, node_crossings
 from .renumbering import Renumbering
 
 HoldingsKey = tuple[int, ...]

@@ -25,11 +25,11 @@ from bisect import bisect_left
 from dataclasses import dataclass, replace
 from math import lcm
 
+from ..plan.arguments import counted
 from ..plan.choices import valid_specs
 from ..plan.layout import Layout, Order, ShardPlan
 from ..plan.spec import ShardSpec
 from ..refit.footprint import Footprint
-from ..views.tables import counted
 from .renumbering import Renumbering
 
 RELAYOUT_SIZES = 1024

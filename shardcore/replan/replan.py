@@ -20,10 +20,10 @@ from ..errors import LayoutError, NoLayoutError, RefitError
 from ..plan.arguments import check_count, format_bytes, shown
 from ..plan.choices import AXES, check_axes
 from ..plan.layout import Layout, plan_layout, resolve_order
+from ..plan.topology import check_topology
 from ..refit.footprint import Footprint
 from ..refit.manifest import Manifest
 from ..refit.placement import check_fits, expert_range
-from ..views.topology import check_topology
 from .copies import Copies, MissingCopy, RestoreSources
 from .fate import GroupFate, RankMove, group_fates, rank_moves
 from .options import Constraints, Proposal, proposals

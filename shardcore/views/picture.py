@@ -14,9 +14,8 @@ from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 from ..errors import LayoutError
-from ..plan.arguments import shown
-from .tables import counted
-from .topology import TOPOLOGY_GROUPS, check_ranks_per_node
+from ..plan.arguments import counted, shown
+from ..plan.topology import TOPOLOGY_GROUPS, check_ranks_per_node
 
 if TYPE_CHECKING:
     from ..plan.layout import Layout, ShardPlan

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..plan.arguments import counted
 from ..plan.layout import GRID_GROUP_NAMES, GroupName, Layout, ShardPlan
 
 _COLUMNS = ("shard", "role", "name", "ranks", "tp", "cp", "pp", "dp", "ep", "expt_tp", "expt_dp")
-
-
-def counted(count: int, singular: str, plural: str | None = None) -> str:
-    """``1 rank``, ``2 ranks``, ``1 process``, ``4 processes``."""
-    return f"{count} {singular if count == 1 else plural or singular + 's'}"
 
 
 def ordered_coords(plan: ShardPlan, rank: int) -> list[tuple[str, int]]:
@@ -101,4 +97,4 @@ def rank_table(layout: Layout, rank: int) -> str:
     )
 
 
-__all__ = ["MAX_SHOWN_RANKS", "counted", "format_table", "layout_table", "ordered_coords", "rank_table", "shown_groups"]
+__all__ = ["MAX_SHOWN_RANKS", "format_table", "layout_table", "ordered_coords", "rank_table", "shown_groups"]

@@ -6,7 +6,7 @@ The rule (stated once more in the README's design section and in ``shardcore/__i
   sits on ``refit`` and ``views``, and only ``engine`` and ``cli`` import it; every part may use ``errors``;
 * ``plan``, ``views``, ``refit`` and ``replan`` never import torch or numpy, not even lazily;
 * the shipped plugins import only the public API: ``shardcore`` and its subpackages' ``__init__``,
-  never a module inside them (``shardcore.engine.build.shards``);
+  never a module inside them (``shardcore.engine.backends.shards``);
 * no module imports one that imports it back (no cycles).
 """
 
@@ -131,6 +131,6 @@ def test_relative_imports_resolve_to_absolute_names() -> None:
     """Without this the rules above could pass vacuously: ``from ..errors`` must read as shardcore.errors."""
     names = [name for _, name in _imports(PACKAGE / "plan" / "layout.py")]
     assert "shardcore.plan.grid" in names and "shardcore.errors" in names
-    assert "shardcore.engine.build.backend" in [
-        name for _, name in _imports(PACKAGE / "engine" / "build" / "shards.py")
+    assert "shardcore.engine.backends.backend" in [
+        name for _, name in _imports(PACKAGE / "engine" / "backends" / "shards.py")
     ]

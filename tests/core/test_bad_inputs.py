@@ -39,9 +39,9 @@ from shardcore import (
 )
 from shardcore.cli import main
 from shardcore.plan.arguments import MAX_SHOWN, MAX_WORLD_SIZE, as_timedelta, shown
+from shardcore.plan.topology import check_topology
 from shardcore.views.picture import render_svg
 from shardcore.views.tables import layout_table
-from shardcore.views.topology import check_topology
 
 BIG = 10**18
 HUGE = "9" * 5000

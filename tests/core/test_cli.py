@@ -233,7 +233,7 @@ def test_output_into_a_closed_pipe_is_no_traceback() -> None:
 
 
 def test_counts_are_singular_for_one() -> None:
-    from shardcore.views.tables import counted
+    from shardcore.plan.arguments import counted
 
     assert [counted(1, "rank"), counted(2, "rank")] == ["1 rank", "2 ranks"]
     assert [counted(1, "process", "processes"), counted(3, "process", "processes")] == ["1 process", "3 processes"]

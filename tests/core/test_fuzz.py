@@ -24,7 +24,7 @@ from benchmarks.fuzz_long import FLAGS, STRESS, TOKENS
 from benchmarks.manifest_inputs import BAD, CONFIG_GOOD, TENSOR_GOOD, TOP_GOOD, random_input, to_api, to_json, to_yaml
 from benchmarks.measure import answer, measure_input
 from shardcore.cli import main
-from shardcore.engine.build.shards import build_shards
+from shardcore.engine.backends.shards import build_shards
 from shardcore.errors import LayoutError, ShardcoreError
 from shardcore.plan.arguments import MAX_TIMEOUT, as_timedelta
 from shardcore.plan.layout import plan_layout

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from shardcore import LayoutError, ManifestError, NoLayoutError, plan_layout
 from shardcore.errors import RefitError
 from shardcore.plan import GROUP_NAMES, Layout
+from shardcore.plan.topology import BANDWIDTH_GROUPS
 from shardcore.refit import Footprint, Manifest, holdings, preset
 from shardcore.replan import Renumbering, ReplanOption, replan
-from shardcore.views.topology import BANDWIDTH_GROUPS
 
 TINY = preset("tiny-moe")
 DENSE = preset("tiny-dense")

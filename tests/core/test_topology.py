@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from shardcore.cli import main
 from shardcore.errors import LayoutError
 from shardcore.plan.layout import DECODER_GROUPS, EXPERT_GROUPS, plan_layout
-from shardcore.views.topology import TOPOLOGY_GROUPS, check_topology, node_crossings
+from shardcore.plan.topology import TOPOLOGY_GROUPS, check_topology, node_crossings
 
 
 def test_tp16_on_8_rank_nodes_is_a_warning() -> None:

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from shardcore import GroupCreationError, build_shards
-from shardcore.engine.build.shards import destroy_shards, my_shard
+from shardcore.engine.backends.shards import destroy_shards, my_shard
 from shardcore.engine.torch_state import live_group_count
 from shardcore.plan.layout import distinct_groups
 

@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from shardcore import build_shards
-from shardcore.engine.build.shards import destroy_shards
+from shardcore.engine.backends.shards import destroy_shards
 from shardcore.errors import ShardcoreError
 
 SPEC = "tp=2+tp=2"

@@ -13,8 +13,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from shardcore import build_shards
-from shardcore.engine.build import shards as shards_module
-from shardcore.engine.build.shards import Shard, destroy_shards, my_shard
+from shardcore.engine.backends import shards as shards_module
+from shardcore.engine.backends.shards import Shard, destroy_shards, my_shard
 from shardcore.engine.torch_state import default_store, group_keys
 from shardcore.errors import BackendUnavailableError, GroupCreationError, ShardcoreError
 from shardcore.plan.layout import distinct_groups

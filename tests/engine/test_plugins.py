@@ -11,8 +11,14 @@ import pytest
 pytest.importorskip("torch")
 
 import shardcore
-from shardcore.engine.build import hookspecs
-from shardcore.engine.build.plugins import BACKEND_ENV, get_backend, list_backends, register_backend, unregister_backend
+from shardcore.engine.backends import hookspecs
+from shardcore.engine.backends.plugins import (
+    BACKEND_ENV,
+    get_backend,
+    list_backends,
+    register_backend,
+    unregister_backend,
+)
 from shardcore.errors import BackendNotFoundError, BackendUnavailableError
 
 

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
 from shardcore import ShardcoreError, build_shards
-from shardcore.engine.build.shards import destroy_shards, my_shard
-from shardcore.engine.live.launch import all_gather_objects
+from shardcore.engine import all_gather_objects
+from shardcore.engine.backends.shards import destroy_shards, my_shard
 from shardcore.engine.torch_state import group_counter, live_group_count
 from shardcore_dtensor.backend import window_mesh
 

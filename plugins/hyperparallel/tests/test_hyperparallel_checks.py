@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from shardcore import LayoutError, plan_layout
-from shardcore.engine.build.shards import check_options
+from shardcore.engine.backends.shards import check_options
 from shardcore_hyperparallel import HyperParallelBackend, check_dense_tp_layout, resolve_sizes
 
 

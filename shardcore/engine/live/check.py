@@ -20,7 +20,8 @@ from ...errors import GroupCreationError
 from ...plan.arguments import as_timedelta
 from ...plan.layout import DEFAULT_ORDER, Layout, plan_layout
 from ..agreement import OPEN, Party, Purpose, arrive_failed, barrier
-from .launch import LIVE_CHECK_TIMEOUT, OnEvent, collective_device, run_joined_job, run_local_job
+from ..collectives import collective_device
+from .launch import LIVE_CHECK_TIMEOUT, OnEvent, run_joined_job, run_local_job
 
 CHECK = Purpose("check", "shardcore check's job (check_groups)", GroupCreationError)
 
@@ -78,8 +79,8 @@ def prepare(options: CheckOptions, world_size: int) -> Prepared:
     Raises:
         ShardcoreError: a subclass naming the bad timeout, strategy, backend, option or layout.
     """
-    from ..build.plugins import BACKEND_ENV, get_backend
-    from ..build.shards import check_options
+    from ..backends.plugins import BACKEND_ENV, get_backend
+    from ..backends.shards import check_options
     from ..groups.strategy import check_strategy_early
 
     as_timedelta(options.timeout)
@@ -130,8 +131,8 @@ def check_groups(options: CheckOptions, on_stage: Callable[[str], None] = lambda
     """
     import torch.distributed as dist
 
-    from ..build.plugins import get_backend
-    from ..build.shards import build_shards, destroy_shards, my_shard
+    from ..backends.plugins import get_backend
+    from ..backends.shards import build_shards, destroy_shards, my_shard
     from ..groups.strategy import choose_strategy
 
     rank, world = dist.get_rank(), dist.get_world_size()

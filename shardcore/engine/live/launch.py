@@ -17,7 +17,6 @@ an initialised world (``on_stage(name)`` reports progress); ``shardcore check`` 
 from __future__ import annotations
 
 import os
-import pickle
 import re
 import signal
 import sys
@@ -29,6 +28,7 @@ from typing import Any
 
 from ...errors import GroupCreationError, ShardcoreError
 from ...plan.arguments import shown_ranks
+from ..collectives import all_gather_objects
 from ..torch_state import check_torch_imports, import_torch
 from .shrinkable import SHRINKABLE_GLOO, register_shrinkable_gloo
 
@@ -63,38 +63,6 @@ def distinct_errors(errors: dict[int, str]) -> list[str]:
     for rank, text in sorted(errors.items()):
         by_text.setdefault(_RANK_PREFIX.sub("", text), []).append(rank)
     return [f"rank {r[0]}: {text}" if len(r) == 1 else f"ranks {shown_ranks(r)}: {text}" for text, r in by_text.items()]
-
-
-def collective_device() -> str:
-    """Where collective tensors live: cpu under gloo, else the accelerator."""
-    import torch.distributed as dist
-
-    from ..device import device_type
-
-    return "cpu" if str(dist.get_backend()) == "gloo" else device_type()
-
-
-def all_gather_objects(value: Any) -> list[Any]:
-    """Every rank's ``value``, in rank order, on every rank of the default group.
-
-    Pickled into uint8 tensors: lengths are all-gathered first, then every payload padded to
-    the longest. Unlike torch's ``all_gather_object`` this needs no numpy. Only for values
-    the ranks of one job exchange with each other (pickle trusts its input).
-    """
-    import torch
-    import torch.distributed as dist
-
-    device, world = collective_device(), dist.get_world_size()
-    data = pickle.dumps(value)
-    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    lengths = [torch.empty_like(length) for _ in range(world)]
-    dist.all_gather(lengths, length)
-    payload = torch.zeros(max(int(t.item()) for t in lengths), dtype=torch.uint8)
-    payload[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    payload = payload.to(device)
-    payloads = [torch.empty_like(payload) for _ in range(world)]
-    dist.all_gather(payloads, payload)
-    return [pickle.loads(bytes(p[: int(n.item())].cpu().tolist())) for p, n in zip(payloads, lengths)]
 
 
 # ----------------------------------------------------------------------------- local processes
@@ -361,8 +329,6 @@ __all__ = [
     "LIVE_CHECK_TIMEOUT",
     "Job",
     "OnEvent",
-    "all_gather_objects",
-    "collective_device",
     "distinct_errors",
     "error_line",
     "init_from_env",

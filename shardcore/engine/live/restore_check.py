@@ -25,7 +25,7 @@ from ...refit.documents import model_manifest
 from ...refit.placement import holds
 from ...replan import ReplanOption, replan, restore_plan
 from ..agreement import Party, Purpose, barrier
-from ..build.shards import build_shards, destroy_shards
+from ..backends.shards import build_shards, destroy_shards
 from ..survivors import form_survivor_world
 from ..transfer.execute import execute_refit
 from .launch import LEAVING, LIVE_CHECK_TIMEOUT, OnEvent, run_local_job

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from ...refit.manifest import SCALE_BLOCK
 from ...refit.scales import AmaxExchange, amax_exchange
+from ...refit.schedule import rank_batches
 from .exchange import Exchange
-from .schedule import rank_batches
 
 if TYPE_CHECKING:
     import torch

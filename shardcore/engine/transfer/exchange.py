@@ -38,8 +38,8 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ...plan.arguments import shown_ranks
+from ...refit.schedule import Batch, Message, Slot, StagingLayout, aligned, staging_layout
 from ..agreement import Party, publish_failure, published_failures
-from .schedule import Batch, Message, Slot, StagingLayout, aligned, staging_layout
 
 if TYPE_CHECKING:
     import torch

@@ -40,12 +40,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ...errors import RefitInputError, RefitIntegrityError, RefitMismatchError, RefitPeerError, ShardcoreError
 from ...plan.arguments import DEFAULT_TIMEOUT, as_timedelta, check_count, shown
+from ...refit.schedule import ALIGN, rank_batches
 from ...version import __version__
 from ..agreement import GRACE, Party, Purpose, Terms, arrive_failed, convene, declare_absent, meet
 from ..torch_state import dist, import_torch, is_fake_world
 from .convert import Conversion
 from .exchange import Exchange
-from .schedule import ALIGN, rank_batches
 
 if TYPE_CHECKING:
     import torch

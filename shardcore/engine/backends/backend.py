@@ -5,12 +5,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from ...plan.grid import Dims
 from ...plan.protocols import NamedGrids, ShardPlanLike
 
 if TYPE_CHECKING:
     from ...plan.layout import Layout
-
 
 
 @runtime_checkable

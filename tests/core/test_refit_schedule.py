@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardcore.engine.transfer.schedule import (
+from shardcore.refit.schedule import (
     ALIGN,
     Batch,
     aligned,

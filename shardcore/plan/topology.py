@@ -16,13 +16,12 @@ from math import prod
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import LayoutError
-from ..plan.arguments import check_count, shown
-from ..plan.grid import Grid
-from ..plan.layout import GRID_GROUP_NAMES
-from .tables import counted
+from .arguments import check_count, counted, shown
+from .grid import Grid
+from .layout import GRID_GROUP_NAMES
 
 if TYPE_CHECKING:
-    from ..plan.layout import Layout, ShardPlan
+    from .layout import Layout, ShardPlan
 
 Severity = Literal["ok", "info", "warning"]
 

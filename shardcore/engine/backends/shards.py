@@ -252,7 +252,9 @@ def build_shards(
     return built
 
 
-def _agree(party: Party, layout: Layout, backend: str, names: tuple[str, ...], strategy: Strategy, wait: timedelta) -> int:
+def _agree(
+    party: Party, layout: Layout, backend: str, names: tuple[str, ...], strategy: Strategy, wait: timedelta
+) -> int:
     """The build's first meeting: every rank brings the same terms; returns the build's epoch.
 
     Ranks that differ only in torch's group counter (a failed build left one behind) all go on from
@@ -362,7 +364,8 @@ def check_options(backend: Backend, options: Mapping[str, Any]) -> None:
     if unknown:
         accepted = ", ".join(backend.options) or "none"
         raise LayoutError(
-            f"unknown option(s) {shown(', '.join(map(str, unknown)))} for backend {shown(backend.name)}: it accepts {accepted}"
+            f"unknown option(s) {shown(', '.join(map(str, unknown)))} for backend {shown(backend.name)}: "
+            f"it accepts {accepted}"
         )
 
 
