@@ -25,6 +25,7 @@ from .arguments import (
     add_nproc_flag,
     add_order_flag,
     add_timeout_flag,
+    lone_flags,
     missing_flags,
 )
 from .check import JoinedProgress, Progress, check_machine, require_torch, torchrun_world
@@ -386,13 +387,12 @@ def _refuse_lone_flags(args: argparse.Namespace) -> None:
     Raises:
         RefitError: naming the flag and the one it needs.
     """
-    if args.transfers and (not args.json or args.check):
-        raise RefitError("--transfers lists the plan's transfers in --json: give --json too (and no --check)")
-    if not args.check:
-        given = [flag for flag, value in _CHECK_ONLY.items() if getattr(args, value) is not None]
-        if given:
-            what = f"{', '.join(given)} set{'s' if len(given) == 1 else ''}"
-            raise RefitError(f"{what} how --check executes: give --check too")
+    if args.transfers and args.check:
+        raise RefitError("--transfers lists the plan's transfers, not the live run's: drop it with --check")
+    lone = lone_flags(args, {"--transfers": "transfers"}, "--json") if not args.json else None
+    lone = lone or (None if args.check else lone_flags(args, _CHECK_ONLY, "--check"))
+    if lone:
+        raise RefitError(lone)
 
 
 _CHECK_ONLY = {
@@ -401,7 +401,7 @@ _CHECK_ONLY = {
     "--verify": "verify",
     "--refit-version": "refit_version",
 }
-"""The executor's flags, which act only with --check (their defaults are None, so a given one is seen)."""
+"""The executor's flags (their defaults None, so a given one is seen)."""
 
 
 def _tensor_entry(tensor: TensorSpec) -> dict[str, Any]:

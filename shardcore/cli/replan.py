@@ -15,7 +15,7 @@ from ..refit.documents import model_manifest
 from ..replan import ReplanOption, ReplanResult, format_ranks, replan
 from ..views.picture import DEFAULT_RANKS_PER_NODE, render_svg
 from ..views.tables import format_table
-from .arguments import POSITIVE_INT, add_allow_idle_flag, add_order_flag, add_timeout_flag
+from .arguments import POSITIVE_INT, add_allow_idle_flag, add_order_flag, add_timeout_flag, lone_flags
 
 MAX_RANGES = 4096
 """A --lost list of more ranges than this is data, not a list of failed ranks."""
@@ -159,6 +159,9 @@ def cmd_replan(args: argparse.Namespace) -> int:
     """The ``replan`` subcommand."""
     if args.lost is None and args.new_world is None:
         raise LayoutError("replan needs --lost RANKS (e.g. --lost 8-15) or --new-world M")
+    lone = None if args.check else lone_flags(args, _CHECK_ONLY, "--check")
+    if lone:
+        raise LayoutError(lone)
     layout = plan_layout(args.world, args.shards, order=args.order, allow_idle=args.allow_idle)
     keep = parse_ranks(args.keep, "--keep") if args.keep else []
     lost = parse_ranks(args.lost, "--lost") if args.lost else []
@@ -184,6 +187,10 @@ def cmd_replan(args: argparse.Namespace) -> int:
         return 0
     print(replan_report(result, args.ranks_per_node))
     return 0
+
+
+_CHECK_ONLY = {"--option": "option", "--backend": "backend", "--shrink": "shrink"}
+"""The live run's flags (their defaults None or False, so a given one is seen)."""
 
 
 def _memory(gb: float) -> float:
@@ -228,9 +235,7 @@ def add_replan_parser(subparsers: Any, common: argparse.ArgumentParser) -> argpa
         help="build the old layout, kill the lost ranks, form the survivors' world, build the new layout, restore "
         "the weights from the survivors' memory and compare every tensor bitwise",
     )
-    live.add_argument(
-        "--option", type=POSITIVE_INT, default=1, metavar="N", help="with --check: run option N (1: best)"
-    )
+    live.add_argument("--option", type=POSITIVE_INT, metavar="N", help="with --check: run option N (default 1: best)")
     live.add_argument("--backend", help="with --check: the shardcore backend building both layouts (default: dtensor)")
     live.add_argument(
         "--shrink",

@@ -32,7 +32,7 @@ def _options(args: argparse.Namespace, lost: list[int], keep: list[int], memory:
         shards=args.shards,
         world=args.world,
         lost=tuple(lost),
-        option=args.option,
+        option=1 if args.option is None else args.option,
         order=args.order,
         allow_idle=args.allow_idle,
         memory_bytes=memory,
@@ -108,7 +108,7 @@ def run_restore_check(args: argparse.Namespace, lost: list[int], keep: list[int]
     gone = option.renumbering.gone
     print(
         f"replan --check: {counted(args.world, 'local process', 'local processes')}, losing ranks "
-        f"{format_ranks(lost)}; option {args.option} ({option.kind}): "
+        f"{format_ranks(lost)}; option {options.option} ({option.kind}): "
         f"{' + '.join(str(plan.spec) for plan in option.layout.shards)} on {counted(option.layout.world_size, 'rank')}"
         f"{'' if gone == tuple(lost) else f' (released too: {format_ranks(option.renumbering.released)})'}"
         f"{'; the world starts on gloo that can shrink' if args.shrink else ''}",
