@@ -10,9 +10,7 @@ from typing import Any
 
 from ..errors import LayoutError
 from ..plan.arguments import format_bytes
-from ..plan.layout import plan_layout
-from ..refit.documents import model_manifest
-from ..replan import ReplanOption, ReplanResult, format_ranks, replan
+from ..replan import ReplanOption, ReplanRequest, ReplanResult, format_ranks
 from ..views.picture import DEFAULT_RANKS_PER_NODE, render_svg
 from ..views.tables import format_table
 from .arguments import POSITIVE_INT, add_allow_idle_flag, add_order_flag, add_timeout_flag, lone_flags
@@ -162,23 +160,24 @@ def cmd_replan(args: argparse.Namespace) -> int:
     lone = None if args.check else lone_flags(args, _CHECK_ONLY, "--check")
     if lone:
         raise LayoutError(lone)
-    layout = plan_layout(args.world, args.shards, order=args.order, allow_idle=args.allow_idle)
-    keep = parse_ranks(args.keep, "--keep") if args.keep else []
-    lost = parse_ranks(args.lost, "--lost") if args.lost else []
-    memory = None if args.memory_gb is None else _memory(args.memory_gb)
+    request = ReplanRequest(
+        model=args.model,
+        shards=args.shards,
+        world=args.world,
+        lost=tuple(parse_ranks(args.lost, "--lost") if args.lost else ()),
+        new_world=args.new_world,
+        order=args.order,
+        allow_idle=args.allow_idle,
+        memory_bytes=None if args.memory_gb is None else _memory(args.memory_gb),
+        ranks_per_node=args.ranks_per_node,
+        keep=tuple(parse_ranks(args.keep, "--keep") if args.keep else ()),
+    )
     if args.check:
         from .restore import run_restore_check
 
-        return run_restore_check(args, lost, keep, memory)
-    result = replan(
-        layout,
-        model_manifest(args.model),
-        lost=lost,
-        world_size=args.new_world,
-        memory_bytes=memory,
-        ranks_per_node=args.ranks_per_node,
-        keep=keep,
-    )
+        request.layout()  # a bad spec is named first, even where --check then finds no torch
+        return run_restore_check(args, request)
+    result = request.result()
     if args.svg:
         _write_svg(args.svg, result.best, args.ranks_per_node)
     if args.json:
