@@ -245,7 +245,7 @@ def _prepare(
     sources: Mapping[str, Any],
     destinations: Mapping[str, Any],
     options: ExecuteOptions | None,
-    given: dict[str, object],
+    given: Mapping[str, object],
 ) -> _Prepared:
     """Everything this rank checks alone: its options (``options`` with the keywords ``given``), its part of
     the plan, its tensors, its terms. A failure still arrives at the refit's first meeting, with its error, so
