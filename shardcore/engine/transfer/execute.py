@@ -256,7 +256,7 @@ def _prepare(
     """
     wait = DEFAULT_TIMEOUT
     try:
-        wait = as_timedelta(given["timeout"] or getattr(options, "timeout", None))
+        wait = as_timedelta(given["timeout"] or getattr(options, "timeout", None))  # first: a failure below meets in it
         checked = ExecuteOptions.merged(options, **given)
         mine = plan.for_rank(rank)
         conversion = Conversion.of(plan, mine, rank)
