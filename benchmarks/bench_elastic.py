@@ -20,7 +20,7 @@ from pathlib import Path
 
 from shardcore.engine.live.ports import free_port
 from shardcore.engine.live.restore_check import PHASES, RestoreCheckOptions, choose_option, run_local
-from shardcore.refit import RefitStats
+from shardcore.refit import ExecuteOptions, RefitStats
 from shardcore.replan import ReplanRequest, restore_plan
 
 SMALL_CONFIG = {
@@ -54,7 +54,9 @@ def cases(small_model: str | None) -> list[tuple[str, RestoreCheckOptions]]:
         found.append(
             (
                 "0.13 B bf16, lose 1-2: train re-laid out, new gloo world on the old store",
-                RestoreCheckOptions(ReplanRequest(small_model, TWO_SHARDS, 16, (1, 2)), timeout=600),
+                RestoreCheckOptions(
+                    ReplanRequest(small_model, TWO_SHARDS, 16, (1, 2)), execute=ExecuteOptions(timeout=600)
+                ),
             )
         )
     return found

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import CheckError
 from ..plan.arguments import counted, format_bytes
+from ..refit.options import ExecuteOptions
 from ..replan import ReplanOption, ReplanRequest, format_ranks
 from ..views.tables import format_table
 from .check import TORCH_HINT, Progress, check_machine
@@ -33,7 +34,7 @@ def _options(args: argparse.Namespace, request: ReplanRequest) -> RestoreCheckOp
         backend=args.backend,
         shrink=args.shrink,
         rendezvous_port=free_port(),
-        timeout=args.timeout,
+        execute=ExecuteOptions(timeout=args.timeout),
     )
 
 

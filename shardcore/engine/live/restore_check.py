@@ -20,6 +20,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from ...errors import GroupCreationError
+from ...refit.options import ExecuteOptions
 from ...refit.placement import holds
 from ...replan import ReplanOption, ReplanRequest, restore_plan
 from ..agreement import Party, Purpose, barrier
@@ -59,8 +60,13 @@ class RestoreCheckOptions:
     """Start the world on gloo that can shrink (``SHRINKABLE_GLOO``), so the survivors shrink it."""
     rendezvous_port: int = 0
     """Where the lowest survivor hosts the new store if rank 0 (the store's host) is among the gone."""
-    timeout: float = LIVE_CHECK_TIMEOUT
-    verify: str = "size"
+    execute: ExecuteOptions = field(default_factory=lambda: ExecuteOptions(timeout=LIVE_CHECK_TIMEOUT))
+    """The restore's knobs; its timeout bounds every step: the builds, forming the world, the restore."""
+
+    @property
+    def timeout(self) -> float:
+        """The executor's timeout in seconds: every step's."""
+        return self.execute.wait.total_seconds()
 
 
 @dataclass
@@ -143,7 +149,7 @@ def restore_check_job(options: RestoreCheckOptions, on_stage: Callable[[str], No
     """One rank of the old world: build, fill, lose the gone ranks, re-form, build, restore, compare."""
     import torch.distributed as dist
 
-    rank, wait = dist.get_rank(), timedelta(seconds=options.timeout)
+    rank, wait = dist.get_rank(), options.execute.wait
     option = choose_option(options)
     old, manifest, numbering = option.old, option.manifest, option.renumbering
     lap = _Laps(on_stage)
@@ -164,7 +170,7 @@ def restore_check_job(options: RestoreCheckOptions, on_stage: Callable[[str], No
     mine = plan.for_rank(world.rank)
     lap("plan")
     destinations = _unwritten(manifest, mine)
-    stats = execute_refit(plan, sources, destinations, timeout=wait, verify=options.verify)
+    stats = execute_refit(plan, sources, destinations, options=options.execute)
     lap("restore")
     held = destinations if mine.destination_shapes else sources
     report = _survivor_report(option, rank, world, bool(mine.destination_shapes), stats, lap.seconds)
