@@ -15,12 +15,13 @@ import argparse
 import json
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from shardcore.engine.live.ports import free_port
 from shardcore.engine.live.restore_check import PHASES, RestoreCheckOptions, choose_option, run_local
-from shardcore.refit import RefitStats
-from shardcore.replan import restore_plan
+from shardcore.refit import ExecuteOptions, RefitStats
+from shardcore.replan import ReplanRequest, restore_plan
 
 SMALL_CONFIG = {
     "name": "bench-0.13b",
@@ -43,17 +44,19 @@ MOE_SHARDS = "tp=2,pp=2,ep=2,dp=2,role=train+tp=4,dp=2,role=prefill"
 def cases(small_model: str | None) -> list[tuple[str, RestoreCheckOptions]]:
     found = [
         ("tiny-moe, lose 1-2: train re-laid out (6 ranks restored), new gloo world on the old store",
-         RestoreCheckOptions("tiny-moe", TWO_SHARDS, 16, (1, 2))),
+         RestoreCheckOptions(ReplanRequest("tiny-moe", TWO_SHARDS, 16, (1, 2)))),
         ("tiny-moe, lose 1-2, gloo stand-in that can shrink: torch's shrink_group",
-         RestoreCheckOptions("tiny-moe", TWO_SHARDS, 16, (1, 2), shrink=True)),
+         RestoreCheckOptions(ReplanRequest("tiny-moe", TWO_SHARDS, 16, (1, 2)), shrink=True)),
         ("tiny-moe, lose 0 (the store's host) and 9, option 2: both shards re-laid out, 14 restored, new store",
-         RestoreCheckOptions("tiny-moe", MOE_SHARDS, 16, (0, 9), option=2)),
+         RestoreCheckOptions(ReplanRequest("tiny-moe", MOE_SHARDS, 16, (0, 9)), option=2)),
     ]  # fmt: skip
     if small_model is not None:
         found.append(
             (
                 "0.13 B bf16, lose 1-2: train re-laid out, new gloo world on the old store",
-                RestoreCheckOptions(small_model, TWO_SHARDS, 16, (1, 2), timeout=600),
+                RestoreCheckOptions(
+                    ReplanRequest(small_model, TWO_SHARDS, 16, (1, 2)), execute=ExecuteOptions(timeout=600)
+                ),
             )
         )
     return found
@@ -72,7 +75,7 @@ def main() -> None:
               "over the wire | planned in the parent | wall |")  # fmt: skip
         print("|---|---|---:|---:|" + "---:|" * (len(PHASES) - 1) + "---:|---:|---:|---:|")
         for title, options in cases(small):
-            options = RestoreCheckOptions(**{**options.__dict__, "rendezvous_port": free_port()})
+            options = replace(options, rendezvous_port=free_port())
             started = time.perf_counter()
             option = choose_option(options)
             planned = time.perf_counter() - started

@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from .engine import (
         Backend,
         BackendInfo,
+        ExecuteOptions,
         Shard,
         Strategy,
         TransferStats,
@@ -81,6 +82,7 @@ _ENGINE_NAMES = frozenset(
     {
         "Backend",
         "BackendInfo",
+        "ExecuteOptions",
         "Shard",
         "Strategy",
         "TransferStats",
@@ -121,6 +123,7 @@ __all__ = [
     "BackendNotFoundError",
     "BackendUnavailableError",
     "DistinctGroup",
+    "ExecuteOptions",
     "Grid",
     "GridLike",
     "GroupCreationError",

@@ -4,7 +4,7 @@ flags several commands share (declared here once, so their type, default and hel
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NoReturn
 
 from ..engine.live.launch import LIVE_CHECK_TIMEOUT
@@ -74,6 +74,15 @@ def missing_flags(args: argparse.Namespace, *flags: str) -> list[str]:
     return [flag for flag in flags if getattr(args, dests.get(flag, flag[2:].replace("-", "_"))) is None]
 
 
+def lone_flags(args: argparse.Namespace, flags: Mapping[str, str], needed: str) -> str | None:
+    """The error for ``flags`` (flag -> argparse name; None or False when not given) given without ``needed``,
+    the flag they act with (e.g. ``--check``), or None: such a flag is refused, never silently ignored."""
+    given = [flag for flag, dest in flags.items() if getattr(args, dest) not in (None, False)]
+    if not given:
+        return None
+    return f"{', '.join(given)} need{'s' if len(given) == 1 else ''} {needed}"
+
+
 def add_order_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--order``: how ranks map to coordinates (plan, check, refit, replan)."""
     parser.add_argument("--order", default=DEFAULT_ORDER, choices=[*map(str, Order), *ORDER_ALIASES], help=ORDER_HELP)
@@ -116,5 +125,6 @@ __all__ = [
     "add_nproc_flag",
     "add_order_flag",
     "add_timeout_flag",
+    "lone_flags",
     "missing_flags",
 ]

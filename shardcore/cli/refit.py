@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from ..engine import DEFAULT_BUCKET_BYTES
-from ..errors import RefitError
-from ..plan.arguments import check_count, check_size, format_bytes, number_or_long, shown
-from ..plan.layout import plan_layout
+from ..errors import RefitError, RefitInputError
+from ..plan.arguments import check_count, check_size, counted, format_bytes, number_or_long, shown
 from ..refit.cost import DEFAULT_INTER_GBPS, DEFAULT_INTRA_GBPS, RefitStats
-from ..refit.documents import model_manifest
 from ..refit.manifest import Manifest, TensorSpec
 from ..refit.models import PRESETS
-from ..refit.planner import DEFAULT_MIN_PIECE_BYTES, RankRefit, ShardRefitPlan, plan_refit, tensors_matching
+from ..refit.options import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_OPS, MIN_BUCKET_BYTES, ExecuteOptions, Verify
+from ..refit.planner import DEFAULT_MIN_PIECE_BYTES, RankRefit, ShardRefitPlan
+from ..refit.request import RefitRequest
 from ..views.tables import format_table
 from .arguments import (
     NON_NEGATIVE_INT,
@@ -25,13 +25,14 @@ from .arguments import (
     add_nproc_flag,
     add_order_flag,
     add_timeout_flag,
+    lone_flags,
     missing_flags,
 )
-from .check import check_machine, require_torch, torchrun_world
+from .check import JoinedProgress, Progress, check_machine, require_torch, torchrun_world
 from .search import add_search_arguments, run_search
 
 if TYPE_CHECKING:
-    from ..engine.live.refit_check import RefitCheckOptions, RefitReport
+    from ..engine.live.refit_check import RefitReport
 
 
 def _shard_indices(text: str) -> list[int]:
@@ -111,16 +112,6 @@ def conversion_lines(manifest: Manifest, stats: RefitStats) -> list[str]:
     ]
 
 
-def _manifest(args: argparse.Namespace) -> Manifest:
-    """``--model``, converted by ``--to-dtype`` / ``--scale`` when given."""
-    manifest = model_manifest(args.model)
-    if args.to_dtype is None:
-        if args.scale is not None:
-            raise RefitError(f"--scale {args.scale} needs --to-dtype float8_e4m3fn")
-        return manifest
-    return manifest.converted(args.to_dtype, args.scale)
-
-
 def rank_table(mine: RankRefit) -> str:
     """One rank's transfers: sends, receives and local copies, each with its peer, box and bytes."""
 
@@ -137,8 +128,8 @@ def rank_table(mine: RankRefit) -> str:
     return title + ("\n" + format_table(rows, ("op", "peer", "tensor", "box", "bytes")) if rows else "")
 
 
-def _plan(args: argparse.Namespace) -> tuple[ShardRefitPlan, tuple[str, ...]]:
-    """The plan the flags describe, and the ``--tensors`` patterns it was cut to: every flag checked first.
+def _plan(args: argparse.Namespace) -> tuple[RefitRequest, ShardRefitPlan]:
+    """The refit the flags describe and its plan (``RefitRequest.plan``): every flag checked first.
 
     Raises:
         RefitError: a missing flag, a bandwidth that is not positive, bad planner options or shard indices.
@@ -150,26 +141,21 @@ def _plan(args: argparse.Namespace) -> tuple[ShardRefitPlan, tuple[str, ...]]:
     for flag, value in (("--intra-gbps", args.intra_gbps), ("--inter-gbps", args.inter_gbps)):
         if not value > 0:
             raise RefitError(f"{flag} {value}: expected a positive bandwidth in GB/s")
-    floor, patterns = _planner_options(args)
-    layout = plan_layout(args.world, args.shards, order=args.order, allow_idle=args.allow_idle)
+    request = _request(args)
+    plan = request.plan(args.world)
     if args.rank is not None:
-        layout.shard_of(args.rank)  # a rank outside the world fails before any work
-    src = check_count("--from", args.src, minimum=0, error=RefitError)  # a 4,000-digit index is shown short
-    manifest = _manifest(args)
-    plan = plan_refit(
-        layout,
-        src,
-        _shard_indices(args.dst),
-        manifest,
-        args.ranks_per_node,
-        min_piece_bytes=floor,
-        fan_out=args.fan_out,
-    )
-    return (plan.subset(tensors_matching(manifest, patterns)) if patterns else plan), patterns
+        plan.layout.shard_of(args.rank)  # a rank outside the world fails before any work (the plan is lazy)
+    return request, plan
 
 
-def _planner_options(args: argparse.Namespace) -> tuple[int, tuple[str, ...]]:
-    """``--min-piece`` in bytes and the ``--tensors`` patterns, checked before anything is planned."""
+def _request(args: argparse.Namespace) -> RefitRequest:
+    """The refit the flags describe, each flag checked on its own (the request checks them together when it
+    plans).
+
+    Raises:
+        RefitError: ``--fan-out`` without ``--ranks-per-node``, a bad ``--min-piece``, ``--tensors``, ``--from``,
+            ``--to``, or ``--scale`` without ``--to-dtype``.
+    """
     if args.fan_out and args.ranks_per_node is None:
         raise RefitError("--fan-out relays tiles inside nodes: give --ranks-per-node K too")
     floor = (
@@ -180,53 +166,176 @@ def _planner_options(args: argparse.Namespace) -> tuple[int, tuple[str, ...]]:
     patterns = () if args.tensors is None else tuple(p.strip() for p in args.tensors.split(",") if p.strip())
     if args.tensors is not None and not patterns:
         raise RefitError("--tensors is empty: give name patterns separated by commas, e.g. --tensors '*.experts.*'")
-    return floor, patterns
-
-
-def _check_options(args: argparse.Namespace, plan: ShardRefitPlan, patterns: tuple[str, ...]) -> RefitCheckOptions:
-    """What every worker plans again from: the parent's checked plan's shards and planner options (one
-    owner, so a worker plans what the parent checked), with the executor's knobs from the flags."""
-    from ..engine.live.refit_check import RefitCheckOptions
-
-    return RefitCheckOptions(
+    if args.scale is not None and args.to_dtype is None:
+        raise RefitError(f"--scale {args.scale} needs --to-dtype float8_e4m3fn")
+    return RefitRequest(
         model=args.model,
         shards=args.shards,
-        src=plan.source.index,
-        dst=tuple(destination.index for destination in plan.destinations),
+        src=check_count("--from", args.src, minimum=0, error=RefitError),  # a 4,000-digit index is shown short
+        dst=tuple(_shard_indices(args.dst)),
         order=args.order,
-        ranks_per_node=plan.ranks_per_node,
-        timeout=args.timeout,
-        bucket_bytes=args.bucket_bytes,
-        min_piece_bytes=plan.min_piece_bytes,
-        fan_out=plan.fan_out,
+        allow_idle=args.allow_idle,
+        ranks_per_node=args.ranks_per_node,
+        min_piece_bytes=floor,
+        fan_out=args.fan_out,
         tensors=patterns,
         to_dtype=args.to_dtype,
         scale=args.scale,
     )
 
 
+def _execute_options(args: argparse.Namespace) -> ExecuteOptions:
+    """``--timeout``, ``--bucket-bytes``, ``--max-ops``, ``--verify``, ``--refit-version``: checked here, before
+    a process starts.
+
+    Raises:
+        RefitInputError: a value the executor cannot run, naming the flag.
+    """
+    flags = {"bucket_bytes": "--bucket-bytes", "max_ops": "--max-ops", "version": "--refit-version"}
+    try:
+        return ExecuteOptions(
+            timeout=args.timeout,
+            bucket_bytes=DEFAULT_BUCKET_BYTES if args.bucket_bytes is None else args.bucket_bytes,
+            max_ops=DEFAULT_MAX_OPS if args.max_ops is None else args.max_ops,
+            verify=args.verify or Verify.SIZE.value,
+            version=args.refit_version,
+        )
+    except RefitInputError as error:
+        text = str(error)
+        for name, flag in flags.items():
+            if text.startswith(f"{name}="):
+                text = f"{flag} {text.removeprefix(name + '=')}"
+        raise RefitInputError(text) from None
+
+
 def _check(args: argparse.Namespace) -> int:
     """``--check``: plan once here (bad input fails before any process starts), then execute the plan on a
-    live world (shardcore.engine.live.refit_check) and print one row per destination shard."""
+    live world (shardcore.engine.live.refit_check): progress on stderr as ``check`` prints it, then one row per
+    destination shard and a summary line, or ``--json``."""
     if args.world is not None:
         raise RefitError("--check takes its world from --nproc (or torchrun), not --world")
+    execute = _execute_options(args)
     torchrun = torchrun_world()
     joined = torchrun is not None
     warnings = [] if joined else check_machine(args.nproc)
     require_torch("refit --check")
     args.world = args.nproc if torchrun is None else torchrun
-    plan, patterns = _plan(args)
-    for warning in warnings:
-        print(f"shardcore: warning: {warning}", file=sys.stderr)
+    request, plan = _plan(args)
     from ..engine.live import refit_check
 
-    options = _check_options(args, plan, patterns)
-    reports = refit_check.run_joined(options) if joined else refit_check.run_local(args.world, options)
+    options = refit_check.RefitCheckOptions(request, execute)
+    speaks = not args.quiet and (not joined or os.environ["RANK"] == "0")
+    if speaks and not args.json:
+        print(_check_header(plan, execute, args.world, joined), flush=True)
+    for warning in warnings:
+        print(f"shardcore: warning: {warning}", file=sys.stderr)
+    if joined:
+        reports = refit_check.run_joined(options, JoinedProgress(args.world, args.verbose, args.quiet))
+    else:
+        reports = refit_check.run_local(args.world, options, Progress(args.world, args.verbose, args.quiet))
     if reports is None:
         return 0
-    table, ok = check_summary(reports, plan)
-    print(table)
+    rows = check_rows(reports, plan)
+    ok = all(row["ok"] for row in rows)
+    if args.json:
+        print(json.dumps(_check_document(plan, execute, rows), indent=2))
+    else:
+        print(_check_table(rows))
+        print(_check_line(plan, rows))
     return 0 if ok else 1
+
+
+def _check_header(plan: ShardRefitPlan, execute: ExecuteOptions, world: int, joined: bool) -> str:
+    where = (
+        f"torchrun world of {counted(world, 'rank')}"
+        if joined
+        else counted(world, "local gloo process", "local gloo processes")
+    )
+    targets = ", ".join(str(target.index) for target in plan.destinations)
+    subset = "" if plan.tensors is None else f" ({len(plan.tensors)} of {len(plan.manifest)} tensors)"
+    return (
+        f"shardcore refit --check: {where}, {plan.manifest.name}{subset} from shard {plan.source.index} to "
+        f"{targets}, bucket {format_bytes(execute.bucket_bytes)}, {execute.max_ops} ops per batch, "
+        f"verify {execute.verify}, timeout {execute.wait.total_seconds():g}s"
+    )
+
+
+def check_rows(reports: list[RefitReport], plan: ShardRefitPlan) -> list[dict[str, Any]]:
+    """Per destination shard: its ranks, the bytes its ranks received and copied, the slowest rank's seconds,
+    the tensors that differ, and whether every rank of it reported and matched."""
+    rows = []
+    for target in plan.destinations:
+        mine = [r for r in reports if r.shard == target.index]
+        mismatches = [m for r in mine for m in r.mismatches]
+        rows.append(
+            {
+                "shard": target.index,
+                "spec": str(target.spec),
+                "ranks": [target.rank_offset, target.ranks.stop],
+                "bytes": sum(r.bytes_received + r.bytes_copied for r in mine),
+                "local_bytes": sum(r.bytes_copied for r in mine),
+                "seconds": max((r.seconds for r in mine), default=0.0),
+                "tensors_checked": sum(r.checked for r in mine),
+                "mismatches": mismatches,
+                "ok": not mismatches and len(mine) == target.size and all(r.checked for r in mine),
+            }
+        )
+    return rows
+
+
+def _check_table(rows: list[dict[str, Any]]) -> str:
+    """One row per destination shard, in human units; then the first tensors that differ."""
+    table = format_table(
+        [
+            (
+                row["shard"],
+                row["spec"],
+                f"[{row['ranks'][0]}, {row['ranks'][1]})",
+                format_bytes(row["bytes"]),
+                format_bytes(row["local_bytes"]),
+                f"{row['seconds']:.3f}",
+                f"{row['bytes'] / row['seconds'] / 1e9:.3f}" if row["seconds"] > 0 else "-",
+                "ok" if row["ok"] else f"FAILED ({counted(len(row['mismatches']), 'tensor')} differ)",
+            )
+            for row in rows
+        ],
+        ("shard", "spec", "ranks", "moved", "local", "seconds", "GB/s", "status"),
+    )
+    details = [m for row in rows for m in row["mismatches"]][:20]
+    return table + ("\n" + "\n".join(details) if details else "")
+
+
+def _check_line(plan: ShardRefitPlan, rows: list[dict[str, Any]]) -> str:
+    """The last line: whether every destination rank holds its slices of the source's tensors, bitwise."""
+    ranks = sum(target.size for target in plan.destinations)
+    moved = format_bytes(sum(row["bytes"] for row in rows))
+    slowest = max((row["seconds"] for row in rows), default=0.0)
+    if all(row["ok"] for row in rows):
+        return (
+            f"all {counted(ranks, 'destination rank')} hold the source's tensors bitwise: {moved} moved, "
+            f"the slowest rank in {slowest:.3f} s"
+        )
+    failed = [str(row["shard"]) for row in rows if not row["ok"]]
+    return f"MISMATCH: destination shard{'s' if len(failed) > 1 else ''} {', '.join(failed)} differ from the source"
+
+
+def _check_document(plan: ShardRefitPlan, execute: ExecuteOptions, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """``--check --json``: what was run and, per destination shard, what it got."""
+    return {
+        "model": plan.manifest.name,
+        "source": plan.source.index,
+        "destinations": [target.index for target in plan.destinations],
+        "refitted_tensors": len(plan.manifest) if plan.tensors is None else len(plan.tensors),
+        "execute": {
+            "timeout": execute.wait.total_seconds(),
+            "bucket_bytes": execute.bucket_bytes,
+            "max_ops": execute.max_ops,
+            "verify": execute.verify,
+            "version": execute.version,
+        },
+        "shards": rows,
+        "ok": all(row["ok"] for row in rows),
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -240,9 +349,10 @@ def run(args: argparse.Namespace) -> int:
         if args.to_dtype is not None or args.scale is not None:
             raise RefitError("--search ranks layouts by the manifest's own dtypes: drop --to-dtype and --scale")
         return run_search(args)
+    _refuse_lone_flags(args)
     if args.check:
         return _check(args)
-    plan, _ = _plan(args)
+    _, plan = _plan(args)
     stats = RefitStats.of(plan)
     mine = plan.for_rank(args.rank) if args.rank is not None else None
     if args.json:
@@ -271,6 +381,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _refuse_lone_flags(args: argparse.Namespace) -> None:
+    """Flags that only act with another one are refused without it, before any work (never silently ignored).
+
+    Raises:
+        RefitError: naming the flag and the one it needs.
+    """
+    if args.transfers and args.check:
+        raise RefitError("--transfers lists the plan's transfers, not the live run's: drop it with --check")
+    lone = lone_flags(args, {"--transfers": "transfers"}, "--json") if not args.json else None
+    lone = lone or (None if args.check else lone_flags(args, _CHECK_ONLY, "--check"))
+    if lone:
+        raise RefitError(lone)
+
+
+_CHECK_ONLY = {
+    "--bucket-bytes": "bucket_bytes",
+    "--max-ops": "max_ops",
+    "--verify": "verify",
+    "--refit-version": "refit_version",
+}
+"""The executor's flags (their defaults None, so a given one is seen)."""
+
+
 def _tensor_entry(tensor: TensorSpec) -> dict[str, Any]:
     """A tensor in ``--json``: shape, dtype and element size; with its destination and wire dtypes when it
     converts, and the weight a scale tensor scales."""
@@ -282,36 +415,6 @@ def _tensor_entry(tensor: TensorSpec) -> dict[str, Any]:
     if tensor.scale_of is not None:
         entry["scale_of"] = tensor.scale_of
     return entry
-
-
-def check_summary(reports: list[RefitReport], plan: ShardRefitPlan) -> tuple[str, bool]:
-    """One row per destination shard: bytes, the slowest rank's seconds, GB/s, status; and whether all matched."""
-    rows: list[tuple[object, ...]] = []
-    ok = True
-    for target in plan.destinations:
-        mine = [r for r in reports if r.shard == target.index]
-        moved = sum(r.bytes_received + r.bytes_copied for r in mine)
-        seconds = max((r.seconds for r in mine), default=0.0)
-        bad = [m for r in mine for m in r.mismatches]
-        good = not bad and len(mine) == target.size and all(r.checked for r in mine)
-        ok &= good
-        rate = f"{moved / seconds / 1e9:.3f}" if seconds > 0 else "-"
-        status = "ok" if good else f"FAILED ({len(bad)} tensors differ)"
-        rows.append(
-            (
-                target.index,
-                str(target.spec),
-                f"[{target.rank_offset}, {target.ranks.stop})",
-                moved,
-                sum(r.bytes_copied for r in mine),
-                f"{seconds:.3f}",
-                rate,
-                status,
-            )
-        )
-    table = format_table(rows, ("shard", "spec", "ranks", "bytes", "local bytes", "seconds", "GB/s", "status"))
-    details = [m for r in reports for m in r.mismatches][:20]
-    return table + ("\n" + "\n".join(details) if details else ""), ok
 
 
 def add_refit_parser(subparsers: Any, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -366,7 +469,9 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
 def _add_output_flags(parser: argparse.ArgumentParser) -> None:
     """What is printed: a rank's transfers, JSON, every transfer, the preset names."""
     parser.add_argument("--rank", type=NON_NEGATIVE_INT, metavar="R", help="also print rank R's transfers")
-    parser.add_argument("--json", action="store_true", help="print the stats (and tensors) as JSON")
+    parser.add_argument(
+        "--json", action="store_true", help="print the stats (and tensors) as JSON; with --check, the live run's result"
+    )
     parser.add_argument("--transfers", action="store_true", help="with --json: include every transfer")
     parser.add_argument("--list-models", action="store_true", help="print the preset model names, one a line")
 
@@ -414,9 +519,27 @@ def _add_check_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--bucket-bytes",
         type=POSITIVE_INT,
-        default=DEFAULT_BUCKET_BYTES,
-        help="with --check: bytes one batch of messages may hold, and so the staging memory a rank uses "
-        "(default: %(default)s)",
+        metavar="N",
+        help=f"with --check: bytes one batch of messages may hold, and so the staging memory a rank uses; at least "
+        f"{MIN_BUCKET_BYTES} (default {DEFAULT_BUCKET_BYTES >> 20} MiB)",
+    )
+    parser.add_argument(
+        "--max-ops",
+        type=POSITIVE_INT,
+        metavar="N",
+        help=f"with --check: operations per batch_isend_irecv (default {DEFAULT_MAX_OPS}, safe for NCCL)",
+    )
+    parser.add_argument(
+        "--verify",
+        choices=list(Verify),
+        help="with --check: check each received message's size against its sender's ledger (size, the default), "
+        "or its size and a checksum of its bytes",
+    )
+    parser.add_argument(
+        "--refit-version",
+        type=NON_NEGATIVE_INT,
+        metavar="STEP",
+        help="with --check: the refit's version (e.g. the training step), recorded with the destinations",
     )
 
 

@@ -10,12 +10,10 @@ from typing import Any
 
 from ..errors import LayoutError
 from ..plan.arguments import format_bytes
-from ..plan.layout import plan_layout
-from ..refit.documents import model_manifest
-from ..replan import ReplanOption, ReplanResult, format_ranks, replan
+from ..replan import ReplanOption, ReplanRequest, ReplanResult, format_ranks
 from ..views.picture import DEFAULT_RANKS_PER_NODE, render_svg
 from ..views.tables import format_table
-from .arguments import POSITIVE_INT, add_allow_idle_flag, add_order_flag, add_timeout_flag
+from .arguments import POSITIVE_INT, add_allow_idle_flag, add_order_flag, add_timeout_flag, lone_flags
 
 MAX_RANGES = 4096
 """A --lost list of more ranges than this is data, not a list of failed ranks."""
@@ -159,23 +157,27 @@ def cmd_replan(args: argparse.Namespace) -> int:
     """The ``replan`` subcommand."""
     if args.lost is None and args.new_world is None:
         raise LayoutError("replan needs --lost RANKS (e.g. --lost 8-15) or --new-world M")
-    layout = plan_layout(args.world, args.shards, order=args.order, allow_idle=args.allow_idle)
-    keep = parse_ranks(args.keep, "--keep") if args.keep else []
-    lost = parse_ranks(args.lost, "--lost") if args.lost else []
-    memory = None if args.memory_gb is None else _memory(args.memory_gb)
+    lone = None if args.check else lone_flags(args, _CHECK_ONLY, "--check")
+    if lone:
+        raise LayoutError(lone)
+    request = ReplanRequest(
+        model=args.model,
+        shards=args.shards,
+        world=args.world,
+        lost=tuple(parse_ranks(args.lost, "--lost") if args.lost else ()),
+        new_world=args.new_world,
+        order=args.order,
+        allow_idle=args.allow_idle,
+        memory_bytes=None if args.memory_gb is None else _memory(args.memory_gb),
+        ranks_per_node=args.ranks_per_node,
+        keep=tuple(parse_ranks(args.keep, "--keep") if args.keep else ()),
+    )
     if args.check:
         from .restore import run_restore_check
 
-        return run_restore_check(args, lost, keep, memory)
-    result = replan(
-        layout,
-        model_manifest(args.model),
-        lost=lost,
-        world_size=args.new_world,
-        memory_bytes=memory,
-        ranks_per_node=args.ranks_per_node,
-        keep=keep,
-    )
+        request.layout()  # a bad spec is named first, even where --check then finds no torch
+        return run_restore_check(args, request)
+    result = request.result()
     if args.svg:
         _write_svg(args.svg, result.best, args.ranks_per_node)
     if args.json:
@@ -184,6 +186,10 @@ def cmd_replan(args: argparse.Namespace) -> int:
         return 0
     print(replan_report(result, args.ranks_per_node))
     return 0
+
+
+_CHECK_ONLY = {"--option": "option", "--backend": "backend", "--shrink": "shrink"}
+"""The live run's flags (their defaults None or False, so a given one is seen)."""
 
 
 def _memory(gb: float) -> float:
@@ -228,9 +234,7 @@ def add_replan_parser(subparsers: Any, common: argparse.ArgumentParser) -> argpa
         help="build the old layout, kill the lost ranks, form the survivors' world, build the new layout, restore "
         "the weights from the survivors' memory and compare every tensor bitwise",
     )
-    live.add_argument(
-        "--option", type=POSITIVE_INT, default=1, metavar="N", help="with --check: run option N (1: best)"
-    )
+    live.add_argument("--option", type=POSITIVE_INT, metavar="N", help="with --check: run option N (default 1: best)")
     live.add_argument("--backend", help="with --check: the shardcore backend building both layouts (default: dtensor)")
     live.add_argument(
         "--shrink",

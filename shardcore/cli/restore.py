@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 from ..errors import CheckError
 from ..plan.arguments import counted, format_bytes
-from ..replan import ReplanOption, format_ranks
+from ..refit.options import ExecuteOptions
+from ..replan import ReplanOption, ReplanRequest, format_ranks
 from ..views.tables import format_table
 from .check import TORCH_HINT, Progress, check_machine
 
@@ -23,25 +24,17 @@ if TYPE_CHECKING:
     from ..engine.live.restore_check import RestoreCheckOptions, RestoreReport
 
 
-def _options(args: argparse.Namespace, lost: list[int], keep: list[int], memory: float | None) -> RestoreCheckOptions:
+def _options(args: argparse.Namespace, request: ReplanRequest) -> RestoreCheckOptions:
     from ..engine.live.ports import free_port
     from ..engine.live.restore_check import RestoreCheckOptions
 
     return RestoreCheckOptions(
-        model=args.model,
-        shards=args.shards,
-        world=args.world,
-        lost=tuple(lost),
-        option=args.option,
-        order=args.order,
-        allow_idle=args.allow_idle,
-        memory_bytes=memory,
-        ranks_per_node=args.ranks_per_node,
-        keep=tuple(keep),
+        request,
+        option=1 if args.option is None else args.option,
         backend=args.backend,
         shrink=args.shrink,
         rendezvous_port=free_port(),
-        timeout=args.timeout,
+        execute=ExecuteOptions(timeout=args.timeout),
     )
 
 
@@ -90,7 +83,7 @@ def restore_summary(option: ReplanOption, reports: list[RestoreReport]) -> tuple
     return "\n".join(lines), ok
 
 
-def run_restore_check(args: argparse.Namespace, lost: list[int], keep: list[int], memory: float | None) -> int:
+def run_restore_check(args: argparse.Namespace, request: ReplanRequest) -> int:
     """``replan --check``: the option planned and its restore checked here, then the live run and its table."""
     if importlib.util.find_spec("torch") is None:
         raise CheckError(TORCH_HINT.replace("shardcore check", "shardcore replan --check"))
@@ -103,14 +96,14 @@ def run_restore_check(args: argparse.Namespace, lost: list[int], keep: list[int]
     if args.json or args.svg:
         raise CheckError("--check prints its own table: drop --json and --svg (run them without --check)")
     warnings = check_machine(args.world)
-    options = _options(args, lost, keep, memory)
+    options = _options(args, request)
     option = restore_check.choose_option(options)  # bad input and missing copies fail here, before any start
     gone = option.renumbering.gone
     print(
         f"replan --check: {counted(args.world, 'local process', 'local processes')}, losing ranks "
-        f"{format_ranks(lost)}; option {args.option} ({option.kind}): "
+        f"{format_ranks(request.lost)}; option {options.option} ({option.kind}): "
         f"{' + '.join(str(plan.spec) for plan in option.layout.shards)} on {counted(option.layout.world_size, 'rank')}"
-        f"{'' if gone == tuple(lost) else f' (released too: {format_ranks(option.renumbering.released)})'}"
+        f"{'' if gone == request.lost else f' (released too: {format_ranks(option.renumbering.released)})'}"
         f"{'; the world starts on gloo that can shrink' if args.shrink else ''}",
         flush=True,
     )

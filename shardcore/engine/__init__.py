@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from .transfer.execute import (
         DEFAULT_BUCKET_BYTES,
         DEFAULT_MAX_OPS,
+        ExecuteOptions,
         HeldVersion,
         TransferStats,
         Verify,
@@ -59,6 +60,7 @@ _LAZY: dict[str, str] = {
     "DEFAULT_BUCKET_BYTES": ".transfer.execute",
     "DEFAULT_MAX_OPS": ".transfer.execute",
     "ENTRY_POINT_GROUP": ".backends.plugins",
+    "ExecuteOptions": ".transfer.execute",
     "HeldVersion": ".transfer.execute",
     "SHIPPED_BACKENDS": ".backends.plugins",
     "Shard": ".backends.shards",
@@ -109,6 +111,7 @@ __all__ = [
     "SHIPPED_BACKENDS",
     "Backend",
     "BackendInfo",
+    "ExecuteOptions",
     "HeldVersion",
     "Shard",
     "Strategy",

@@ -17,6 +17,10 @@ The manifest and planner are pure Python (no torch); only execution imports torc
   ``.transfers()`` -> every ``Transfer`` in the global order, ``.subset(names or predicate)`` -> the
   plan of a partial refit (``tensors_matching(manifest, patterns)`` finds names);
   ``RefitStats.of(plan)``: what it costs.
+- ``RefitRequest``: a refit between shards by value (spec, shard indices, model, options, tensors, conversion),
+  picklable; ``.plan(world_size)`` is where the CLI, the live check and the tests build its plan.
+- ``ExecuteOptions``: the executor's knobs (timeout, bucket bytes, ops per batch, verification, version),
+  checked when made; what ``execute_refit(options=...)`` and the plugins' ``refit()`` take.
 - ``search(layout, src, manifest, ranks, memory_bytes)`` -> ``SearchResult``: every destination spec of
   R ranks that the model splits over and whose weights fit, ranked by estimated refit time
   (``Candidate``s, the Pareto front marked); ``Footprint`` (what a rank of a spec holds, whether the
@@ -33,6 +37,7 @@ from .estimate import RefitEstimate, estimate_refit
 from .footprint import Footprint
 from .manifest import Manifest, TensorSpec
 from .models import PRESETS, TransformerConfig, manifest_from_config, preset
+from .options import ExecuteOptions
 from .placement import (
     ExplicitPlacement,
     HeldBox,
@@ -46,11 +51,13 @@ from .placement import (
     local_shape,
 )
 from .planner import RankRefit, RefitPlan, ShardRefitPlan, Transfer, plan_refit, plan_refit_from, tensors_matching
+from .request import RefitRequest
 from .search import Candidate, SearchResult, search
 
 __all__ = [
     "PRESETS",
     "Candidate",
+    "ExecuteOptions",
     "ExplicitPlacement",
     "Footprint",
     "HeldBox",
@@ -61,6 +68,7 @@ __all__ = [
     "RankRefit",
     "RefitEstimate",
     "RefitPlan",
+    "RefitRequest",
     "RefitStats",
     "SearchResult",
     "ShardCost",

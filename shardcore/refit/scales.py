@@ -53,7 +53,7 @@ def amax_exchange(plan: Any, rank: int) -> AmaxExchange:
     ``k % |holders of j|`` of each other part's.
 
     Args:
-        plan: A refit plan (``source_placement`` and ``manifest``).
+        plan: A refit plan (``source_placement``, ``manifest`` and ``tensors``, a partial refit's positions).
         rank: A rank of its world.
     """
     source: Placement = plan.source_placement
@@ -61,9 +61,10 @@ def amax_exchange(plan: Any, rank: int) -> AmaxExchange:
     sends: list[Transfer] = []
     recvs: list[Transfer] = []
     parts: dict[str, tuple[int, int]] = {}
+    chosen = plan.tensors  # a partial refit's tensors (None: every one): no other weight is read or scaled
     for held in source.held(rank):
         tensor = manifest.tensors[held.position]
-        if tensor.scale != "tensor" or not held.slices:
+        if tensor.scale != "tensor" or not held.slices or (chosen is not None and held.position not in chosen):
             continue
         holder_sets = sorted({piece.holders.ranks for piece in source.slices(held.position)})
         own = held.slices[0].holders.ranks  # a shard's rank holds one tp part of a tensor

@@ -18,6 +18,9 @@ Pure Python, no torch. ``replan(layout, manifest, lost=...)`` returns a ``Replan
 survivor's old tensors to the new tensors of every rank that needs weights (``LostWeightsError`` when a
 part has no surviving copy); ``shardcore.engine.form_survivor_world`` forms the world it runs in.
 
+``ReplanRequest``: a replan by value (spec, world, loss, model, constraints), picklable: ``.result()``, and
+``.option(n)`` with its restore planned; what ``shardcore replan`` and ``replan --check`` build from.
+
 ``Renumbering`` maps old ranks to new ones; ``holdings_key`` says when two ranks hold the same weights.
 """
 
@@ -28,6 +31,7 @@ from .fate import GroupFate, RankMove, holdings_key
 from .options import Proposal
 from .renumbering import Renumbering, format_ranks
 from .replan import ReplanOption, ReplanResult, replan
+from .request import ReplanRequest
 from .restore import restore_plan
 
 __all__ = [
@@ -38,6 +42,7 @@ __all__ = [
     "RankMove",
     "Renumbering",
     "ReplanOption",
+    "ReplanRequest",
     "ReplanResult",
     "RestoreSources",
     "SurvivingCopy",

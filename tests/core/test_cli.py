@@ -177,9 +177,9 @@ def test_a_huge_nproc_is_refused_with_the_limit() -> None:
     from shardcore.cli.check import CheckError, check_machine, local_limit
 
     limit, why = local_limit()
-    with pytest.raises(CheckError, match=rf"--nproc 100000: at most {limit} local processes here \("):
+    with pytest.raises(CheckError, match=rf"--nproc 100000: at most {limit} local processes here \(") as raised:
         check_machine(100000)
-    assert why
+    assert f"({why})" in str(raised.value)  # the limit's reason, said
 
 
 def test_many_processes_per_core_warn() -> None:

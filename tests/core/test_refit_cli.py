@@ -200,3 +200,34 @@ def test_check_refuses_more_processes_than_the_machine_holds(capsys: pytest.Capt
     args = ("refit", "--check", "--nproc", str(limit + 1), "--shards", "tp=2+tp=2", "--from", "0", "--to", "1")
     err = _one_line_error(capsys, *args, "--model", "tiny-dense")
     assert f"--nproc {limit + 1}: at most {limit} local processes here" in err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--transfers",), "--transfers needs --json"),  # was silently ignored
+        (("--bucket-bytes", "4096"), "--bucket-bytes needs --check"),
+        (("--max-ops", "8", "--verify", "checksum"), "--max-ops, --verify need --check"),
+        (("--refit-version", "3"), "--refit-version needs --check"),
+    ],
+)
+def test_flags_that_act_with_another_are_refused_without_it(
+    capsys: pytest.CaptureFixture[str], extra: tuple[str, ...], message: str
+) -> None:
+    assert _one_line_error(capsys, *BASE, *extra) == f"shardcore: error: {message}\n"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--bucket-bytes", "1"), "--bucket-bytes 1: expected a whole number from 32 to"),  # the executor's minimum
+        (("--max-ops", "1"), "--max-ops 1: expected a whole number from 2 to"),
+        (("--transfers", "--json"), "--transfers lists the plan's transfers, not the live run's"),
+    ],
+)
+def test_check_refuses_what_the_executor_cannot_run_before_any_start(
+    capsys: pytest.CaptureFixture[str], extra: tuple[str, ...], message: str
+) -> None:
+    """Before a process starts: here torch is not even needed."""
+    args = ("refit", "--check", "--nproc", "4", "--shards", "tp=2+tp=2", "--from", "0", "--to", "1")
+    assert message in _one_line_error(capsys, *args, "--model", "tiny-dense", *extra)

@@ -15,6 +15,7 @@ from shardcore.refit import (
     ExplicitPlacement,
     HeldBox,
     Manifest,
+    RefitPlan,
     RefitStats,
     ShardPlacement,
     TensorSpec,
@@ -25,6 +26,7 @@ from shardcore.refit import (
     plan_refit,
     plan_refit_from,
     preset,
+    tensors_matching,
 )
 from shardcore.refit.documents import manifest_from_dict
 from shardcore.refit.scales import amax_exchange
@@ -253,8 +255,10 @@ def test_a_block_that_straddles_a_tp_part_is_refused_before_planning() -> None:
     odd = Manifest((TensorSpec("w", (200, 128), tp_dim=0, stage="all", to_dtype="float8_e4m3fn"),))
     with pytest.raises(ManifestError, match=r"w \[200, 128\]: .* shard 1 .*200 is no multiple of 128, so only tp=1"):
         plan_refit(plan_layout(3, "tp=1,role=train + tp=2"), 0, 1, odd)
-    assert plan_refit(plan_layout(3, "tp=1,role=train + tp=1,dp=2"), 0, 1, odd)  # tp=1: the last block may be cut
-    assert plan_refit(layout, 0, 1, manifest.converted("float8_e4m3fn", "tensor"))  # per tensor: any split
+    cut = plan_refit(plan_layout(3, "tp=1,role=train + tp=1,dp=2"), 0, 1, odd)  # tp=1: the last block may be cut
+    assert _moved(cut) == {"w", "w_scale_inv"}
+    per_tensor = plan_refit(layout, 0, 1, manifest.converted("float8_e4m3fn", "tensor"))  # per tensor: any split
+    assert _moved(per_tensor) == {tensor.name for tensor in per_tensor.manifest}
 
 
 def test_presets_keep_whole_blocks_at_tp_up_to_8() -> None:
@@ -272,13 +276,20 @@ def test_explicit_placements_do_not_carry_scales() -> None:
         plan_refit_from(source, target)
     shards = plan_layout(4, "tp=2 + tp=2")
     cast = Manifest((TensorSpec("w", (4, 4), "float32", stage="all", to_dtype="bfloat16"),))
-    assert plan_refit_from(
+    casting = plan_refit_from(
         ExplicitPlacement(cast, [HeldBox("w", 0, ((0, 4), (0, 4)))]),
         ExplicitPlacement(cast, [HeldBox("w", 1, ((0, 4), (0, 4)))]),
     )
+    assert [(t.tensor, t.src, t.dst, t.bytes) for t in casting.transfers()] == [("w", 0, 1, 4 * 4 * 2)]  # bf16 wire
     fp8 = _blocky(scale="tensor")
     restricted = ShardPlacement(shards.shards[0], fp8).restrict({0: 0, 1: 1})
-    assert plan_refit_from(restricted, ShardPlacement(shards.shards[1], fp8))
+    shard_scales = plan_refit_from(restricted, ShardPlacement(shards.shards[1], fp8))
+    assert _moved(shard_scales) == {tensor.name for tensor in fp8}  # a shard placement carries the scales
+
+
+def _moved(plan: RefitPlan) -> set[str]:
+    """The tensors a plan moves (``assert plan_refit(...)`` could never fail: a plan has no ``__bool__``)."""
+    return {transfer.tensor for transfer in plan.transfers()}
 
 
 # -- the partial-amax exchange of per-tensor scales -------------------------------------------------
@@ -302,6 +313,20 @@ def test_every_holder_gets_every_other_parts_amax_from_its_own_replica() -> None
         assert not [t for t in parts[rank].recvs if t.tensor == whole]  # held whole: nothing to exchange
     assert all(not part.sends and not part.parts for rank, part in parts.items() if rank >= 8)
     assert not amax_exchange(plan_refit(layout, 0, 1, _blocky()), 0).sends  # block scales: none
+
+
+def test_a_partial_refit_exchanges_the_amaxes_of_its_own_weights_only() -> None:
+    # the CLI's `--tensors '*linear_fc1*' --scale tensor` made every source rank wait for (and need the source
+    # tensors of) every per-tensor-scaled weight it held: a raw KeyError on a tensor outside the selection
+    layout = plan_layout(4, "tp=2,role=train + tp=2")
+    full = plan_refit(layout, 0, 1, _blocky(scale="tensor"))
+    part = full.subset(tensors_matching(full.manifest, "*linear_fc1*"))
+    for rank in range(2):
+        mine, exchange = part.for_rank(rank), amax_exchange(part, rank)
+        moved = {t.tensor for t in (*exchange.sends, *exchange.recvs)} | set(exchange.parts)
+        assert moved and all("linear_fc1" in name for name in moved), moved
+        assert moved <= set(mine.source_shapes)  # what a rank passes from for_rank(r).source_shapes suffices
+        assert len(amax_exchange(full, rank).parts) > len(exchange.parts)
 
 
 def test_survivors_with_uneven_replicas_still_get_every_part() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import time
 
 import pytest
@@ -13,7 +14,7 @@ from shardcore.errors import RefitError
 from shardcore.plan import GROUP_NAMES, Layout
 from shardcore.plan.topology import BANDWIDTH_GROUPS
 from shardcore.refit import Footprint, Manifest, holdings, preset
-from shardcore.replan import Renumbering, ReplanOption, replan
+from shardcore.replan import Renumbering, ReplanOption, ReplanRequest, replan
 
 TINY = preset("tiny-moe")
 DENSE = preset("tiny-dense")
@@ -241,3 +242,15 @@ def test_a_large_layout_in_seconds() -> None:
     assert best.kind == "shrink" and best.moves == () and not best.missing
     assert best.layout.shards[0].spec.dp == 63 and len(best.renumbering.released) == 24
     assert best.kept_groups > 10 * best.rebuilt_groups
+
+
+def test_a_request_replans_as_replan_does_and_numbers_its_options() -> None:
+    request = ReplanRequest("tiny-dense", "tp=2,dp=2,role=train+tp=2,dp=2,role=decode", 8, (1,))
+    alone = replan(plan_layout(8, request.shards), preset("tiny-dense"), lost=(1,))
+    assert [str(o.layout.shards[0].spec) for o in request.result().options] == [
+        str(o.layout.shards[0].spec) for o in alone.options
+    ]
+    again = pickle.loads(pickle.dumps(request))  # what replan --check's workers get, and plan
+    assert again.option(2).layout.fingerprint() == alone.options[1].layout.fingerprint()
+    with pytest.raises(LayoutError, match=f"--option 9: the replan has options 1 to {len(alone.options)}"):
+        request.option(9)

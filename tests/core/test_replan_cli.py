@@ -80,6 +80,9 @@ def test_svg_outlines_the_ranks_that_need_weights(capsys: pytest.CaptureFixture[
         (("--lost", "8", "--memory-gb", "0"), "--memory-gb 0.0"),
         (("--lost", "0-71"), "every one of the 72 ranks is lost"),
         ((), "replan needs --lost RANKS"),
+        (("--lost", "8", "--option", "2"), "--option needs --check"),  # were silently ignored
+        (("--lost", "8", "--shrink"), "--shrink needs --check"),
+        (("--lost", "8", "--backend", "dtensor", "--shrink"), "--backend, --shrink need --check"),
     ],
 )
 def test_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], extra: tuple[str, ...], message: str) -> None:

@@ -9,8 +9,7 @@ from typing import Any
 from shardcore import execute_refit
 from shardcore.engine.live.refit_check import check_refit
 from shardcore.errors import ShardcoreError
-from shardcore.plan.layout import plan_layout
-from shardcore.refit import Manifest, TransformerConfig, manifest_from_config, plan_refit, preset
+from shardcore.refit import Manifest, RefitRequest, TransformerConfig, manifest_from_config, preset
 from tests.engine.refit_workers import timed_outcome
 
 BLOCKY = TransformerConfig(layers=2, hidden=256, ffn=512, heads=2, kv_heads=2, vocab=1024, dtype="bfloat16")
@@ -63,12 +62,10 @@ def manifest_of(model: str, conversion: tuple[str, str | None] | None) -> Manife
 
 def plan_of(world: int, case: tuple) -> Any:
     _, model, conversion, src_spec, dst_spec, dst = case
-    manifest = manifest_of(model, conversion)
-    layout = plan_layout(world, src_spec, allow_idle=True)
-    if dst_spec is None:
-        return plan_refit(layout, 0, dst, manifest)
-    other = plan_layout(world, dst_spec, allow_idle=True)
-    return plan_refit(layout, 0, [other.shards[i] for i in dst], manifest)
+    to_dtype, scale = conversion or (None, None)
+    model = manifest_of(model, None)
+    request = RefitRequest(model, src_spec, 0, tuple(dst), dst_spec, allow_idle=True, to_dtype=to_dtype, scale=scale)
+    return request.plan(world)
 
 
 def run_cases(rank: int, world: int, cases: list[tuple], options: dict[str, Any]) -> list[dict[str, Any]]:
@@ -110,3 +107,36 @@ def killed_in_the_amax_exchange(rank: int, world: int, victim: int, timeout: flo
 
         Exchange._issue = dying  # type: ignore[method-assign]
     return timed_outcome(plan, rank, timeout=timeout)
+
+
+def partial_per_tensor_scales(rank: int, world: int) -> dict[str, Any]:
+    """A partial refit of per-tensor-scaled fp8 weights (the MLP's first linears), each rank passing exactly
+    ``for_rank(rank).source_shapes``: it arrives bitwise. Then rank 0 leaves out a selected weight: every rank
+    gets one typed error naming it, before a byte moves."""
+    import torch
+
+    request = RefitRequest(
+        manifest_of("blocky", None),
+        "tp=2,dp=2,role=train + tp=1,dp=2 + tp=2",
+        0,
+        (1, 2),
+        tensors=("*linear_fc1*",),
+        to_dtype="float8_e4m3fn",
+        scale="tensor",
+    )
+    plan = request.plan(world)
+    out: dict[str, Any] = {"report": asdict(check_refit(plan, rank, timeout=120))}
+    mine, manifest = plan.for_rank(rank), plan.manifest
+    sources = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in mine.source_shapes.items()}
+    if rank == 0:
+        del sources["decoder.layers.0.mlp.linear_fc1.weight"]
+    destinations = {
+        name: torch.zeros(shape, dtype=getattr(torch, manifest.tensor(name).destination_dtype))
+        for name, shape in mine.destination_shapes.items()
+    }
+    try:
+        execute_refit(plan, sources, destinations, timeout=30)
+        out["missing"] = "no error"
+    except ShardcoreError as error:
+        out["missing"] = f"{type(error).__name__}: {error}"
+    return out

@@ -11,8 +11,9 @@ from shardcore import execute_refit
 from shardcore.engine.live.refit_check import check_refit
 from shardcore.errors import ShardcoreError
 from shardcore.plan.layout import plan_layout
+from shardcore.refit import RefitRequest
 from shardcore.refit.models import PRESET_CONFIGS, manifest_from_config, preset
-from shardcore.refit.planner import DEFAULT_MIN_PIECE_BYTES, plan_refit, tensors_matching
+from shardcore.refit.planner import plan_refit, tensors_matching
 
 # (label, model, source layout, source shard, destination layout or None (same), destination shards)
 CASES_8 = [
@@ -82,22 +83,11 @@ CASES_OPTIONS_8 = [
 
 
 def _plan(world: int, case: tuple) -> Any:
+    """The case's plan, as the CLI and ``refit --check`` build theirs: from a ``RefitRequest``."""
     _, model, src_spec, src, dst_spec, dst, *more = case
     options = dict(more[0]) if more else {}
-    patterns = options.pop("tensors", ())
-    manifest = _manifest(model)
-    layout = plan_layout(world, src_spec, allow_idle=True)
-    targets = dst if dst_spec is None else [plan_layout(world, dst_spec, allow_idle=True).shards[i] for i in dst]
-    plan = plan_refit(
-        layout,
-        src,
-        targets,
-        manifest,
-        options.pop("ranks_per_node", None),
-        min_piece_bytes=options.pop("min_piece_bytes", DEFAULT_MIN_PIECE_BYTES),
-        **options,
-    )
-    return plan.subset(tensors_matching(manifest, patterns)) if patterns else plan
+    request = RefitRequest(_manifest(model), src_spec, src, tuple(dst), dst_spec, allow_idle=True, **options)
+    return request.plan(world)
 
 
 def run_cases(rank: int, world: int, cases: list[tuple], bucket_bytes: int) -> list[dict[str, Any]]:

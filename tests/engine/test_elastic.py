@@ -11,7 +11,7 @@ pytest.importorskip("torch")
 from shardcore.engine.live.ports import free_port
 from shardcore.engine.live.restore_check import RestoreCheckOptions, RestoreReport, choose_option, run_local
 from shardcore.refit import RefitStats
-from shardcore.replan import restore_plan
+from shardcore.replan import ReplanRequest, restore_plan
 from shardcore.testing import SHRINKABLE_GLOO, run_world
 from tests.engine import elastic_workers as workers
 
@@ -72,7 +72,7 @@ def test_survivors_that_disagree_on_the_gone_ranks_fail_within_the_timeout() -> 
 
 def _check_restored(options: RestoreCheckOptions, reports: list[RestoreReport], how: str) -> None:
     option = choose_option(options)
-    survivors = [rank for rank in range(options.world) if not option.renumbering.is_gone(rank)]
+    survivors = [rank for rank in range(options.request.world) if not option.renumbering.is_gone(rank)]
     assert [report.old_rank for report in reports] == survivors
     assert [report.rank for report in reports] == list(range(option.layout.world_size))
     assert all(report.how == how for report in reports)
@@ -88,9 +88,8 @@ def _check_restored(options: RestoreCheckOptions, reports: list[RestoreReport], 
 
 
 def test_sixteen_ranks_lose_two_and_restore_every_weight_bitwise() -> None:
-    options = RestoreCheckOptions(
-        "tiny-moe", "tp=2,pp=2,dp=2,role=train+tp=2,dp=4,role=prefill", 16, (1, 2), rendezvous_port=free_port()
-    )
+    request = ReplanRequest("tiny-moe", "tp=2,pp=2,dp=2,role=train+tp=2,dp=4,role=prefill", 16, (1, 2))
+    options = RestoreCheckOptions(request, rendezvous_port=free_port())
     reports = run_local(options)
     _check_restored(options, reports, "new world")
     assert {report.restored for report in reports} == {True, False}  # train re-laid out, prefill kept its weights
@@ -98,23 +97,15 @@ def test_sixteen_ranks_lose_two_and_restore_every_weight_bitwise() -> None:
 
 def test_sixteen_ranks_lose_the_store_host_and_restore_across_shards() -> None:
     # option 2: both shards re-laid out as tp=1,dp=7 on all 14 survivors; old rank 0 hosted the store
-    options = RestoreCheckOptions(
-        "tiny-moe",
-        "tp=2,pp=2,ep=2,dp=2,role=train+tp=4,dp=2,role=prefill",
-        16,
-        (0, 9),
-        option=2,
-        rendezvous_port=free_port(),
-    )
+    request = ReplanRequest("tiny-moe", "tp=2,pp=2,ep=2,dp=2,role=train+tp=4,dp=2,role=prefill", 16, (0, 9))
+    options = RestoreCheckOptions(request, option=2, rendezvous_port=free_port())
     reports = run_local(options)
     _check_restored(options, reports, "new world")
     assert all(report.store.startswith("new rank 0 (old rank 1)") for report in reports)
 
 
 def test_a_shrunk_world_restores_bitwise() -> None:
-    options = RestoreCheckOptions(
-        "tiny-moe", "tp=2,pp=2,role=train+tp=2,dp=2,role=prefill", 8, (5,), option=2, shrink=True,
-        rendezvous_port=free_port(),
-    )  # fmt: skip
+    request = ReplanRequest("tiny-moe", "tp=2,pp=2,role=train+tp=2,dp=2,role=prefill", 8, (5,))
+    options = RestoreCheckOptions(request, option=2, shrink=True, rendezvous_port=free_port())
     reports = run_local(options)
     _check_restored(options, reports, "shrink")

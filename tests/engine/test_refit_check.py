@@ -3,6 +3,7 @@ plan and compare every destination byte; bad input fails before any process star
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -19,33 +20,45 @@ SHARDS = "tp=2,role=train+tp=1,role=decode+tp=1,role=decode"
 ARGS = ["--shards", SHARDS, "--from", "0", "--to", "1,2", "--model", "tiny-dense"]
 
 
-def _rows(out: str) -> list[list[str]]:
-    lines = out.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("shard "))
-    return [line.split() for line in lines[start + 1 :] if line.strip()]
-
-
 def _assert_refit_checked(result: subprocess.CompletedProcess[str]) -> None:
+    """``--json``: every destination shard ok, and every byte the plan moves counted live."""
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
-    rows = _rows(result.stdout)
-    assert [row[0] for row in rows] == ["1", "2"]
-    assert all(row[-1] == "ok" for row in rows)
+    document = json.loads(result.stdout)
+    assert document["ok"] and [row["shard"] for row in document["shards"]] == [1, 2]
+    assert all(row["ok"] and not row["mismatches"] for row in document["shards"])
     plan = plan_refit(plan_layout(4, SHARDS), 0, [1, 2], preset("tiny-dense"))
     stats = RefitStats.of(plan)
     moved = {shard.index: shard.bytes + shard.local_bytes for shard in stats.shards}
-    assert {int(row[0]): int(row[-5]) for row in rows} == moved  # every byte the plan moves, counted live
+    assert {row["shard"]: row["bytes"] for row in document["shards"]} == moved
 
 
-def test_local_refit_check_moves_and_verifies_every_byte() -> None:
-    argv = [sys.executable, "-m", "shardcore", "refit", "--check", "--nproc", "4", *ARGS]
+def test_local_refit_check_speaks_like_check() -> None:
+    # it printed nothing for the whole run (-v too), raw byte counts, and no summary line
+    argv = [sys.executable, "-m", "shardcore", "refit", "--check", "--nproc", "4", "-v", *ARGS]
+    result = subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    for stage in ("started", "joined", "planned", "executed"):
+        assert f"  {stage:<8} 4/4 (" in result.stderr, stage  # each stage's count, as check prints it
+        assert all(f"  rank {rank} {stage} (" in result.stderr for rank in range(4)), stage  # -v: every rank's
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("shardcore refit --check: 4 local gloo processes, tiny-dense from shard 0 to 1, 2")
+    header = lines.index(next(line for line in lines if line.startswith("shard ")))
+    rows = lines[header + 1 : -1]
+    assert [row.split()[0] for row in rows] == ["1", "2"] and all(row.endswith(" ok") for row in rows), result.stdout
+    assert all(" 4.72 MB " in row for row in rows)  # human units, as the plan's table has them
+    assert lines[-1].startswith("all 2 destination ranks hold the source's tensors bitwise: 9.45 MB moved")
+
+
+def test_local_refit_check_json_counts_every_byte() -> None:
+    argv = [sys.executable, "-m", "shardcore", "refit", "--check", "--nproc", "4", "--json", *ARGS]
     _assert_refit_checked(subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT))
 
 
 def test_torchrun_refit_check_without_numpy(tmp_path: Path) -> None:
     (tmp_path / "sitecustomize.py").write_text(NO_NUMPY)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
-    argv += ["-m", "shardcore", "refit", "--check", *ARGS]
+    argv += ["-m", "shardcore", "refit", "--check", "--json", *ARGS]
     result = subprocess.run(argv, capture_output=True, text=True, env=_env(tmp_path), timeout=300, cwd=ROOT)
     assert "Failed to initialize NumPy" in result.stderr  # numpy really was hidden from torch
     _assert_refit_checked(result)

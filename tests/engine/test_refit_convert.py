@@ -4,6 +4,7 @@ the fp8 math checked against its definition."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -115,19 +116,26 @@ def test_a_rank_dying_in_the_amax_exchange_is_named_by_every_other_rank() -> Non
         assert elapsed < TIMEOUT + MARGIN, (rank, elapsed)
 
 
+def _checked_rows(result: subprocess.CompletedProcess[str]) -> list[dict]:
+    """``refit --check --json``'s rows, once every destination shard (1 and 2) is ok."""
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    rows = json.loads(result.stdout)["shards"]
+    assert [row["shard"] for row in rows] == [1, 2] and all(row["ok"] for row in rows), result.stdout
+    return rows
+
+
 def test_refit_check_to_dtype_on_the_command_line() -> None:
     shards = "tp=2,role=train+tp=1,role=decode+tp=1,role=decode"
     argv = [sys.executable, "-m", "shardcore", "refit", "--check", "--nproc", "4", "--shards", shards]
     argv += ["--from", "0", "--to", "1,2", "--model", "tiny-dense", "--to-dtype", "float8_e4m3fn", "--scale", "tensor"]
-    result = subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
-    assert result.returncode == 0, result.stderr
-    rows = [line.split() for line in result.stdout.splitlines()[1:] if line.strip()]
-    assert [row[0] for row in rows] == ["1", "2"] and all(row[-1] == "ok" for row in rows), result.stdout
+    rows = _checked_rows(
+        subprocess.run([*argv, "--json"], capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+    )
     from shardcore.refit import plan_refit, preset
 
     manifest = preset("tiny-dense").converted("float8_e4m3fn", "tensor")
     stats = RefitStats.of(plan_refit(plan_layout(4, shards), 0, [1, 2], manifest))
-    assert sum(int(row[-5]) for row in rows) == stats.total_bytes  # fp8 wire bytes and the scales, counted live
+    assert sum(row["bytes"] for row in rows) == stats.total_bytes  # fp8 wire bytes and the scales, counted live
 
 
 def test_a_converting_refit_with_fan_out_relays_the_converted_bytes() -> None:
@@ -136,11 +144,8 @@ def test_a_converting_refit_with_fan_out_relays_the_converted_bytes() -> None:
     shards = "tp=2,role=train+tp=1,role=decode+tp=1,role=decode"
     argv = [sys.executable, "-m", "shardcore", "refit", "--check", "--nproc", "4", "--shards", shards, "--from", "0"]
     argv += ["--to", "1,2", "--model", "tiny-dense", "--ranks-per-node", "2", "--fan-out"]
-    argv += ["--to-dtype", "float8_e4m3fn", "--scale", "tensor"]
-    result = subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
-    assert result.returncode == 0, result.stderr
-    rows = [line.split() for line in result.stdout.splitlines()[1:] if line.strip()]
-    assert [row[0] for row in rows] == ["1", "2"] and all(row[-1] == "ok" for row in rows), result.stdout
+    argv += ["--to-dtype", "float8_e4m3fn", "--scale", "tensor", "--json"]
+    rows = _checked_rows(subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT))
     from shardcore.refit import plan_refit, preset
 
     manifest = preset("tiny-dense").converted("float8_e4m3fn", "tensor")
@@ -148,4 +153,33 @@ def test_a_converting_refit_with_fan_out_relays_the_converted_bytes() -> None:
     stats = RefitStats.of(plan)
     assert stats.relayed_bytes > 0 and stats.scale_bytes > 0
     assert any(t.hop == 1 and t.tensor.endswith("_scale_inv") for t in plan.transfers())  # scales relayed too
-    assert sum(int(row[-5]) for row in rows) == stats.total_bytes  # both hops' wire bytes, counted live
+    assert sum(row["bytes"] for row in rows) == stats.total_bytes  # both hops' wire bytes, counted live
+
+
+def test_a_partial_refit_with_per_tensor_scales_needs_only_its_own_sources() -> None:
+    # ranks passing only for_rank(r).source_shapes met a raw KeyError on a weight outside the selection
+    results = run_world(8, workers.partial_per_tensor_scales, timeout=300)
+    reports = [results[rank]["report"] for rank in range(8)]
+    assert not [m for r in reports for m in r["mismatches"]]
+    assert sum(r["checked"] for r in reports) > 0 and all(r["checked"] for r in reports if r["shard"] is not None)
+    for rank in range(8):
+        missing = results[rank]["missing"]
+        assert missing.startswith("RefitInputError: ") and "KeyError" not in missing, (rank, missing)
+        assert "rank 0: source tensor 'decoder.layers.0.mlp.linear_fc1.weight' is missing" in missing, (rank, missing)
+
+
+def test_refit_check_of_a_partial_refit_with_per_tensor_scales() -> None:
+    shards = "tp=2,role=train+tp=1,role=decode+tp=1,role=decode"
+    argv = [sys.executable, "-m", "shardcore", "refit", "--check", "--nproc", "4", "--shards", shards, "--json"]
+    argv += ["--from", "0", "--to", "1,2", "--model", "tiny-dense", "--to-dtype", "float8_e4m3fn", "--scale", "tensor"]
+    argv += ["--tensors", "*linear_fc1*"]
+    result = subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    document = json.loads(result.stdout)
+    assert document["ok"] and [row["shard"] for row in document["shards"]] == [1, 2]
+    from shardcore.refit import plan_refit, preset, tensors_matching
+
+    manifest = preset("tiny-dense").converted("float8_e4m3fn", "tensor")
+    plan = plan_refit(plan_layout(4, shards), 0, [1, 2], manifest).subset(tensors_matching(manifest, "*linear_fc1*"))
+    assert document["refitted_tensors"] == len(plan.tensors) < len(manifest)  # weights and their scales only
+    assert sum(row["bytes"] for row in document["shards"]) == RefitStats.of(plan).total_bytes

@@ -18,7 +18,7 @@ from shardcore.engine import held_version
 from shardcore.engine.live.refit_check import cut, known_tensor
 from shardcore.engine.transfer import exchange as exchange_module
 from shardcore.plan import plan_layout
-from shardcore.refit import Manifest, TensorSpec, plan_refit, preset
+from shardcore.refit import Manifest, RefitRequest, TensorSpec, plan_refit
 
 SPEC = "tp=2 + tp=1,dp=2"
 """Four ranks: a tp=2 source shard and a destination with two replicas."""
@@ -70,7 +70,7 @@ def _outcome(call: Callable[[], Any]) -> tuple[str, str, tuple[int, ...], float]
 
 
 def _plan(world: int, spec: str = SPEC, model: str = "tiny-dense") -> Any:
-    return plan_refit(plan_layout(world, spec), 0, [1], preset(model))
+    return RefitRequest(model, spec, 0, (1,)).plan(world)
 
 
 def disagreeing_plans(rank: int, world: int) -> dict[str, Any]:

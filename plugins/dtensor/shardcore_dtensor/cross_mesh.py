@@ -16,8 +16,8 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
 
-from shardcore import RefitError, RefitInputError, TransferStats, execute_refit
-from shardcore.engine import DEFAULT_BUCKET_BYTES, all_gather_objects
+from shardcore import ExecuteOptions, RefitError, RefitInputError, TransferStats, execute_refit
+from shardcore.engine import all_gather_objects
 from shardcore.refit import ExplicitPlacement, HeldBox, Manifest, Placement, RefitPlan, TensorSpec, plan_refit_from
 
 Box = tuple[tuple[int, int], ...]
@@ -167,8 +167,9 @@ def refit(
     src_state: Mapping[str, Any] | None,
     dst_state: Mapping[str, Any] | None,
     *,
+    options: ExecuteOptions | None = None,
     timeout: float | timedelta | None = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | None = None,
 ) -> TransferStats:
     """Copy every DTensor of ``src_state`` into the same-named DTensor of ``dst_state``, across meshes.
 
@@ -178,8 +179,10 @@ def refit(
     Args:
         src_state: name -> source DTensor (any mesh, Shard/Replicate placements).
         dst_state: name -> destination DTensor, written in place.
-        timeout: seconds for the whole transfer, as in ``shardcore.execute_refit``.
-        bucket_bytes: extra memory for packing, as in ``shardcore.execute_refit``.
+        options: the executor's knobs (timeout, bucket bytes, ops per batch, verification, version), as
+            ``shardcore.execute_refit`` takes them.
+        timeout: seconds for the whole transfer, in the place of ``options.timeout``.
+        bucket_bytes: extra memory for packing, in the place of ``options.bucket_bytes``.
 
     Returns:
         This rank's TransferStats.
@@ -209,7 +212,7 @@ def refit(
         sources = local(src_state, plan.source_placement)
         copy = next((p for p in plan.destination_placements if rank in p.ranks), None)
         targets = {} if copy is None else local(dst_state, copy)
-        return execute_refit(plan, sources, targets, timeout=timeout, bucket_bytes=bucket_bytes)
+        return execute_refit(plan, sources, targets, options=options, timeout=timeout, bucket_bytes=bucket_bytes)
 
 
 __all__ = ["local_box", "plan_from_records", "refit"]

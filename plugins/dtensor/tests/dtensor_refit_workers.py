@@ -8,7 +8,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from shardcore import ShardcoreError, build_shards, destroy_shards, my_shard
+from shardcore import ExecuteOptions, ShardcoreError, build_shards, destroy_shards, my_shard
 from shardcore_dtensor import refit
 
 SHAPES = {"embed": (24, 8), "qkv": (16, 12), "proj": (12, 16), "norm": (12,), "odd": (7, 5), "scale": ()}
@@ -100,8 +100,10 @@ def disaggregated(rank: int, world: int) -> dict[str, Any]:
                 for name, shape in SHAPES.items()
             }
             dst = _state(mine.handle.mesh["dp", "tp"], placements, fill=False)
-        stats = refit(src, dst, timeout=60, bucket_bytes=1024)
+        options = ExecuteOptions(timeout=60, bucket_bytes=1024, max_ops=8, verify="checksum", version=3)
+        stats = refit(src, dst, options=options)
         return {
+            "executed as": (stats.verify, stats.version),
             "shard": None if mine is None else mine.index,
             "source": _full(src),
             "equal": _full(dst),

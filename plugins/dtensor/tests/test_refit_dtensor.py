@@ -21,6 +21,7 @@ def test_collocated_meshes_over_the_same_ranks() -> None:
 def test_training_mesh_to_two_inference_meshes_on_other_ranks() -> None:
     results = run_world(8, workers.disaggregated)
     assert [r["shard"] for r in results] == [0, 0, 0, 0, 1, 1, 2, 2]
+    assert all(r["executed as"] == ("checksum", 3) for r in results)  # the executor's options reach it
     for rank, result in enumerate(results):
         assert all(result["source"].values()) and all(result["equal"].values()), (rank, result)
     assert all(r["received"] > 0 and r["sent"] == 0 for r in results[4:])

@@ -27,8 +27,8 @@ from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
 
-from shardcore import Layout, RefitInputError, ShardPlan, TransferStats, execute_refit
-from shardcore.engine import DEFAULT_BUCKET_BYTES, all_gather_objects
+from shardcore import ExecuteOptions, Layout, RefitInputError, ShardPlan, TransferStats, execute_refit
+from shardcore.engine import all_gather_objects
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _SEQUENTIAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
@@ -271,8 +271,9 @@ def refit(
     *,
     src: Any = 0,
     dst: Any = 1,
+    options: ExecuteOptions | None = None,
     timeout: float | timedelta | None = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | None = None,
 ) -> TransferStats:
     """Copy ``src_model``'s weights into ``dst_model`` across their shards; every rank of the world calls it.
 
@@ -285,8 +286,10 @@ def refit(
         src: The source shard: an index into ``shards``, or a Shard / ShardPlan (e.g. of another layout
             over the same ranks, for a collocated refit).
         dst: The destination shard, given the same way.
-        timeout: Seconds for the whole transfer (``shardcore.execute_refit``).
-        bucket_bytes: Extra memory for packing (``shardcore.execute_refit``).
+        options: The executor's knobs (timeout, bucket bytes, ops per batch, verification, version), as
+            ``shardcore.execute_refit`` takes them.
+        timeout: Seconds for the whole transfer, in the place of ``options.timeout``.
+        bucket_bytes: Extra memory for packing, in the place of ``options.bucket_bytes``.
 
     Returns:
         This rank's TransferStats.
@@ -321,6 +324,7 @@ def refit(
             refit_plan,
             tensors(src_model, source),
             tensors(dst_model, target),
+            options=options,
             timeout=timeout,
             bucket_bytes=bucket_bytes,
         )

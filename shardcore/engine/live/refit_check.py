@@ -14,10 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ...plan.layout import DEFAULT_ORDER, ShardPlan, plan_layout
-from ...refit.documents import model_manifest
-from ...refit.planner import DEFAULT_MIN_PIECE_BYTES, ShardRefitPlan, plan_refit, tensors_matching
-from ..transfer.execute import DEFAULT_BUCKET_BYTES
+from ...plan.layout import ShardPlan
+from ...refit.options import ExecuteOptions
+from ...refit.request import RefitRequest
 from .launch import LIVE_CHECK_TIMEOUT, OnEvent, run_joined_job, run_local_job
 
 if TYPE_CHECKING:
@@ -128,61 +127,26 @@ def check_refit(plan: Any, rank: int, **execute_options: Any) -> RefitReport:
 
 @dataclass(frozen=True)
 class RefitCheckOptions:
-    """What ``shardcore refit --check`` runs: the plan's inputs and the executor's knobs, picklable for workers."""
+    """What ``shardcore refit --check`` runs, picklable for workers: the refit (planned once in the parent,
+    again from the same request on every rank) and the executor's knobs, both checked when made."""
 
-    model: str
-    """A preset name or a manifest file."""
-    shards: str
-    src: int
-    dst: tuple[int, ...]
-    order: str = DEFAULT_ORDER
-    ranks_per_node: int | None = None
-    timeout: float = LIVE_CHECK_TIMEOUT
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    verify: str = "size"
-    min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES
-    fan_out: bool = False
-    tensors: tuple[str, ...] = ()
-    """Name patterns of a partial refit (``plan.subset``); empty: every tensor."""
-    to_dtype: str | None = None
-    """The destination dtype of every floating tensor (``--to-dtype``), or None for the manifest's own."""
-    scale: str | None = None
-    """With a float8_e4m3fn ``to_dtype``: "block" (default) or "tensor"."""
+    request: RefitRequest
+    execute: ExecuteOptions = field(default_factory=lambda: ExecuteOptions(timeout=LIVE_CHECK_TIMEOUT))
+    """Its timeout is also how long a rank waits for the others to join the world."""
 
-    def execute_options(self) -> dict[str, Any]:
-        """The keyword arguments of ``execute_refit`` these options set."""
-        return {"timeout": self.timeout, "bucket_bytes": self.bucket_bytes, "verify": self.verify}
-
-
-def plan_from_options(options: RefitCheckOptions, world_size: int) -> ShardRefitPlan:
-    """The plan the CLI describes: layout, source and destination shards, model, planner options, subset.
-
-    Raises:
-        ShardcoreError: a bad spec, shard index or model (the parent calls it before starting anything).
-    """
-    layout = plan_layout(world_size, options.shards, order=options.order, allow_idle=True)
-    manifest = model_manifest(options.model)
-    if options.to_dtype is not None:
-        manifest = manifest.converted(options.to_dtype, options.scale)
-    plan = plan_refit(
-        layout,
-        options.src,
-        list(options.dst),
-        manifest,
-        options.ranks_per_node,
-        min_piece_bytes=options.min_piece_bytes,
-        fan_out=options.fan_out,
-    )
-    return plan.subset(tensors_matching(manifest, options.tensors)) if options.tensors else plan
+    @property
+    def timeout(self) -> float:
+        """The executor's timeout in seconds: the world's timeout too."""
+        return self.execute.wait.total_seconds()
 
 
 def refit_check_job(options: RefitCheckOptions, on_stage: Callable[[str], None] = lambda stage: None) -> RefitReport:
     """One rank of an initialised world: plan, fill, execute, compare; the job of ``refit --check``."""
     import torch.distributed as dist
 
-    plan = plan_from_options(options, dist.get_world_size())
+    plan = options.request.plan(dist.get_world_size())
     on_stage("planned")
-    report = check_refit(plan, dist.get_rank(), **options.execute_options())
+    report = check_refit(plan, dist.get_rank(), options=options.execute)
     on_stage("executed")
     return report
 
@@ -203,7 +167,6 @@ __all__ = [
     "check_refit",
     "cut",
     "known_tensor",
-    "plan_from_options",
     "reference",
     "refit_check_job",
     "run_joined",

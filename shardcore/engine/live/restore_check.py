@@ -19,11 +19,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from ...errors import GroupCreationError, LayoutError
-from ...plan.layout import DEFAULT_ORDER, plan_layout
-from ...refit.documents import model_manifest
+from ...errors import GroupCreationError
+from ...refit.options import ExecuteOptions
 from ...refit.placement import holds
-from ...replan import ReplanOption, replan, restore_plan
+from ...replan import ReplanOption, ReplanRequest, restore_plan
 from ..agreement import Party, Purpose, barrier
 from ..backends.shards import build_shards, destroy_shards
 from ..survivors import form_survivor_world
@@ -49,28 +48,25 @@ PHASES = ("old build", "form", "build", "plan", "restore")
 
 @dataclass(frozen=True)
 class RestoreCheckOptions:
-    """What ``shardcore replan --check`` runs: the replan's inputs, the option, and the world's knobs (picklable)."""
+    """What ``shardcore replan --check`` runs, picklable for workers: the replan (its option planned once in the
+    parent, again from the same request on every rank) and the world's knobs."""
 
-    model: str
-    """A preset name or a manifest file."""
-    shards: str
-    world: int
-    lost: tuple[int, ...]
+    request: ReplanRequest
     option: int = 1
     """Which option of the replan (1: the best)."""
-    order: str = DEFAULT_ORDER
-    allow_idle: bool = False
-    memory_bytes: float | None = None
-    ranks_per_node: int | None = None
-    keep: tuple[int, ...] = ()
     backend: str | None = None
     """The shardcore backend that builds both layouts."""
     shrink: bool = False
     """Start the world on gloo that can shrink (``SHRINKABLE_GLOO``), so the survivors shrink it."""
     rendezvous_port: int = 0
     """Where the lowest survivor hosts the new store if rank 0 (the store's host) is among the gone."""
-    timeout: float = LIVE_CHECK_TIMEOUT
-    verify: str = "size"
+    execute: ExecuteOptions = field(default_factory=lambda: ExecuteOptions(timeout=LIVE_CHECK_TIMEOUT))
+    """The restore's knobs; its timeout bounds every step: the builds, forming the world, the restore."""
+
+    @property
+    def timeout(self) -> float:
+        """The executor's timeout in seconds: every step's."""
+        return self.execute.wait.total_seconds()
 
 
 @dataclass
@@ -100,20 +96,7 @@ def choose_option(options: RestoreCheckOptions) -> ReplanOption:
         ShardcoreError: a bad spec, loss or model; ``LayoutError`` for an option number out of range;
             ``LostWeightsError`` when a part of a tensor has no surviving copy.
     """
-    layout = plan_layout(options.world, options.shards, order=options.order, allow_idle=options.allow_idle)
-    result = replan(
-        layout,
-        model_manifest(options.model),
-        lost=options.lost,
-        memory_bytes=options.memory_bytes,
-        ranks_per_node=options.ranks_per_node,
-        keep=options.keep,
-    )
-    if not 1 <= options.option <= len(result.options):
-        raise LayoutError(f"--option {options.option}: the replan has options 1 to {len(result.options)}")
-    option = result.options[options.option - 1]
-    restore_plan(option)
-    return option
+    return options.request.option(options.option)
 
 
 def _weights(manifest: Manifest, plan: ShardPlan | None, rank: int) -> dict[str, torch.Tensor]:
@@ -166,7 +149,7 @@ def restore_check_job(options: RestoreCheckOptions, on_stage: Callable[[str], No
     """One rank of the old world: build, fill, lose the gone ranks, re-form, build, restore, compare."""
     import torch.distributed as dist
 
-    rank, wait = dist.get_rank(), timedelta(seconds=options.timeout)
+    rank, wait = dist.get_rank(), options.execute.wait
     option = choose_option(options)
     old, manifest, numbering = option.old, option.manifest, option.renumbering
     lap = _Laps(on_stage)
@@ -187,7 +170,7 @@ def restore_check_job(options: RestoreCheckOptions, on_stage: Callable[[str], No
     mine = plan.for_rank(world.rank)
     lap("plan")
     destinations = _unwritten(manifest, mine)
-    stats = execute_refit(plan, sources, destinations, timeout=wait, verify=options.verify)
+    stats = execute_refit(plan, sources, destinations, options=options.execute)
     lap("restore")
     held = destinations if mine.destination_shapes else sources
     report = _survivor_report(option, rank, world, bool(mine.destination_shapes), stats, lap.seconds)
@@ -239,9 +222,9 @@ def _survivor_report(
 
 
 def run_local(options: RestoreCheckOptions, on_event: OnEvent | None = None) -> list[RestoreReport]:
-    """The check on ``options.world`` local processes; the survivors' reports, in old rank order."""
+    """The check on one local process per old rank; the survivors' reports, in old rank order."""
     backend = SHRINKABLE_GLOO if options.shrink else "gloo"
-    reports = run_local_job(options.world, restore_check_job, options, options.timeout, on_event, backend)
+    reports = run_local_job(options.request.world, restore_check_job, options, options.timeout, on_event, backend)
     return [report for report in reports if report is not None]
 
 

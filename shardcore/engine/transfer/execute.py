@@ -35,12 +35,12 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from enum import StrEnum
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ...errors import RefitInputError, RefitIntegrityError, RefitMismatchError, RefitPeerError, ShardcoreError
-from ...plan.arguments import DEFAULT_TIMEOUT, as_timedelta, check_count, shown
-from ...refit.schedule import ALIGN, rank_batches
+from ...plan.arguments import DEFAULT_TIMEOUT, as_timedelta, shown
+from ...refit.options import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_OPS, ExecuteOptions, Verify
+from ...refit.schedule import rank_batches
 from ...version import __version__
 from ..agreement import GRACE, Party, Purpose, Terms, arrive_failed, convene, declare_absent, meet
 from ..torch_state import dist, import_torch, is_fake_world
@@ -52,24 +52,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shardcore.refit")
 
-DEFAULT_BUCKET_BYTES = 64 << 20
-"""Bytes one batch may hold, and so the most staging memory one rank uses at a time."""
-DEFAULT_MAX_OPS = 256
-"""Operations per ``batch_isend_irecv``: pytorch/pytorch #174288 saw NCCL hang at ~1,000 ops per batch and
-never at 256, and PR #174942 proposed chunking at 256 (``TORCH_NCCL_BATCH_P2P_CHUNK_SIZE``)."""
 TAG_BASE = 1 << 30
 """Refit messages use tags from here (one per refit, from its epoch), away from a user's own tag 0."""
 START = Purpose("refit", "execute_refit", RefitPeerError, lambda message, ranks: RefitInputError(message, ranks))
 END = Purpose("refit", "execute_refit", RefitPeerError)
-
-
-class Verify(StrEnum):
-    """How received messages are checked against their sender's ledger."""
-
-    SIZE = "size"
-    """Every message's size (the default)."""
-    CHECKSUM = "checksum"
-    """Its size and a checksum of its bytes, computed by the sender and again by the receiver."""
 
 
 @dataclass
@@ -164,10 +150,11 @@ def execute_refit(
     sources: Mapping[str, Any],
     destinations: Mapping[str, Any],
     *,
+    options: ExecuteOptions | None = None,
     timeout: float | timedelta | None = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    max_ops: int = DEFAULT_MAX_OPS,
-    verify: str = "size",
+    bucket_bytes: int | None = None,
+    max_ops: int | None = None,
+    verify: str | None = None,
     version: int | None = None,
 ) -> TransferStats:
     """Move this rank's part of ``plan``; every rank of the default group calls it, idle ranks too.
@@ -178,12 +165,14 @@ def execute_refit(
         sources: tensor name -> this rank's local source tensor (the plan's source side).
         destinations: tensor name -> this rank's preallocated local destination tensor, written in place;
             ``nn.Parameter``s are fine (written under no_grad).
+        options: the executor's knobs as one ``ExecuteOptions`` (what the CLI and the plugins' wrappers
+            pass); each keyword below that is given (not None) takes the place of its field.
         timeout: seconds (or a timedelta) for the whole call; default 5 minutes.
-        bucket_bytes: bytes one batch may hold: staging memory for packed and non-contiguous pieces stays
-            within it (``TransferStats.peak_buffer_bytes``).
+        bucket_bytes: bytes one batch may hold (default 64 MiB, at least 32): staging memory for packed and
+            non-contiguous pieces stays within it (``TransferStats.peak_buffer_bytes``).
         max_ops: operations per ``batch_isend_irecv`` (default 256, safe for NCCL).
-        verify: ``size`` checks every received message's size against its sender's ledger; ``checksum``
-            also a checksum of its bytes.
+        verify: ``size`` (the default) checks every received message's size against its sender's ledger;
+            ``checksum`` also a checksum of its bytes.
         version: this refit's version (e.g. the training step), recorded for ``held_version``.
 
     Returns:
@@ -202,9 +191,12 @@ def execute_refit(
     started = time.monotonic()
     rank = _require_world()
     party = Party.world()
-    prepared = _prepare(party, rank, plan, sources, destinations, timeout, (bucket_bytes, max_ops, verify, version))
+    given = {"timeout": timeout, "bucket_bytes": bucket_bytes, "max_ops": max_ops, "verify": verify, "version": version}
+    prepared = _prepare(party, rank, plan, sources, destinations, options, given)
+    checked = prepared.options
+    bucket_bytes, max_ops, version = checked.bucket_bytes, checked.max_ops, checked.version
     epoch = _agree(party, rank, prepared.terms, prepared.wait)
-    stats = TransferStats(rank, verify=verify, version=version, agreement_seconds=time.monotonic() - started)
+    stats = TransferStats(rank, verify=checked.verify, version=version, agreement_seconds=time.monotonic() - started)
     previous = held_version(prepared.destinations)
     world = dist().get_world_size()
     exchange = Exchange(
@@ -214,7 +206,7 @@ def execute_refit(
         prepared.sources,
         prepared.destinations,
         TAG_BASE + epoch % TAG_BASE,
-        verify,
+        checked.verify,
         party,
         epoch,
         started + prepared.wait.total_seconds(),
@@ -237,6 +229,7 @@ class _Prepared(NamedTuple):
     """What a rank checked on its own before meeting the others."""
 
     wait: timedelta
+    options: ExecuteOptions
     mine: Any
     sources: dict[str, torch.Tensor]
     destinations: dict[str, torch.Tensor]
@@ -251,24 +244,25 @@ def _prepare(
     plan: Any,
     sources: Mapping[str, Any],
     destinations: Mapping[str, Any],
-    timeout: object,
-    options: tuple[object, object, object, object],
+    options: ExecuteOptions | None,
+    given: Mapping[str, object],
 ) -> _Prepared:
-    """Everything this rank checks alone: arguments, its part of the plan, its tensors, its terms. A failure
-    still arrives at the refit's first meeting, with its error, so the others stop at once and name it.
+    """Everything this rank checks alone: its options (``options`` with the keywords ``given``), its part of
+    the plan, its tensors, its terms. A failure still arrives at the refit's first meeting, with its error, so
+    the others stop at once and name it.
 
     Raises:
         RefitInputError: naming this rank and what is wrong.
     """
     wait = DEFAULT_TIMEOUT
     try:
-        wait = as_timedelta(timeout)
-        checked = _check_options(*options)
+        wait = as_timedelta(given["timeout"] or getattr(options, "timeout", None))  # first: a failure below meets in it
+        checked = ExecuteOptions.merged(options, **given)
         mine = plan.for_rank(rank)
         conversion = Conversion.of(plan, mine, rank)
         held, wanted = _checked_tensors(mine, plan.manifest, sources, destinations, conversion)
         shapes = _global_shapes(plan.manifest, mine)
-        return _Prepared(wait, mine, held, wanted, _terms(plan, checked), shapes, conversion)
+        return _Prepared(wait, checked, mine, held, wanted, _terms(plan, checked), shapes, conversion)
     except BaseException as error:
         failure = _as_input_error(rank, error)
         arrive_failed(party, START, None, "open", failure, wait)
@@ -323,37 +317,18 @@ def _as_input_error(rank: int, error: BaseException) -> BaseException:
     return RefitInputError(text if text.startswith(f"rank {rank}:") else f"rank {rank}: {text}", (rank,))
 
 
-def _check_options(
-    bucket_bytes: object, max_ops: object, verify: object, version: object
-) -> tuple[int, int, str, int | None]:
-    """The executor's own arguments, checked before anything else.
-
-    Raises:
-        RefitInputError: naming the argument, its value and what is accepted.
-    """
-    checked_bytes = check_count("bucket_bytes", bucket_bytes, minimum=2 * ALIGN, maximum=1 << 50, error=RefitInputError)
-    checked_ops = check_count("max_ops", max_ops, minimum=2, maximum=1 << 20, error=RefitInputError)
-    if verify not in tuple(Verify):
-        raise RefitInputError(f"verify={shown(verify)}: expected one of {', '.join(Verify)}")
-    checked_version = (
-        None if version is None else check_count("version", version, minimum=0, maximum=1 << 62, error=RefitInputError)
-    )
-    return checked_bytes, checked_ops, str(verify), checked_version
-
-
-def _terms(plan: Any, options: tuple[int, int, str, int | None]) -> RefitTerms:
+def _terms(plan: Any, options: ExecuteOptions) -> RefitTerms:
     fingerprint = plan.fingerprint()
-    bucket_bytes, max_ops, verify, version = options
     return RefitTerms(
         fingerprint["layout"],
         fingerprint["source"],
         fingerprint["destinations"],
         fingerprint["manifest"],
         fingerprint["options"],
-        bucket_bytes,
-        max_ops,
-        verify,
-        version,
+        options.bucket_bytes,
+        options.max_ops,
+        options.verify,
+        options.version,
         f"shardcore {__version__}",
     )
 
@@ -422,7 +397,8 @@ def _side_problems(
     if not isinstance(given, Mapping):
         return [f"{kind}s must be a mapping of tensor name -> torch.Tensor, got {type(given).__name__}"]
     problems = [
-        f"{kind} tensor {shown(name)} is missing (expected local shape {list(shapes[name])})"
+        f"{kind} tensor {shown(name)} is missing"
+        + (f" (expected local shape {list(shapes[name])})" if name in shapes else "")
         for name in sorted(needed - set(given))
     ]
     for name, tensor in given.items():
@@ -562,9 +538,11 @@ def _own_fault(exchange: Exchange) -> BaseException | None:
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_MAX_OPS",
+    "ExecuteOptions",
     "HeldVersion",
     "RefitTerms",
     "TransferStats",
+    "Verify",
     "execute_refit",
     "held_version",
 ]

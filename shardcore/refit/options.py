@@ -1,0 +1,119 @@
+"""How a refit is executed (``ExecuteOptions``): one object, checked once, for every way in.
+
+``shardcore.execute_refit``, the plugins' ``refit()`` wrappers and ``shardcore refit --check`` all take the
+executor's knobs through it, so that a value the executor cannot run (``bucket_bytes=1``) is refused where it is
+made: in the CLI's parent before any process starts, in a library call before any rank meets. Torch-free, so the
+CLI checks it without importing the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from datetime import timedelta
+from enum import StrEnum
+
+from ..errors import RefitInputError, ShardcoreError
+from ..plan.arguments import as_timedelta, check_count, shown
+from .schedule import ALIGN
+
+DEFAULT_BUCKET_BYTES = 64 << 20
+"""Bytes one batch may hold, and so the most staging memory one rank uses at a time."""
+MIN_BUCKET_BYTES = 2 * ALIGN
+"""The smallest bucket the schedule can cut: two aligned pieces (a send's and a receive's) of one pair."""
+MAX_BUCKET_BYTES = 1 << 50
+DEFAULT_MAX_OPS = 256
+"""Operations per ``batch_isend_irecv``: pytorch/pytorch #174288 saw NCCL hang at ~1,000 ops per batch and
+never at 256, and PR #174942 proposed chunking at 256 (``TORCH_NCCL_BATCH_P2P_CHUNK_SIZE``)."""
+MIN_MAX_OPS = 2
+"""A batch holds at least a send and its receive."""
+MAX_MAX_OPS = 1 << 20
+MAX_VERSION = 1 << 62
+
+
+class Verify(StrEnum):
+    """How received messages are checked against their sender's ledger."""
+
+    SIZE = "size"
+    """Every message's size (the default)."""
+    CHECKSUM = "checksum"
+    """Its size and a checksum of its bytes, computed by the sender and again by the receiver."""
+
+
+@dataclass(frozen=True)
+class ExecuteOptions:
+    """The executor's knobs, checked when made; picklable, so a live check hands them to its workers.
+
+    Attributes:
+        timeout: Seconds (or a timedelta) for the whole call; None: ``plan.arguments.DEFAULT_TIMEOUT``.
+        bucket_bytes: Bytes one batch may hold: staging memory for packed and non-contiguous pieces stays
+            within it. At least ``MIN_BUCKET_BYTES``.
+        max_ops: Operations per ``batch_isend_irecv`` (default 256, safe for NCCL).
+        verify: ``size`` checks every received message's size against its sender's ledger; ``checksum`` also
+            a checksum of its bytes.
+        version: This refit's version (e.g. the training step), recorded for ``held_version``; None: none.
+
+    Raises:
+        RefitInputError: naming the field, its value and what is accepted.
+    """
+
+    timeout: float | timedelta | None = None
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    max_ops: int = DEFAULT_MAX_OPS
+    verify: str = Verify.SIZE.value
+    version: int | None = None
+
+    def __post_init__(self) -> None:
+        _checked_timeout(self.timeout)
+        check_count(
+            "bucket_bytes", self.bucket_bytes, minimum=MIN_BUCKET_BYTES, maximum=MAX_BUCKET_BYTES, error=RefitInputError
+        )
+        check_count("max_ops", self.max_ops, minimum=MIN_MAX_OPS, maximum=MAX_MAX_OPS, error=RefitInputError)
+        if self.verify not in tuple(Verify):
+            raise RefitInputError(f"verify={shown(self.verify)}: expected one of {', '.join(Verify)}")
+        object.__setattr__(self, "verify", str(Verify(self.verify)))
+        if self.version is not None:
+            check_count("version", self.version, minimum=0, maximum=MAX_VERSION, error=RefitInputError)
+
+    @property
+    def wait(self) -> timedelta:
+        """The timeout as a timedelta."""
+        return _checked_timeout(self.timeout)
+
+    @classmethod
+    def merged(cls, options: ExecuteOptions | None = None, **given: object) -> ExecuteOptions:
+        """``options`` (or the defaults) with each keyword in ``given`` that is not None in its place: how
+        ``execute_refit(..., options=o, bucket_bytes=b)`` and the plugins' wrappers read their arguments.
+
+        Raises:
+            RefitInputError: ``options`` that is not an ExecuteOptions, or a value the executor cannot run.
+        """
+        if options is not None and not isinstance(options, ExecuteOptions):
+            raise RefitInputError(f"options={shown(options)}: expected a shardcore.ExecuteOptions")
+        names = {field.name for field in fields(cls)}
+        unknown = sorted(set(given) - names)
+        if unknown:
+            raise RefitInputError(f"{unknown[0]}: not an option of the executor ({', '.join(sorted(names))})")
+        chosen = {name: value for name, value in given.items() if value is not None}
+        return replace(options, **chosen) if options is not None else cls(**chosen)  # type: ignore[arg-type]
+
+
+def _checked_timeout(timeout: object) -> timedelta:
+    """``timeout`` as a timedelta (None: the default).
+
+    Raises:
+        RefitInputError: a timeout that is not positive seconds or a timedelta.
+    """
+    try:
+        return as_timedelta(timeout)
+    except ShardcoreError as error:
+        raise RefitInputError(str(error)) from None
+
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_MAX_OPS",
+    "MIN_BUCKET_BYTES",
+    "MIN_MAX_OPS",
+    "ExecuteOptions",
+    "Verify",
+]

@@ -1,0 +1,103 @@
+"""A refit between shards, described by value (``RefitRequest``): the one place its plan is built.
+
+``shardcore refit`` (and ``--check``), the live check's workers and the tests describe the refit they run with
+one request: the parent builds it from the flags and plans it once (every bad input fails there, before a
+process starts), then hands it to every worker, which plans the same refit from it again. Picklable and
+torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import RefitError
+from ..plan.arguments import shown
+from ..plan.layout import DEFAULT_ORDER, Layout, ShardPlan, plan_layout
+from .documents import model_manifest
+from .manifest import Manifest
+from .planner import DEFAULT_MIN_PIECE_BYTES, ShardRefitPlan, plan_refit, tensors_matching
+
+
+@dataclass(frozen=True)
+class RefitRequest:
+    """What to refit: the layout and its shards, the model, the planner's options, the tensors, the conversion.
+
+    Attributes:
+        model: A preset name, a manifest file (JSON/YAML), or a ``Manifest``.
+        shards: The layout's spec, e.g. ``'tp=4,role=train + tp=2'``.
+        src: The source shard's index.
+        dst: The destination shards' indices.
+        to_layout: The spec of another layout over the same world whose shards ``dst`` indexes (the
+            collocated two-layout case); None: ``dst`` indexes the shards of ``shards``.
+        order: How ranks map to coordinates in both layouts.
+        allow_idle: Whether ranks after the last shard may stay idle (in both layouts).
+        ranks_per_node, min_piece_bytes, fan_out: The planner's options (``plan_refit``).
+        tensors: Name patterns of a partial refit (``tensors_matching``); empty: every tensor.
+        to_dtype: The destination dtype of every floating tensor, or None for the manifest's own.
+        scale: With a ``float8_e4m3fn`` ``to_dtype``: ``block`` (the default) or ``tensor``.
+    """
+
+    model: str | Manifest
+    shards: str
+    src: int
+    dst: tuple[int, ...]
+    to_layout: str | None = None
+    order: str = DEFAULT_ORDER
+    allow_idle: bool = False
+    ranks_per_node: int | None = None
+    min_piece_bytes: int = DEFAULT_MIN_PIECE_BYTES
+    fan_out: bool = False
+    tensors: tuple[str, ...] = ()
+    to_dtype: str | None = None
+    scale: str | None = None
+
+    def manifest(self) -> Manifest:
+        """The model's manifest, converted as ``to_dtype`` and ``scale`` say.
+
+        Raises:
+            ManifestError: an unknown model, a bad manifest file, or a conversion the tensors cannot take.
+        """
+        manifest = self.model if isinstance(self.model, Manifest) else model_manifest(self.model)
+        return manifest if self.to_dtype is None else manifest.converted(self.to_dtype, self.scale)
+
+    def layout(self, world_size: int) -> Layout:
+        """The layout the source shard (and, without ``to_layout``, the destinations) belongs to.
+
+        Raises:
+            ShardcoreError: a bad spec or world size.
+        """
+        return plan_layout(world_size, self.shards, order=self.order, allow_idle=self.allow_idle)
+
+    def plan(self, world_size: int) -> ShardRefitPlan:
+        """The plan on a world of ``world_size`` ranks; every rank that plans the same request gets the same plan.
+
+        Raises:
+            RefitError: bad shard indices, planner options or tensor patterns.
+            ShardcoreError: a bad spec, model or conversion (a ``ManifestError`` where the model does not
+                split over a shard).
+        """
+        layout = self.layout(world_size)
+        targets: list[int | ShardPlan] = list(self.dst)
+        if self.to_layout is not None:
+            other = plan_layout(world_size, self.to_layout, order=self.order, allow_idle=self.allow_idle)
+            wrong = [index for index in self.dst if not 0 <= index < len(other.shards)]
+            if wrong:
+                raise RefitError(
+                    f"destination shard {shown(wrong[0])}: the destination layout {shown(self.to_layout)} has "
+                    f"shards 0 to {len(other.shards) - 1}"
+                )
+            targets = [other.shards[index] for index in self.dst]
+        manifest = self.manifest()
+        plan = plan_refit(
+            layout,
+            self.src,
+            targets,
+            manifest,
+            self.ranks_per_node,
+            min_piece_bytes=self.min_piece_bytes,
+            fan_out=self.fan_out,
+        )
+        return plan.subset(tensors_matching(manifest, self.tensors)) if self.tensors else plan
+
+
+__all__ = ["RefitRequest"]
