@@ -76,7 +76,8 @@ def check_machine(nproc: int) -> list[str]:
     """Refuse a world this machine cannot hold; return warnings for one it holds only slowly.
 
     Raises:
-        CheckError: ``nproc`` above ``local_limit``, naming the limit.
+        CheckError: ``nproc`` above ``local_limit``, or more processes than the available memory holds
+            (about MIB_PER_PROCESS each), naming the limit.
     """
     limit, why = local_limit()
     if nproc > limit:
@@ -84,17 +85,18 @@ def check_machine(nproc: int) -> list[str]:
             f"--nproc {nproc}: at most {limit} local processes here ({why}); plan bigger worlds with "
             f"`shardcore plan --world {nproc}`, or run check under torchrun across nodes"
         )
-    warnings = []
-    cores = os.cpu_count() or 1
-    if nproc > OVERSUBSCRIBED * cores:
-        warnings.append(f"{counted(nproc, 'process', 'processes')} on {counted(cores, 'core')}: expect minutes")
     available = _available_mib()
     if available is not None and nproc * MIB_PER_PROCESS > available:
-        warnings.append(
-            f"{counted(nproc, 'process', 'processes')} need about {nproc * MIB_PER_PROCESS / 1024:.1f} GiB "
-            f"(about {MIB_PER_PROCESS} MiB each) but {available / 1024:.1f} GiB is available"
+        raise CheckError(
+            f"--nproc {nproc}: {counted(nproc, 'process', 'processes')} need about "
+            f"{nproc * MIB_PER_PROCESS / 1024:.1f} GiB (about {MIB_PER_PROCESS} MiB each) but "
+            f"{available / 1024:.1f} GiB is available here; use at most {max(1, available // MIB_PER_PROCESS)}, "
+            "or run check under torchrun across nodes"
         )
-    return warnings
+    cores = os.cpu_count() or 1
+    if nproc > OVERSUBSCRIBED * cores:
+        return [f"{counted(nproc, 'process', 'processes')} on {counted(cores, 'core')}: expect minutes"]
+    return []
 
 
 def require_torch(command: str) -> None:
@@ -113,6 +115,13 @@ def torchrun_world() -> int | None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
     return None
+
+
+def speaks_for_the_world() -> bool:
+    """Whether this process prints what every rank would print alike (an error in the input, or one
+    the ranks agreed on): always when run alone; under torchrun, only the first process of each node
+    (``LOCAL_RANK`` 0), so a bad spec is one line, not one per rank."""
+    return torchrun_world() is None or os.environ.get("LOCAL_RANK", "0") == "0"
 
 
 class Progress:
@@ -278,6 +287,7 @@ __all__ = [
     "cmd_check",
     "local_limit",
     "require_torch",
+    "speaks_for_the_world",
     "summary",
     "torchrun_world",
 ]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..errors import ManifestError
-from ..plan.arguments import check_count, shown
+from ..plan.arguments import check_count, did_you_mean, shown
 from .manifest import MAX_ELEMENTS, Manifest, TensorSpec, check_dtype
 
 MAX_CONFIG_TENSORS = 1_000_000
@@ -282,6 +282,9 @@ PRESET_CONFIGS: dict[str, TransformerConfig] = {
         dense_layers=1,
         dtype="float32",
     ),
+    # Tiny, for fp8 block scales in tests and live checks: 128-wide heads and every tp-split size a multiple of
+    # 512, so each tp slice up to tp = 4 is whole 128x128 blocks (the two above split into 64-wide heads).
+    "tiny-fp8": TransformerConfig(layers=2, hidden=512, ffn=512, heads=4, kv_heads=4, vocab=512, dtype="bfloat16"),
 }
 PRESETS: tuple[str, ...] = tuple(PRESET_CONFIGS)
 """Preset model names, for ``preset`` and ``shardcore refit --model``."""
@@ -294,7 +297,8 @@ def preset(name: str) -> Manifest:
         ManifestError: unknown name, listing the presets.
     """
     if not isinstance(name, str) or name not in PRESET_CONFIGS:
-        raise ManifestError(f"unknown model preset {shown(name)}: presets are {', '.join(PRESETS)}")
+        hint = did_you_mean(name, PRESETS) if isinstance(name, str) else ""
+        raise ManifestError(f"unknown model preset {shown(name)}: presets are {', '.join(PRESETS)}{hint}")
     return manifest_from_config(PRESET_CONFIGS[name], name=name)
 
 

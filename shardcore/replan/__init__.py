@@ -29,7 +29,7 @@ from __future__ import annotations
 from .copies import Copies, MissingCopy, RestoreSources, SurvivingCopy
 from .fate import GroupFate, RankMove, holdings_key
 from .options import Proposal
-from .renumbering import Renumbering, format_ranks
+from .renumbering import Renumbering, format_ranks, named_ranks
 from .replan import ReplanOption, ReplanResult, replan
 from .request import ReplanRequest
 from .restore import restore_plan
@@ -48,6 +48,7 @@ __all__ = [
     "SurvivingCopy",
     "format_ranks",
     "holdings_key",
+    "named_ranks",
     "replan",
     "restore_plan",
 ]
