@@ -235,7 +235,7 @@ def _check(args: argparse.Namespace) -> int:
         reports = refit_check.run_local(args.world, options, Progress(args.world, args.verbose, args.quiet))
     if reports is None:
         return 0
-    rows = check_rows(reports, plan)
+    rows = _check_rows(reports, plan)
     ok = all(row["ok"] for row in rows)
     if args.json:
         print(json.dumps(_check_document(plan, execute, rows), indent=2))
@@ -260,7 +260,7 @@ def _check_header(plan: ShardRefitPlan, execute: ExecuteOptions, world: int, joi
     )
 
 
-def check_rows(reports: list[RefitReport], plan: ShardRefitPlan) -> list[dict[str, Any]]:
+def _check_rows(reports: list[RefitReport], plan: ShardRefitPlan) -> list[dict[str, Any]]:
     """Per destination shard: its ranks, the bytes its ranks received and copied, the slowest rank's seconds,
     the tensors that differ, and whether every rank of it reported and matched."""
     rows = []
