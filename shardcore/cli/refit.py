@@ -193,11 +193,11 @@ def _execute_options(args: argparse.Namespace) -> ExecuteOptions:
     """
     flags = {"bucket_bytes": "--bucket-bytes", "max_ops": "--max-ops", "version": "--refit-version"}
     try:
-        return ExecuteOptions(
+        return ExecuteOptions.merged(  # a flag not given (None) keeps the executor's default
             timeout=args.timeout,
-            bucket_bytes=DEFAULT_BUCKET_BYTES if args.bucket_bytes is None else args.bucket_bytes,
-            max_ops=DEFAULT_MAX_OPS if args.max_ops is None else args.max_ops,
-            verify=args.verify or Verify.SIZE.value,
+            bucket_bytes=args.bucket_bytes,
+            max_ops=args.max_ops,
+            verify=args.verify,
             version=args.refit_version,
         )
     except RefitInputError as error:
