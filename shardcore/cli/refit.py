@@ -193,11 +193,11 @@ def _execute_options(args: argparse.Namespace) -> ExecuteOptions:
     """
     flags = {"bucket_bytes": "--bucket-bytes", "max_ops": "--max-ops", "version": "--refit-version"}
     try:
-        return ExecuteOptions(
+        return ExecuteOptions.merged(  # a flag not given (None) keeps the executor's default
             timeout=args.timeout,
-            bucket_bytes=DEFAULT_BUCKET_BYTES if args.bucket_bytes is None else args.bucket_bytes,
-            max_ops=DEFAULT_MAX_OPS if args.max_ops is None else args.max_ops,
-            verify=args.verify or Verify.SIZE.value,
+            bucket_bytes=args.bucket_bytes,
+            max_ops=args.max_ops,
+            verify=args.verify,
             version=args.refit_version,
         )
     except RefitInputError as error:
@@ -235,7 +235,7 @@ def _check(args: argparse.Namespace) -> int:
         reports = refit_check.run_local(args.world, options, Progress(args.world, args.verbose, args.quiet))
     if reports is None:
         return 0
-    rows = check_rows(reports, plan)
+    rows = _check_rows(reports, plan)
     ok = all(row["ok"] for row in rows)
     if args.json:
         print(json.dumps(_check_document(plan, execute, rows), indent=2))
@@ -260,7 +260,7 @@ def _check_header(plan: ShardRefitPlan, execute: ExecuteOptions, world: int, joi
     )
 
 
-def check_rows(reports: list[RefitReport], plan: ShardRefitPlan) -> list[dict[str, Any]]:
+def _check_rows(reports: list[RefitReport], plan: ShardRefitPlan) -> list[dict[str, Any]]:
     """Per destination shard: its ranks, the bytes its ranks received and copied, the slowest rank's seconds,
     the tensors that differ, and whether every rank of it reported and matched."""
     rows = []
