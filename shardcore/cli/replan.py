@@ -9,10 +9,10 @@ from bisect import bisect_left
 from typing import Any
 
 from ..errors import LayoutError
-from ..plan.arguments import format_bytes
+from ..plan.arguments import counted, format_bytes
 from ..plan.layout import plan_layout
 from ..refit.documents import model_manifest
-from ..replan import ReplanOption, ReplanResult, format_ranks, replan
+from ..replan import ReplanOption, ReplanResult, format_ranks, named_ranks, replan
 from ..views.picture import DEFAULT_RANKS_PER_NODE, render_svg
 from ..views.tables import format_table
 from .arguments import POSITIVE_INT, add_allow_idle_flag, add_order_flag, add_timeout_flag
@@ -57,12 +57,12 @@ def _lost_line(result: ReplanResult, ranks_per_node: int | None) -> str:
             for node in sorted({rank // ranks_per_node for rank in lost})
             if all(r in gone for r in range(node * ranks_per_node, min((node + 1) * ranks_per_node, old.world_size)))
         ]
-        nodes = f" (whole node{'s' if len(whole) > 1 else ''} {format_ranks(whole)})" if whole else ""
-    gained = f", {base.added} ranks added" if base.added else ""
-    what = f"losing ranks {format_ranks(lost)}{nodes}: {where}" if lost else "no loss"
+        nodes = f" (whole {named_ranks(whole, 'node')})" if whole else ""
+    gained = f", {counted(base.added, 'rank')} added" if base.added else ""
+    what = f"losing {named_ranks(lost)}{nodes}: {where}" if lost else "no loss"
     return (
         f"replan {result.manifest.name} on a world of {old.world_size} after {what}{gained}; "
-        f"{len(result.options)} options in {result.seconds:.2f} s"
+        f"{counted(len(result.options), 'option')} in {result.seconds:.2f} s"
     )
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import CheckError
 from ..plan.arguments import counted, format_bytes
-from ..replan import ReplanOption, format_ranks
+from ..replan import ReplanOption, format_ranks, named_ranks
 from ..views.tables import format_table
 from .check import TORCH_HINT, Progress, check_machine
 
@@ -107,8 +107,8 @@ def run_restore_check(args: argparse.Namespace, lost: list[int], keep: list[int]
     option = restore_check.choose_option(options)  # bad input and missing copies fail here, before any start
     gone = option.renumbering.gone
     print(
-        f"replan --check: {counted(args.world, 'local process', 'local processes')}, losing ranks "
-        f"{format_ranks(lost)}; option {args.option} ({option.kind}): "
+        f"replan --check: {counted(args.world, 'local process', 'local processes')}, losing "
+        f"{named_ranks(lost)}; option {args.option} ({option.kind}): "
         f"{' + '.join(str(plan.spec) for plan in option.layout.shards)} on {counted(option.layout.world_size, 'rank')}"
         f"{'' if gone == tuple(lost) else f' (released too: {format_ranks(option.renumbering.released)})'}"
         f"{'; the world starts on gloo that can shrink' if args.shrink else ''}",

@@ -26,7 +26,7 @@ from __future__ import annotations
 from .copies import Copies, MissingCopy, RestoreSources, SurvivingCopy
 from .fate import GroupFate, RankMove, holdings_key
 from .options import Proposal
-from .renumbering import Renumbering, format_ranks
+from .renumbering import Renumbering, format_ranks, named_ranks
 from .replan import ReplanOption, ReplanResult, replan
 from .restore import restore_plan
 
@@ -43,6 +43,7 @@ __all__ = [
     "SurvivingCopy",
     "format_ranks",
     "holdings_key",
+    "named_ranks",
     "replan",
     "restore_plan",
 ]

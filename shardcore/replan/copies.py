@@ -28,7 +28,7 @@ from ..refit.placement import (
     tp_size,
 )
 from .fate import holdings_key
-from .renumbering import Renumbering, format_ranks
+from .renumbering import Renumbering, format_ranks, named_ranks
 
 Interval = tuple[int, int]
 """[start, stop) along a tensor's split dim (the whole dim for an unsplit tensor)."""
@@ -85,7 +85,7 @@ class MissingCopy:
         """One line: the tensor, the part and the ranks that held it."""
         box = "[" + ", ".join(f"{a}:{b}" for a, b in self.box) + "]"
         released = f"; released by this option: {format_ranks(self.released)}" if self.released else ""
-        return f"{self.tensor} {box}: no surviving copy; held only by lost ranks {format_ranks(self.lost)}{released}"
+        return f"{self.tensor} {box}: no surviving copy; held only by lost {named_ranks(self.lost)}{released}"
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -32,6 +32,11 @@ def format_ranks(ranks: Iterable[int], limit: int = 8) -> str:
     return ", ".join(shown) + more if shown else "none"
 
 
+def named_ranks(ranks: Collection[int], noun: str = "rank") -> str:
+    """``rank 1``, ``ranks 1-2, 5``, ``node 3``: ``format_ranks`` after the noun, singular for one."""
+    return f"{noun if len(set(ranks)) == 1 else noun + 's'} {format_ranks(ranks)}"
+
+
 @dataclass(frozen=True)
 class Renumbering:
     """How the old world's ranks map into the new world.
@@ -118,4 +123,4 @@ class Renumbering:
         return Renumbering(self.old_world, self.lost, tuple(sorted(released)), self.added)
 
 
-__all__ = ["Renumbering", "format_ranks", "ranges"]
+__all__ = ["Renumbering", "format_ranks", "named_ranks", "ranges"]

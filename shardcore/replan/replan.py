@@ -27,7 +27,7 @@ from ..refit.placement import check_fits, expert_range
 from .copies import Copies, MissingCopy, RestoreSources
 from .fate import GroupFate, RankMove, group_fates, rank_moves
 from .options import Constraints, Proposal, proposals
-from .renumbering import Renumbering, format_ranks
+from .renumbering import Renumbering, named_ranks
 
 
 @dataclass(frozen=True)
@@ -269,7 +269,7 @@ def _no_layout(
     if short > 0:
         more = "1 more rank" if short == 1 else f"{short} more ranks"
         nearest.append(f"with {more} (world_size {base.new_world + short}) every shard keeps its spec")
-    what = f"losing ranks {format_ranks(base.lost)}" if base.lost else f"a world of {base.new_world}"
+    what = f"losing {named_ranks(base.lost)}" if base.lost else f"a world of {base.new_world}"
     reasons = "; ".join(failed[:4])
     closest = "; nearest: " + "; or ".join(nearest) if nearest else ""
     return NoLayoutError(f"no layout survives {what}: {reasons}{closest}")

@@ -86,3 +86,11 @@ def test_bad_input_is_one_line(capsys: pytest.CaptureFixture[str], extra: tuple[
     code, out, err = _run(capsys, *BASE, *extra)
     assert code == 2 and out == ""
     assert err.startswith("shardcore: error: ") and message in err and err.count("\n") == 1
+
+
+def test_one_lost_rank_and_one_option_read_in_the_singular(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ("replan", "--world", "6", "--allow-idle", "--shards", "tp=2,pp=2,role=train+tp=2,role=prefill")
+    code, out, _ = _run(capsys, *argv, "--lost", "1", "--model", "tiny-dense")
+    assert code == 0
+    assert out.splitlines()[0].startswith("replan tiny-dense on a world of 6 after losing rank 1: 1 of shard 0")
+    assert "; 1 option in " in out.splitlines()[0]

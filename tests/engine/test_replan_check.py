@@ -26,7 +26,7 @@ def test_a_loss_with_a_release_is_checked_on_the_survivors() -> None:
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("replan --check: 8 local processes, losing ranks 6; option 1 (shrink)")
+    assert lines[0].startswith("replan --check: 8 local processes, losing rank 6; option 1 (shrink)")
     assert "(released too: 7)" in lines[0]
     assert lines[1].startswith("survivors: 6 ranks of 8 formed a new world; its store: the old store, under ")
     rows = [line.split() for line in lines[3:5]]
