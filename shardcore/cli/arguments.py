@@ -4,6 +4,7 @@ flags several commands share (declared here once, so their type, default and hel
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -21,12 +22,18 @@ DEFAULT_NPROC = 8
 """Local gloo processes a live check starts when --nproc is not given."""
 
 
+ERROR = "shardcore: error:"
+"""How every error line of the command starts, argparse's usage errors too (argparse's own
+prefix names the subcommand: ``shardcore plan: error:``)."""
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse's parser, with its own errors cut short: argparse repeats what was typed in full
-    (``invalid choice: '...'``, ``unrecognized arguments: ...``), however long it is."""
+    """argparse's parser, with its own errors cut short (argparse repeats what was typed in full:
+    ``invalid choice: '...'``, ``unrecognized arguments: ...``) and prefixed as every other error."""
 
     def error(self, message: str) -> NoReturn:
-        super().error(clipped(message, 2 * MAX_SHOWN))  # its end lists the choices
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{ERROR} {clipped(message, 2 * MAX_SHOWN)}\n")  # its end lists the choices
 
 
 def _short(text: str) -> str:
@@ -107,6 +114,7 @@ def add_timeout_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, 
 __all__ = [
     "ALLOW_IDLE_HELP",
     "DEFAULT_NPROC",
+    "ERROR",
     "NON_NEGATIVE_INT",
     "ORDER_HELP",
     "POSITIVE_INT",

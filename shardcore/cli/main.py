@@ -22,6 +22,7 @@ from ..plan.topology import TOPOLOGY_GROUPS, check_topology
 from ..views.picture import DEFAULT_RANKS_PER_NODE, draws_ranks, render_svg
 from ..views.tables import format_table, layout_table, rank_table, shown_groups
 from .arguments import (
+    ERROR,
     NON_NEGATIVE_INT,
     POSITIVE_INT,
     Parser,
@@ -69,7 +70,7 @@ def _write_plan_svg(args: argparse.Namespace, layout: Layout) -> bool:
             file.write(text)
     except OSError as error:
         print(
-            f"shardcore: error: cannot write {shown_path(args.svg)}: {error.strerror or type(error).__name__}",
+            f"{ERROR} cannot write {shown_path(args.svg)}: {error.strerror or type(error).__name__}",
             file=sys.stderr,
         )
         return False
@@ -113,7 +114,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     """The ``plan`` subcommand: 1 when ``--strict`` finds a group crossing nodes, 2 on a usage error."""
     usage = _plan_usage_error(args)
     if usage:
-        print(f"shardcore: error: {usage}", file=sys.stderr)
+        print(f"{ERROR} {usage}", file=sys.stderr)
         return 2
     layout = plan_layout(
         args.world, args.shards, order=args.order, rank_offset=args.rank_offset, allow_idle=args.allow_idle
@@ -269,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return int(args.func(args))
         except ShardcoreError as error:
-            print(f"shardcore: error: {error}", file=sys.stderr)
+            print(f"{ERROR} {error}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
             print("shardcore: interrupted", file=sys.stderr)
@@ -280,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.verbose:
                 traceback.print_exc()
             hint = "" if args.verbose else " (run with -v for the traceback)"
-            print(f"shardcore: error: {type(error).__name__}: {clipped(str(error))}{hint}", file=sys.stderr)
+            print(f"{ERROR} {type(error).__name__}: {clipped(str(error))}{hint}", file=sys.stderr)
             return 1
 
 

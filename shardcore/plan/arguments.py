@@ -8,6 +8,7 @@ digits)`` from printing a huge integer). Torch-free: the plan, the engine and th
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 import reprlib
@@ -114,6 +115,15 @@ _short = _Short()
 def counted(count: int, singular: str, plural: str | None = None) -> str:
     """``1 rank``, ``2 ranks``, ``1 process``, ``4 processes``."""
     return f"{count} {singular if count == 1 else plural or singular + 's'}"
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """``; did you mean 'tiny-moe'?`` for the choice closest to ``word`` (any case), or '' when none is close."""
+    if len(word) > MAX_SHOWN:  # no name is that long, and difflib's cost grows with it
+        return ""
+    by_lower = {choice.lower(): choice for choice in choices}
+    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1, cutoff=0.6)
+    return f"; did you mean {by_lower[close[0]]!r}?" if close else ""
 
 
 def shown(value: object) -> str:
@@ -294,6 +304,7 @@ __all__ = [
     "check_size",
     "clipped",
     "counted",
+    "did_you_mean",
     "format_bytes",
     "number_or_long",
     "shown",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -20,6 +21,9 @@ KEYS = (*INT_KEYS, "role", "name")
 ROLES = ("train", "prefill", "decode")
 _NAME_FORBIDDEN = set("+;,=")
 _FLAT = "a shard list is a flat list of mappings"
+_GRAMMAR_SEPARATORS = re.compile(r"[+;,]")
+_MISTYPED_COLON = re.compile(r"(^|[+;,])\s*([a-z_]+)\s*:\s*")
+_DOCUMENT_SUFFIXES = (".json", ".yaml", ".yml", ".txt")
 MAX_SPEC_FILE_BYTES = 1 << 20
 """A shard file is a few lines; a bigger one (or /dev/zero) is a mistake, not a layout."""
 
@@ -220,8 +224,27 @@ def _parse_grammar(text: str, first: int) -> list[ShardSpec]:
     return specs
 
 
+def _misspelled_grammar(text: str) -> str | None:
+    """Why ``text`` is the grammar mistyped, or None: ``tp:2,pp:2`` (``:`` for ``=``, which no JSON or YAML
+    document reads as shards) or ``spec.json`` (a file named without its ``@``)."""
+    items = [item.strip() for item in _GRAMMAR_SEPARATORS.split(text) if item.strip()]
+    colons = [(key.strip(), value.strip()) for key, _, value in (item.partition(":") for item in items)]
+    # 'tp: 2' alone is YAML's one-shard mapping; 'tp:2' and 'tp: 2, pp: 2' are no document of shards
+    spaced = len(items) == 1 and " " in items[0]
+    if colons and "\n" not in text and not spaced and all(key in KEYS and value for key, value in colons):
+        fixed = _MISTYPED_COLON.sub(r"\1\2=", text)
+        return f"bad entry {shown(items[0])}: write key=value, e.g. {shown(fixed)} (':' is for JSON or YAML)"
+    named = len(items) == 1 and not set("=: ") & set(items[0])
+    if named and (Path(items[0]).suffix in _DOCUMENT_SUFFIXES or os.path.isfile(items[0])):
+        return f"{shown(items[0])} looks like a file: give a spec file as @{items[0]}"
+    return None
+
+
 def _parse_text(text: str, source: str) -> list[ShardSpec]:
     stripped = text.strip()
+    mistyped = _misspelled_grammar(stripped)
+    if mistyped:
+        raise ShardSpecError(mistyped)
     # A document starts like a list, a mapping or a comment, or has ':' and no '=' (grammar never
     # has ':' without '='; a shard name may hold ':').
     if stripped[:1] in ("[", "{", "-", "#") or (":" in stripped and "=" not in stripped):

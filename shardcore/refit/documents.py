@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ManifestError
-from ..plan.arguments import shown
+from ..plan.arguments import did_you_mean, shown
 from ..plan.loading import load_document, read_text, shown_path
 from .manifest import CONVERTIBLE, SCALED, Manifest, TensorSpec, check_conversion, check_dtype, tensor_label
 from .models import PRESET_CONFIGS, PRESETS, TransformerConfig, manifest_from_config, preset
@@ -155,7 +155,8 @@ def model_manifest(model: str) -> Manifest:
     try:
         text = read_text(path, "manifest", MAX_MANIFEST_BYTES, ManifestError, _FILE)
     except ManifestError as error:
-        raise ManifestError(f"{error}, or name a preset: {', '.join(PRESETS)}") from None
+        hint = "" if os.path.exists(path) else did_you_mean(str(model), PRESETS)
+        raise ManifestError(f"{error}, or name a preset: {', '.join(PRESETS)}{hint}") from None
     return _from_text(text, path)
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..errors import ManifestError
-from ..plan.arguments import check_count, shown
+from ..plan.arguments import check_count, did_you_mean, shown
 from .manifest import MAX_ELEMENTS, Manifest, TensorSpec, check_dtype
 
 MAX_CONFIG_TENSORS = 1_000_000
@@ -294,7 +294,8 @@ def preset(name: str) -> Manifest:
         ManifestError: unknown name, listing the presets.
     """
     if not isinstance(name, str) or name not in PRESET_CONFIGS:
-        raise ManifestError(f"unknown model preset {shown(name)}: presets are {', '.join(PRESETS)}")
+        hint = did_you_mean(name, PRESETS) if isinstance(name, str) else ""
+        raise ManifestError(f"unknown model preset {shown(name)}: presets are {', '.join(PRESETS)}{hint}")
     return manifest_from_config(PRESET_CONFIGS[name], name=name)
 
 

@@ -237,3 +237,47 @@ def test_counts_are_singular_for_one() -> None:
 
     assert [counted(1, "rank"), counted(2, "rank")] == ["1 rank", "2 ranks"]
     assert [counted(1, "process", "processes"), counted(3, "process", "processes")] == ["1 process", "3 processes"]
+
+
+@pytest.mark.parametrize(
+    ("shards", "hint"),
+    [
+        ("tp:2,pp:2", "bad entry 'tp:2': write key=value, e.g. 'tp=2,pp=2' (':' is for JSON or YAML)"),
+        ("tp: 2, pp: 2+tp:4", "e.g. 'tp=2,pp=2+tp=4'"),
+        ("spec.json", "'spec.json' looks like a file: give a spec file as @spec.json"),
+    ],
+)
+def test_a_mistyped_spec_gets_the_fix_it_needs(capsys: pytest.CaptureFixture[str], shards: str, hint: str) -> None:
+    code, out, err = _run(capsys, "plan", "--world", "8", "--allow-idle", "--shards", shards)
+    assert code == 2 and out == ""
+    assert hint in err and "PyYAML" not in err and "JSON nor YAML" not in err, err
+
+
+def test_a_spec_file_named_without_its_at_sign(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    spec = tmp_path / "layout"
+    spec.write_text("tp=2\n")
+    code, _, err = _run(capsys, "plan", "--world", "2", "--shards", str(spec))
+    assert code == 2 and f"give a spec file as @{spec}" in err
+    assert _run(capsys, "plan", "--world", "2", "--shards", f"@{spec}")[0] == 0
+
+
+def test_yaml_documents_with_colons_still_parse(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("yaml")
+    for shards in ("tp: 2", "name: a.json", '{"tp": 2}'):
+        assert _run(capsys, "plan", "--world", "2", "--allow-idle", "--shards", shards)[0] == 0, shards
+
+
+def test_a_near_miss_model_is_told_the_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ("refit", "--world", "8", "--shards", "tp=4,role=train+tp=4", "--from", "0", "--to", "1")
+    code, _, err = _run(capsys, *argv, "--model", "tiny-mo")
+    assert code == 2 and "did you mean 'tiny-moe'?" in err
+
+
+def test_every_error_has_one_prefix(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["plan", "--world", "x", "--shards", "tp=2"])
+    usage_error = capsys.readouterr().err.splitlines()[-1]
+    code, _, spec_error = _run(capsys, "plan", "--world", "8", "--shards", "tp=3")
+    assert code == 2
+    assert usage_error.startswith("shardcore: error: argument --world: x is not")
+    assert spec_error.startswith("shardcore: error: ")

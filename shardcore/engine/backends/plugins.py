@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,7 +10,7 @@ from importlib.metadata import entry_points
 import pluggy
 
 from ...errors import BackendNotFoundError, BackendUnavailableError, LayoutError
-from ...plan.arguments import shown
+from ...plan.arguments import did_you_mean, shown
 from . import hookspecs
 from .backend import Backend
 
@@ -152,9 +151,7 @@ def _not_found(chosen: str, from_env: bool) -> str:
     listing = f"installed: {', '.join(installed)}" if installed else "no backend is installed"
     if chosen in SHIPPED_BACKENDS:
         return f"backend {shown(chosen)}{where} is not installed ({listing}): {install_hint(chosen)}"
-    by_lower = {name.lower(): name for name in [*installed, *SHIPPED_BACKENDS]}
-    close = difflib.get_close_matches(chosen.lower(), list(by_lower), n=1, cutoff=0.6)
-    hint = f"; did you mean {by_lower[close[0]]!r}?" if close else ""
+    hint = did_you_mean(chosen, [*installed, *SHIPPED_BACKENDS])
     fix = f"set {BACKEND_ENV} to an installed name" if from_env else "choose an installed name"
     return f"no backend named {shown(chosen)}{where}; {listing}{hint} ({fix})"
 
