@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from .groups.strategy import Strategy
     from .groups.window import Window, window_of
     from .survivors import SurvivorWorld, form_survivor_world
-    from .torch_state import live_group_count
+    from .torch_state import import_torch, live_group_count
     from .transfer.execute import (
         DEFAULT_BUCKET_BYTES,
         DEFAULT_MAX_OPS,
@@ -77,6 +77,7 @@ _LAZY: dict[str, str] = {
     "get_backend": ".backends.plugins",
     "held_version": ".transfer.execute",
     "hookimpl": ".backends.hookspecs",
+    "import_torch": ".torch_state",
     "install_hint": ".backends.plugins",
     "list_backends": ".backends.plugins",
     "live_group_count": ".torch_state",
@@ -126,6 +127,7 @@ __all__ = [
     "get_backend",
     "held_version",
     "hookimpl",
+    "import_torch",
     "install_hint",
     "list_backends",
     "live_group_count",

@@ -11,7 +11,7 @@ from math import prod
 from typing import Any
 
 from shardcore import GroupCreationError, LayoutError
-from shardcore.engine import comm_backend, device_type
+from shardcore.engine import comm_backend, device_type, import_torch
 from shardcore.plan import MAX_WORLD_SIZE, check_count, check_flag, shown
 
 
@@ -44,7 +44,7 @@ def ensure_distributed_initialized(
         check_count("world_size", world_size)
     if rank is not None:
         check_count("rank", rank, minimum=0, maximum=(world_size or MAX_WORLD_SIZE) - 1)
-    import torch
+    torch = import_torch()  # shardcore's guard: without numpy, torch's import warns about it on every rank
     import torch.distributed as dist
 
     if not dist.is_available():

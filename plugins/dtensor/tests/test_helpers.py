@@ -50,6 +50,24 @@ def test_ensure_distributed_initialized_starts_a_single_process_world() -> None:
     assert result.stdout.split() == ["True", "False", "gloo"], result.stderr
 
 
+def test_ensure_distributed_initialized_prints_no_numpy_warning() -> None:
+    """torch's CPU wheel has no numpy, and importing torch warns "Failed to initialize NumPy" when it
+    builds its first CPU tensor; the helper imports torch through shardcore's guard, which silences it."""
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("numpy is installed: torch has nothing to warn about")
+    code = (
+        "from shardcore_dtensor import ensure_distributed_initialized as e; assert e(rank=0, world_size=1);"
+        "import torch.distributed as dist; dist.destroy_process_group()"
+    )
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0 and "NumPy" not in result.stderr, result.stderr
+
+
 HUGE = 10**5000
 
 
