@@ -115,6 +115,13 @@ def torchrun_world() -> int | None:
     return None
 
 
+def speaks_for_the_world() -> bool:
+    """Whether this process prints what every rank would print alike (an error in the input, or one
+    the ranks agreed on): always when run alone; under torchrun, only the first process of each node
+    (``LOCAL_RANK`` 0), so a bad spec is one line, not one per rank."""
+    return torchrun_world() is None or os.environ.get("LOCAL_RANK", "0") == "0"
+
+
 class Progress:
     """Progress lines on stderr: per stage, ranks done of N with the time since start.
 
@@ -278,6 +285,7 @@ __all__ = [
     "cmd_check",
     "local_limit",
     "require_torch",
+    "speaks_for_the_world",
     "summary",
     "torchrun_world",
 ]

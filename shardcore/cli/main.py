@@ -31,9 +31,12 @@ from .arguments import (
     add_order_flag,
     add_timeout_flag,
 )
-from .check import cmd_check
+from .check import cmd_check, speaks_for_the_world
 from .refit import add_refit_parser
 from .replan import add_replan_parser
+
+TORCH_LOG_LEVEL_ENV = "TORCH_CPP_LOG_LEVEL"
+"""torch's C++ log level (INFO, WARNING, ERROR, FATAL), read once when torch loads."""
 
 if TYPE_CHECKING:
     from ..plan.layout import Layout
@@ -260,17 +263,29 @@ def _quiet_broken_pipe() -> int:
     return 141
 
 
+def _quiet_torch_logs(verbose: bool) -> None:
+    """Keep torch's C++ log lines off the terminal unless ``-v``: a store connection that timed out and was
+    retried (``check --timeout 0.5`` on a busy machine) prints a C++ stack trace from every rank, though the
+    command goes on and reports every real failure itself as one line. c10 reads the level once, when torch
+    loads, so it is set here, before any import of torch in this process or its spawned workers (they
+    inherit it); a level the user set is kept."""
+    if not verbose:
+        os.environ.setdefault(TORCH_LOG_LEVEL_ENV, "FATAL")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``shardcore`` command; returns the exit status (2: bad input, 130: interrupted)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(message)s", level=logging.INFO if args.verbose else logging.WARNING)
+    _quiet_torch_logs(args.verbose)
     with warnings.catch_warnings():
         warnings.showwarning = _one_line_warning
         try:
             return int(args.func(args))
         except ShardcoreError as error:
-            print(f"{ERROR} {error}", file=sys.stderr)
+            if speaks_for_the_world():
+                print(f"{ERROR} {error}", file=sys.stderr)
             return 2
         except KeyboardInterrupt:
             print("shardcore: interrupted", file=sys.stderr)

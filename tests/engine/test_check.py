@@ -60,6 +60,24 @@ FAILING_PLUGIN = textwrap.dedent(
     """
 )
 
+SLOW_STORE_CONNECT = textwrap.dedent(
+    """
+    import os
+
+    with open(f"/proc/{os.getppid()}/cmdline", "rb") as parent:
+        worker = b"shardcore\\0check" in parent.read()
+    if worker:  # a worker of the check: a store connection that times out, as on a busy machine
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        try:
+            dist.TCPStore("127.0.0.1", 1, is_master=False, timeout=timedelta(seconds=0.5))
+        except Exception:
+            pass
+    """
+)
+
 CASES = [
     ("tp=2,role=train+tp=1,dp=2,role=decode", 4, []),
     ("tp=2,pp=2", 5, ["--allow-idle", "--strategy", "world", "--order", "tp-cp-pp-dp"]),
@@ -250,3 +268,22 @@ def test_the_header_names_the_backend_actually_used(monkeypatch: pytest.MonkeyPa
     assert (prepared.backend, prepared.backend_source) == ("toy", "$SHARDCORE_BACKEND")
     assert "backend toy (from $SHARDCORE_BACKEND)" in _header(prepared, options, "1 local gloo process")
     assert prepare(CheckOptions(shards="tp=2", backend="dtensor"), 2).backend_source == "--backend"
+
+
+def test_a_store_connection_that_times_out_prints_no_cpp_stack(tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text(SLOW_STORE_CONNECT)
+    argv = [sys.executable, "-m", "shardcore", "check", "--nproc", "2", "--shards", "tp=2", "--timeout", "30"]
+    result = subprocess.run(argv, capture_output=True, text=True, env=_env(tmp_path), timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert "frame #" not in result.stderr and "socket.cpp" not in result.stderr, result.stderr
+    verbose = subprocess.run([*argv, "-v"], capture_output=True, text=True, env=_env(tmp_path), timeout=300, cwd=ROOT)
+    assert "socket.cpp" in verbose.stderr  # the connections really timed out; -v shows torch's own lines
+
+
+def test_under_torchrun_a_bad_spec_is_one_line_not_one_per_rank() -> None:
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
+    argv += ["-m", "shardcore", "check", "--shards", "tp=2,pp=2"]
+    result = subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "shardcore: error:" in line]
+    assert len(errors) == 1 and "tp=2,pp=2" in errors[0] and "the world has 3" in errors[0], result.stderr
