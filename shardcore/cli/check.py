@@ -76,7 +76,8 @@ def check_machine(nproc: int) -> list[str]:
     """Refuse a world this machine cannot hold; return warnings for one it holds only slowly.
 
     Raises:
-        CheckError: ``nproc`` above ``local_limit``, naming the limit.
+        CheckError: ``nproc`` above ``local_limit``, or more processes than the available memory holds
+            (about MIB_PER_PROCESS each), naming the limit.
     """
     limit, why = local_limit()
     if nproc > limit:
@@ -84,17 +85,18 @@ def check_machine(nproc: int) -> list[str]:
             f"--nproc {nproc}: at most {limit} local processes here ({why}); plan bigger worlds with "
             f"`shardcore plan --world {nproc}`, or run check under torchrun across nodes"
         )
-    warnings = []
-    cores = os.cpu_count() or 1
-    if nproc > OVERSUBSCRIBED * cores:
-        warnings.append(f"{counted(nproc, 'process', 'processes')} on {counted(cores, 'core')}: expect minutes")
     available = _available_mib()
     if available is not None and nproc * MIB_PER_PROCESS > available:
-        warnings.append(
-            f"{counted(nproc, 'process', 'processes')} need about {nproc * MIB_PER_PROCESS / 1024:.1f} GiB "
-            f"(about {MIB_PER_PROCESS} MiB each) but {available / 1024:.1f} GiB is available"
+        raise CheckError(
+            f"--nproc {nproc}: {counted(nproc, 'process', 'processes')} need about "
+            f"{nproc * MIB_PER_PROCESS / 1024:.1f} GiB (about {MIB_PER_PROCESS} MiB each) but "
+            f"{available / 1024:.1f} GiB is available here; use at most {max(1, available // MIB_PER_PROCESS)}, "
+            "or run check under torchrun across nodes"
         )
-    return warnings
+    cores = os.cpu_count() or 1
+    if nproc > OVERSUBSCRIBED * cores:
+        return [f"{counted(nproc, 'process', 'processes')} on {counted(cores, 'core')}: expect minutes"]
+    return []
 
 
 def require_torch(command: str) -> None:

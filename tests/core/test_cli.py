@@ -182,6 +182,19 @@ def test_a_huge_nproc_is_refused_with_the_limit() -> None:
     assert why
 
 
+def test_more_processes_than_the_memory_holds_are_refused() -> None:
+    from shardcore.cli.check import MIB_PER_PROCESS, CheckError, _available_mib, check_machine, local_limit
+
+    available = _available_mib()
+    if available is None:
+        pytest.skip("no /proc/meminfo here")
+    too_many = available // MIB_PER_PROCESS + 1
+    if too_many > local_limit()[0]:
+        pytest.skip("this machine's process limit is below what its memory holds")
+    with pytest.raises(CheckError, match=rf"--nproc {too_many}: {too_many} processes need about .* GiB is available"):
+        check_machine(too_many)
+
+
 def test_many_processes_per_core_warn() -> None:
     import os
 
