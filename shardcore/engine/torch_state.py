@@ -38,6 +38,7 @@ import queue
 import re
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable
 from functools import cache
@@ -70,6 +71,8 @@ class _Import:
     """The outcome of this process's one attempt to import torch through the guard."""
 
     failure: BackendUnavailableError | None = None
+    seconds: float = 0.0
+    """How long the import took (0 when torch was already imported when the guard was first called)."""
 
 
 def autoloaded_extensions() -> list[str]:
@@ -117,6 +120,7 @@ def import_torch() -> ModuleType:
         return module
     if _Import.failure is not None:
         raise _Import.failure
+    started = time.perf_counter()
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
@@ -127,7 +131,14 @@ def import_torch() -> ModuleType:
             raise
         _Import.failure = failure
         raise failure from None
+    _Import.seconds = time.perf_counter() - started
     return torch
+
+
+def torch_import_seconds() -> float:
+    """Seconds this process spent importing torch through ``import_torch`` (0 when something else imported it
+    first): most of a live check's start-up, which a worker reports as its import time."""
+    return _Import.seconds
 
 
 def check_torch_imports() -> None:
@@ -465,6 +476,7 @@ __all__ = [
     "store_call",
     "store_host",
     "store_in_background",
+    "torch_import_seconds",
     "torchcomms_enabled",
     "world_token",
 ]

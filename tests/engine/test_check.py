@@ -128,6 +128,7 @@ def _assert_checked(result: subprocess.CompletedProcess[str], spec: str, world: 
     verified = [int(row[-5]) for row in rows]
     assert verified == _expected_verified(spec, world, flags)
     assert all(row[-1] == "ok" for row in rows)
+    assert all(float(row[-4]) > 0 for row in rows)  # import s: every rank imported torch
 
 
 @pytest.mark.parametrize(("spec", "world", "flags"), CASES)

@@ -21,6 +21,7 @@ from ...plan.arguments import as_timedelta
 from ...plan.layout import DEFAULT_ORDER, Layout, plan_layout
 from ..agreement import OPEN, Party, Purpose, arrive_failed, barrier
 from ..collectives import collective_device
+from ..torch_state import torch_import_seconds
 from .launch import LIVE_CHECK_TIMEOUT, OnEvent, run_joined_job, run_local_job
 
 CHECK = Purpose("check", "shardcore check's job (check_groups)", GroupCreationError)
@@ -58,7 +59,8 @@ class RankReport:
     shard: int | None
     verified: int = 0
     import_seconds: float = 0.0
-    """Importing the backend's framework (``Backend.load_framework``), apart from group creation."""
+    """Importing torch (the worker's ``import_torch``) and the backend's framework (``Backend.load_framework``),
+    apart from group creation."""
     build_seconds: float = 0.0
     verify_seconds: float = 0.0
     strategy: str = ""
@@ -160,7 +162,7 @@ def check_groups(options: CheckOptions, on_stage: Callable[[str], None] = lambda
     report = RankReport(
         rank,
         None if mine is None else mine.index,
-        import_seconds=imported - started,
+        import_seconds=torch_import_seconds() + imported - started,
         build_seconds=built - imported,
         strategy=f"{strategy}: {why}",
     )
