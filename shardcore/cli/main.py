@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+import textwrap
 import traceback
 import warnings
 from collections.abc import Sequence
@@ -135,29 +136,85 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _cmd_backends(args: argparse.Namespace) -> int:
-    from ..engine.backends.plugins import list_backends
+BACKENDS_WIDTH = 100
+"""Columns ``shardcore backends`` fits its text in: the table holds short fields, the long ones follow it."""
+
+
+def _backend_entries() -> tuple[list[dict[str, Any]], list[str]]:
+    """Every installed backend and every shipped one that is not installed (with its install command), as
+    ``backends --json`` prints them; and the notes on torch and the NPU that explain the unavailable ones."""
+    from ..engine.backends.plugins import SHIPPED_BACKENDS, list_backends
     from ..engine.device import device_notes
 
     notes = device_notes()  # first: it imports torch through the guard, which the listing then reuses
     long_reasons = {note.partition(": ")[2] for note in notes}
-
-    def status(reason: str | None) -> str:
-        if reason is None:
-            return "available"
-        return "unavailable: torch does not import (see below)" if reason in long_reasons else f"unavailable: {reason}"
-
-    rows = [
-        (info.name, info.distribution, info.version, status(info.reason), info.device or "-", info.description)
+    entries = [
+        {
+            "name": info.name,
+            "distribution": info.distribution,
+            "version": info.version,
+            "installed": True,
+            "available": info.available,
+            "reason": "torch does not import (see below)" if info.reason in long_reasons else info.reason,
+            "device": info.device,
+            "description": info.description,
+            "install": install_hint(info.name) if info.name in SHIPPED_BACKENDS and not info.available else None,
+        }
         for info in list_backends()
     ]
-    print(
-        format_table(rows, ("backend", "distribution", "version", "status", "device", "description"))
-        if rows
-        else f"no backends installed: {install_hint()}"
-    )
-    for note in notes:
-        print(f"\n{note}")
+    installed = {entry["name"] for entry in entries}
+    entries += [
+        {
+            "name": name,
+            "distribution": f"shardcore-{name}",
+            "version": None,
+            "installed": False,
+            "available": False,
+            "reason": None,
+            "device": None,
+            "description": "",
+            "install": install_hint(name),
+        }
+        for name in SHIPPED_BACKENDS
+        if name not in installed
+    ]
+    return sorted(entries, key=lambda entry: (not entry["installed"], entry["name"])), notes
+
+
+def _backends_text(entries: list[dict[str, Any]], notes: list[str]) -> str:
+    """The short table, then one wrapped paragraph per backend (what it gives, its device, why it does not
+    work and the fix), then the notes: nothing wider than BACKENDS_WIDTH."""
+
+    def status(entry: dict[str, Any]) -> str:
+        return "available" if entry["available"] else "unavailable" if entry["installed"] else "not installed"
+
+    def device(entry: dict[str, Any]) -> str:  # 'would use cpu+gloo (why)' -> 'cpu+gloo'
+        return (entry["device"] or "-").removeprefix("would use ").partition(" (")[0]
+
+    rows = [(entry["name"], entry["version"] or "-", status(entry), device(entry)) for entry in entries]
+    lines = [format_table(rows, ("backend", "version", "status", "device")), ""]
+    for entry in entries:
+        facts = [entry["description"]] if entry["description"] else []
+        facts += [entry["device"]] if entry["device"] else []
+        facts += [f"unavailable: {entry['reason']}"] if entry["installed"] and not entry["available"] else []
+        facts += [f"install: {entry['install']}"] if entry["install"] else []
+        where = f" ({entry['distribution']})" if entry["installed"] else " (not installed)"
+        lines.append(_wrapped(f"{entry['name']}{where}: {'; '.join(facts)}"))
+    lines += ["", *map(_wrapped, notes)] if notes else []
+    return "\n".join(lines)
+
+
+def _wrapped(paragraph: str) -> str:
+    return textwrap.fill(paragraph, BACKENDS_WIDTH, subsequent_indent="  ", break_on_hyphens=False)
+
+
+def _cmd_backends(args: argparse.Namespace) -> int:
+    """The ``backends`` subcommand: what is installed, whether it works here, and what to install."""
+    entries, notes = _backend_entries()
+    if args.json:
+        print(json.dumps({"backends": entries, "notes": notes}, indent=2))
+    else:
+        print(_backends_text(entries, notes))
     return 0
 
 
@@ -251,7 +308,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_check_parser(sub, common)
     add_refit_parser(sub, common)
     add_replan_parser(sub, common)
-    backends = sub.add_parser("backends", help="list installed backends and whether they work here", parents=[common])
+    backends = sub.add_parser(
+        "backends",
+        help="list the backends: installed ones, whether they work here, and the shipped ones to install",
+        parents=[common],
+    )
+    backends.add_argument("--json", action="store_true", help="print the list as JSON")
     backends.set_defaults(func=_cmd_backends)
     return parser
 

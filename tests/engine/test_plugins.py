@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import json
 import subprocess
 import sys
 
@@ -14,6 +16,7 @@ import shardcore
 from shardcore.engine.backends import hookspecs
 from shardcore.engine.backends.plugins import (
     BACKEND_ENV,
+    SHIPPED_BACKENDS,
     get_backend,
     list_backends,
     register_backend,
@@ -89,3 +92,19 @@ def test_cli_backends_lists_dtensor() -> None:
     )
     assert result.returncode == 0
     assert "dtensor" in result.stdout and "available" in result.stdout
+
+
+def test_cli_backends_lists_shipped_backends_to_install_in_100_columns() -> None:
+    argv = [sys.executable, "-m", "shardcore", "backends"]
+    text = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True).stdout
+    assert max(map(len, text.splitlines())) <= 100, text
+    listed = json.loads(subprocess.run([*argv, "--json"], capture_output=True, text=True, timeout=120).stdout)
+    entries = {entry["name"]: entry for entry in listed["backends"]}
+    assert set(SHIPPED_BACKENDS) <= set(entries)
+    assert entries["dtensor"]["installed"] and entries["dtensor"]["available"]
+    for name in SHIPPED_BACKENDS:
+        if importlib.util.find_spec(f"shardcore_{name}") is None:  # shipped, not installed in this env
+            assert entries[name] == {**entries[name], "installed": False, "install": f"pip install ./plugins/{name}"}
+            row = next(line for line in text.splitlines() if line.startswith(f"{name} "))
+            assert row.split()[2:4] == ["not", "installed"]
+            assert f"{name} (not installed): install: pip install ./plugins/{name}" in text

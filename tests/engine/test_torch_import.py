@@ -64,6 +64,11 @@ def _run(argv: list[str], path: Path, timeout: float = 300, **env: str) -> subpr
     return subprocess.run(argv, capture_output=True, text=True, env=environ, timeout=timeout, cwd=ROOT)
 
 
+def _unwrapped(text: str) -> str:
+    """``shardcore backends``' text with its wrapped paragraphs joined again (continuations are indented)."""
+    return text.replace("\n  ", " ")
+
+
 def _shardcore(*args: str) -> list[str]:
     return [sys.executable, "-m", "shardcore", *args]
 
@@ -123,15 +128,21 @@ def test_the_library_entry_points_raise_it_and_never_import_twice(broken_npu: Pa
 def test_backends_explains_the_autoload_trap_and_the_cann_requirement(broken_npu: Path) -> None:
     result = _run(_shardcore("backends"), broken_npu)
     assert result.returncode == 0 and "Traceback" not in result.stderr
-    dtensor = next(line for line in result.stdout.splitlines() if line.startswith("dtensor "))
-    assert "unavailable: torch does not import (see below)" in dtensor
-    assert result.stdout.rstrip().endswith(f"\n\ntorch: {ONE_LINE}")
+    assert max(map(len, result.stdout.splitlines())) <= 100
+    text = _unwrapped(result.stdout)
+    assert next(line for line in text.splitlines() if line.startswith("dtensor ")).split()[2] == "unavailable"
+    assert "dtensor (shardcore-dtensor): " in text and "unavailable: torch does not import (see below)" in text
+    assert text.rstrip().endswith(f"\n\ntorch: {ONE_LINE}")
     off = _run(_shardcore("backends"), broken_npu, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     assert off.returncode == 0 and "Traceback" not in off.stderr
     assert "dtensor " in off.stdout and "torch does not import" not in off.stdout
-    assert off.stdout.rstrip().endswith(
-        f"\n\nnpu: torch_npu is installed but does not import: {CANN_ERROR}; to use Ascend NPUs, install Ascend's "
-        "CANN toolkit and source its set_env.sh (e.g. /usr/local/Ascend/ascend-toolkit/set_env.sh)"
+    assert (
+        _unwrapped(off.stdout)
+        .rstrip()
+        .endswith(
+            f"\n\nnpu: torch_npu is installed but does not import: {CANN_ERROR}; to use Ascend NPUs, install Ascend's "
+            "CANN toolkit and source its set_env.sh (e.g. /usr/local/Ascend/ascend-toolkit/set_env.sh)"
+        )
     )
 
 
