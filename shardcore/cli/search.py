@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
-from collections.abc import Callable
 
 from ..errors import RefitError
 from ..plan.arguments import MAX_WORLD_SIZE, format_bytes
@@ -40,16 +40,42 @@ def parse_axes(text: str) -> dict[str, int]:
     return limits
 
 
-def _progress(quiet: bool) -> Callable[[str], None]:
-    """A progress printer: silent for the first PROGRESS_AFTER seconds (a quick search says nothing), and with -q."""
-    started = time.perf_counter()
+class _Progress:
+    """Progress lines on stderr for a search that runs long: nothing for the first PROGRESS_AFTER seconds (a
+    quick search says nothing), then the step in progress, and each step as it starts. A step that began
+    before then and is still running (planning one large model takes seconds) is printed when that time is
+    up, by a timer, so a long run never stays silent. With -q, nothing."""
 
-    def say(line: str) -> None:
-        elapsed = time.perf_counter() - started
-        if not quiet and elapsed >= PROGRESS_AFTER:
-            print(f"search: {line} ({elapsed:.1f} s)", file=sys.stderr)
+    def __init__(self, quiet: bool) -> None:
+        self.quiet, self.started = quiet, time.perf_counter()
+        self.pending: str | None = None
+        self.lock = threading.Lock()
+        self.timer = threading.Timer(PROGRESS_AFTER, self._flush)
+        self.timer.daemon = True
+        if not quiet:
+            self.timer.start()
 
-    return say
+    def __call__(self, line: str) -> None:
+        with self.lock:
+            self.pending = line
+            if time.perf_counter() - self.started >= PROGRESS_AFTER:
+                self._print()
+
+    def _flush(self) -> None:
+        with self.lock:
+            if self.pending is not None:
+                self._print()
+
+    def _print(self) -> None:
+        if not self.quiet and self.pending is not None:
+            print(f"search: {self.pending} ({time.perf_counter() - self.started:.1f} s)", file=sys.stderr, flush=True)
+        self.pending = None
+
+    def close(self) -> None:
+        """The search is over: no line after its result."""
+        self.timer.cancel()
+        with self.lock:
+            self.pending = None
 
 
 def _crossing(candidate: Candidate, ranks_per_node: int | None) -> str | None:
@@ -70,7 +96,8 @@ def _rows(result: SearchResult, top: int, ranks_per_node: int | None) -> list[tu
     alike: list[int] = []
     for candidate in result.candidates:
         rank, size = candidate.busiest
-        key = (candidate.weight_bytes, candidate.seconds, rank, size, candidate.inter_node_bytes)
+        planned = candidate.stats is not None  # a planned cost is never alike an estimated one
+        key = (candidate.weight_bytes, candidate.seconds, rank, size, candidate.inter_node_bytes, planned)
         if key in seen:
             alike[seen[key]] += 1
             continue
@@ -83,15 +110,16 @@ def _rows(result: SearchResult, top: int, ranks_per_node: int | None) -> list[tu
                 len(rows) + 1,
                 str(candidate.spec),
                 format_bytes(candidate.weight_bytes),
-                f"{candidate.seconds:.3g}" + ("" if candidate.stats is None else " (planned)"),
+                f"{candidate.seconds:.3g}",
                 rank,
                 format_bytes(size),
                 format_bytes(candidate.inter_node_bytes),
                 _crossing(candidate, ranks_per_node) or ("?" if ranks_per_node is None else "-"),
                 "*" if candidate.pareto else "",
+                "yes" if planned else "",
             )
         )
-    return [(*row, f"+{alike[i]}" if alike[i] else "") for i, row in enumerate(rows)]
+    return [(*row[:-1], f"+{alike[i]}" if alike[i] else "", row[-1]) for i, row in enumerate(rows)]
 
 
 def search_table(result: SearchResult, top: int, ranks_per_node: int | None) -> str:
@@ -121,6 +149,7 @@ def search_table(result: SearchResult, top: int, ranks_per_node: int | None) -> 
                 "crosses nodes",
                 "front",
                 "alike",
+                "planned",
             ),
         ),
         (
@@ -132,6 +161,14 @@ def search_table(result: SearchResult, top: int, ranks_per_node: int | None) -> 
             f"sends the planner's even share over replicas (--plan K plans the best K exactly)"
         ),
     ]
+    if result.planned:
+        rows = _rows(result, top, None)
+        shown = sum(1 + int(str(row[-2]) or "0") for row in rows if row[-1] == "yes")
+        hidden = f"; {result.planned - shown} rank below the rows shown (--top)" if shown < result.planned else ""
+        lines.append(
+            f"planned: the {result.planned} best by estimate, planned exactly (time and busiest rank are the "
+            f"plan's): the rows marked yes{hidden}"
+        )
     if result.shared_node:
         lines.append("note: a node holds ranks of both shards; the plan keeps some of its bytes inside the node")
     if ranks_per_node is None:
@@ -149,6 +186,7 @@ def run_search(args: argparse.Namespace) -> int:
     if not args.memory_gb > 0:
         raise RefitError(f"--memory-gb {args.memory_gb}: expected a positive number of GB per rank")
     layout = plan_layout(args.world, args.shards, order=args.order, allow_idle=True)
+    progress = _Progress(args.quiet)
     result = search(
         layout,
         args.src,
@@ -161,8 +199,9 @@ def run_search(args: argparse.Namespace) -> int:
         intra_gbps=args.intra_gbps,
         inter_gbps=args.inter_gbps,
         plan=args.plan,
-        progress=_progress(args.quiet),
+        progress=progress,
     )
+    progress.close()
     if args.json:
         data = result.to_dict(top=args.top or None)
         for candidate, shown in zip(result.candidates, data["candidates"]):

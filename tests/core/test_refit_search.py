@@ -240,3 +240,31 @@ def test_cli_progress_on_stderr_when_it_runs_long(
     assert err[0].startswith("search: ") and "specs of 16 ranks" in err[0]
     assert any("planning 1/1" in line for line in err)
     assert main([*SEARCH, "--memory-gb", "0.005", "-q"]) == 0 and capsys.readouterr().err == ""
+
+
+def test_cli_marks_every_planned_row(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SEARCH, "--memory-gb", "0.005", "--plan", "3", "--top", "0"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    header = out[2].split()
+    assert header[-2:] == ["alike", "planned"]
+    rows = [line.split() for line in out[3:] if line[:1].isdigit()]
+    planned = [row for row in rows if row[-1] == "yes"]
+    # a planned cost never hides as 'alike' behind an estimated row: the yes rows hold the 3 planned
+    assert sum(1 + int(row[-2][1:]) if row[-2].startswith("+") else 1 for row in planned) == 3
+    assert any(line.startswith("planned: the 3 best by estimate") for line in out)
+
+
+def test_cli_progress_names_a_long_step_while_it_runs(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    import shardcore.cli.search as cli_search
+
+    monkeypatch.setattr(cli_search, "PROGRESS_AFTER", 0.2)
+    progress = cli_search._Progress(quiet=False)
+    progress("planning 1/1: 'tp=8'")  # said before the threshold, and still running after it
+    time.sleep(1.0)
+    progress.close()
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("search: planning 1/1: 'tp=8' (0.")
