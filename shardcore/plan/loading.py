@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import ShardcoreError
-from .arguments import MAX_SHOWN, clipped, number_or_long, shown
+from .arguments import MAX_SHOWN, LongNumber, clipped, number_or_long, shown
 
 MAX_DOCUMENT_DEPTH = 64
 _BRACKETS = re.compile(r"[\[\]{}]")
@@ -90,8 +90,9 @@ def _yaml_loader(yaml: Any) -> Any:
     def construct_int(loader: Any, node: Any) -> Any:
         try:
             return yaml.SafeLoader.construct_yaml_int(loader, node)
-        except ValueError:
-            return number_or_long(loader.construct_scalar(node))
+        except ValueError:  # a part too long for int(): YAML 1.1's base-60 '1:30' has parts, a decimal has one
+            text = loader.construct_scalar(node)
+            return LongNumber(text) if ":" in text else number_or_long(text)
 
     loader: Any = type("ShardcoreLoader", (base,), {})
     loader.add_constructor("tag:yaml.org,2002:int", construct_int)

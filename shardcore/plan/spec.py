@@ -6,8 +6,7 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
@@ -75,23 +74,29 @@ class ShardSpec:
     name: str | None = None
 
     def __post_init__(self) -> None:
-        for key in ("tp", "pp", "cp", "dp", "ep"):
-            check_count(key, getattr(self, key), error=ShardSpecError)
+        tp, pp, cp, dp, ep = self.tp, self.pp, self.cp, self.dp, self.ep
         defaulted = self.expt_tp is None
         if defaulted:
-            object.__setattr__(self, "expt_tp", self.tp)
-        check_count("expt_tp", self.expt_tp, error=ShardSpecError)
+            object.__setattr__(self, "expt_tp", tp)
+        sizes = (tp, pp, cp, dp, ep, self.expt_tp)
+        # the common case in one test (a long spec builds hundreds of thousands); else each size's own error
+        if not (type(tp) is type(pp) is type(cp) is type(dp) is type(ep) is type(self.expt_tp) is int) or not (
+            min(sizes) >= 1 and max(sizes) <= MAX_WORLD_SIZE
+        ):
+            for key, value in zip(INT_KEYS, sizes):
+                check_count(key, value, error=ShardSpecError)
         if self.role is not None:
             object.__setattr__(self, "role", _role(self.role))
         if self.name is not None:
             _check_name(self.name)
-        if self.world_size > MAX_WORLD_SIZE:
+        world_size = tp * cp * pp * dp
+        if world_size > MAX_WORLD_SIZE:
             raise ShardSpecError(
-                f"tp*cp*pp*dp = {self.tp}*{self.cp}*{self.pp}*{self.dp} = {shown(self.world_size)} ranks is over "
+                f"tp*cp*pp*dp = {tp}*{cp}*{pp}*{dp} = {shown(world_size)} ranks is over "
                 f"shardcore's limit of {MAX_WORLD_SIZE}: shrink the sizes"
             )
-        expert = self.expt_tp * self.ep * self.pp
-        if self.world_size % expert:
+        expert = self.expt_tp * ep * pp
+        if world_size % expert:
             default = f" (expt_tp defaults to tp = {self.tp}; set expt_tp to change it)" if defaulted else ""
             raise ShardSpecError(
                 f"expt_tp*ep*pp = {self.expt_tp}*{self.ep}*{self.pp} = {expert} does not divide "
@@ -154,13 +159,9 @@ def format_shards(shards: Sequence[ShardSpec]) -> str:
     return "+".join(str(spec) for spec in shards)
 
 
-@contextmanager
-def _shard_context(index: int, source: object) -> Iterator[None]:
-    """Prefix any ShardSpecError with the shard it is about: its index and how it was given."""
-    try:
-        yield
-    except ShardSpecError as error:
-        raise ShardSpecError(f"shard {index} ({shown(source)}): {error}") from None
+def _in_shard(index: int, source: object, error: ShardSpecError) -> ShardSpecError:
+    """``error`` prefixed with the shard it is about: its index and how it was given."""
+    return ShardSpecError(f"shard {index} ({shown(source)}): {error}")
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -188,39 +189,54 @@ def _parse_value(key: str, value: str) -> Any:
     return number
 
 
-def _parse_one(index: int, shard: str) -> ShardSpec:
-    """One non-empty shard of the grammar (``key=value`` items, comma separated).
+def _parse_one(index: int, shard: str) -> tuple[ShardSpec, bool]:
+    """One non-empty shard of the grammar (``key=value`` items, comma separated), and whether a key was
+    repeated in it (warned about).
 
     Empty items are skipped, so a shard of only commas is a default shard, as in Megatron.
     """
     values: dict[str, Any] = {}
+    repeated = False
     for item in shard.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        if "=" not in item:
-            raise ShardSpecError(f"bad entry {shown(item)}: expected key=value, e.g. tp=2")
-        key, value = (part.strip() for part in item.split("=", 1))
+        key, equals, value = item.partition("=")
+        key = key.strip()
+        if not equals:
+            if not key:
+                continue
+            colon = f" (write {key.partition(':')[0].strip()}={key.partition(':')[2].strip()})" if ":" in key else ""
+            raise ShardSpecError(f"bad entry {shown(key)}: expected key=value, e.g. tp=2{colon}")
         if key not in KEYS:
             hint = f" (keys are lower case: {key.lower()})" if key.lower() in KEYS else ""
             raise ShardSpecError(f"unknown key {shown(key)}{hint}: allowed keys are {', '.join(KEYS)}")
         if key in values:
+            repeated = True
             _warn(f"shard {index} ({shown(shard)}): key {key!r} repeated; the last value wins")
-        values[key] = _parse_value(key, value)
-    return ShardSpec(**values)
+        values[key] = _parse_value(key, value.strip())
+    return ShardSpec(**values), repeated
 
 
 def _parse_grammar(text: str, first: int) -> list[ShardSpec]:
     """Megatron's ``--inference-shards`` grammar: shards split by ``+`` or ``;``, empty ones skipped.
 
-    ``first`` is the index of the first shard, for messages.
+    ``first`` is the index of the first shard, for messages. A shard's text seen before is that
+    shard again (specs are immutable): a long spec repeats a few kinds of shard, each parsed once.
     """
     specs: list[ShardSpec] = []
+    seen: dict[str, ShardSpec] = {}
     for chunk in text.replace("+", ";").split(";"):
-        chunk = chunk.strip()
-        if chunk:
-            with _shard_context(first + len(specs), chunk):
-                specs.append(_parse_one(first + len(specs), chunk))
+        spec = seen.get(chunk)
+        if spec is None:
+            shard = chunk.strip()
+            if not shard:
+                continue
+            index = first + len(specs)
+            try:
+                spec, repeated = _parse_one(index, shard)
+            except ShardSpecError as error:
+                raise _in_shard(index, shard, error) from None
+            if not repeated:  # a shard with a repeated key warns each time it appears
+                seen[chunk] = spec
+        specs.append(spec)
     return specs
 
 
@@ -242,7 +258,7 @@ def _misspelled_grammar(text: str) -> str | None:
 
 def _parse_text(text: str, source: str) -> list[ShardSpec]:
     stripped = text.strip()
-    mistyped = _misspelled_grammar(stripped)
+    mistyped = None if "=" in stripped else _misspelled_grammar(stripped)
     if mistyped:
         raise ShardSpecError(mistyped)
     # A document starts like a list, a mapping or a comment, or has ':' and no '=' (grammar never
@@ -262,12 +278,25 @@ def _parse_text(text: str, source: str) -> list[ShardSpec]:
 
 def _from_sequence(items: Sequence[Any]) -> list[ShardSpec]:
     out: list[ShardSpec] = []
+    seen: dict[tuple[Any, ...], ShardSpec] = {}  # a long list repeats a few kinds of shard: each checked once
     for item in items:
         if isinstance(item, ShardSpec):
             out.append(item)
         elif isinstance(item, Mapping):
-            with _shard_context(len(out), dict(item)):
-                out.append(ShardSpec.from_dict(item))
+            # equal dicts give the same shard; each value's type is in the key too (True is not 1)
+            key: tuple[Any, ...] | None = (*item.items(), *map(type, item.values())) if type(item) is dict else None
+            try:
+                spec = None if key is None else seen.get(key)
+            except TypeError:  # a value that cannot be a key (a list): checked on its own
+                spec = key = None
+            if spec is None:
+                try:
+                    spec = ShardSpec.from_dict(item)
+                except ShardSpecError as error:
+                    raise _in_shard(len(out), dict(item), error) from None
+                if key is not None:
+                    seen[key] = spec
+            out.append(spec)
         elif isinstance(item, str):
             out.extend(_parse_grammar(item, len(out)))
         else:

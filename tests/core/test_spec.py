@@ -181,3 +181,33 @@ def test_duplicate_names_are_an_error() -> None:
     with pytest.raises(ShardSpecError, match="shards 0 and 1"):
         parse_shards([ShardSpec(name="a"), {"name": "a"}])
     assert len(parse_shards("tp=2,name=a+tp=2,name=b+tp=2+tp=2")) == 4  # unnamed shards are fine
+
+
+LONG = 170_000
+KINDS = ("tp=8,pp=4,dp=2,role=train", "tp=2,dp=2,ep=4,expt_tp=1,role=prefill", "tp=1,dp=4,role=decode")
+
+
+@pytest.mark.parametrize("form", ["string", "dicts"])
+def test_a_170000_shard_spec_parses_in_under_two_seconds(form: str) -> None:
+    import time
+
+    shards = [KINDS[i % len(KINDS)] for i in range(LONG)]
+    kinds = [parse_shards(kind)[0].to_dict() for kind in KINDS]
+    spec = "+".join(shards) if form == "string" else [dict(kinds[i % len(KINDS)]) for i in range(LONG)]
+    started = time.process_time()
+    parsed = parse_shards(spec)
+    assert time.process_time() - started < 2.0
+    assert len(parsed) == LONG and [str(s) for s in parsed[:3]] == [str(parse_shards(k)[0]) for k in KINDS]
+
+
+def test_equal_shards_parsed_once_still_check_each_value() -> None:
+    with pytest.raises(ShardSpecError, match=r"shard 1 \(\{'tp': True\}\): tp=True"):
+        parse_shards([{"tp": 1}, {"tp": True}])  # equal as dict keys, not as shards
+    with pytest.warns(UserWarning) as caught:
+        parse_shards("tp=2,tp=4+tp=2,tp=4")
+    assert [str(w.message).split(":")[0] for w in caught] == ["shard 0 ('tp=2,tp=4')", "shard 1 ('tp=2,tp=4')"]
+
+
+def test_a_yaml_base_60_number_too_long_for_int_is_a_spec_error() -> None:
+    with pytest.raises(ShardSpecError, match="must hold a list of shards"):
+        parse_shards("9" * 4301 + ":59")
