@@ -282,6 +282,9 @@ PRESET_CONFIGS: dict[str, TransformerConfig] = {
         dense_layers=1,
         dtype="float32",
     ),
+    # Tiny, for fp8 block scales in tests and live checks: 128-wide heads and every tp-split size a multiple of
+    # 512, so each tp slice up to tp = 4 is whole 128x128 blocks (the two above split into 64-wide heads).
+    "tiny-fp8": TransformerConfig(layers=2, hidden=512, ffn=512, heads=4, kv_heads=4, vocab=512, dtype="bfloat16"),
 }
 PRESETS: tuple[str, ...] = tuple(PRESET_CONFIGS)
 """Preset model names, for ``preset`` and ``shardcore refit --model``."""

@@ -264,6 +264,17 @@ def test_presets_keep_whole_blocks_at_tp_up_to_8() -> None:
             plan_refit(plan_layout(2 * tp, f"tp={tp},role=train + tp={tp}"), 0, 1, manifest)
 
 
+def test_tiny_fp8_keeps_whole_blocks_at_tp_up_to_4_for_live_checks() -> None:
+    manifest = preset("tiny-fp8").converted("float8_e4m3fn")
+    assert manifest.nbytes < 10e6
+    for source, destination in ((1, 4), (2, 1), (4, 2), (2, 2)):
+        layout = plan_layout(source + 2 * destination, f"tp={source},role=train + tp={destination},dp=2")
+        stats = RefitStats.of(plan_refit(layout, 0, 1, manifest))
+        assert stats.scale_bytes > 0
+    with pytest.raises(ManifestError, match="choose a tp that divides"):
+        plan_refit(plan_layout(16, "tp=8,role=train + tp=8"), 0, 1, manifest)
+
+
 def test_explicit_placements_do_not_carry_scales() -> None:
     manifest = Manifest((TensorSpec("w", (4, 4), "float32", stage="all", to_dtype="float8_e4m3fn", scale="tensor"),))
     source = ExplicitPlacement(manifest, [HeldBox("w", 0, ((0, 4), (0, 4))), HeldBox("w_scale_inv", 0, ((0, 1),))])
