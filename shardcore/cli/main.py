@@ -159,7 +159,7 @@ def _backend_entries() -> tuple[list[dict[str, Any]], list[str]]:
             "reason": "torch does not import (see below)" if info.reason in long_reasons else info.reason,
             "device": info.device,
             "description": info.description,
-            "install": install_hint(info.name) if info.name in SHIPPED_BACKENDS and not info.available else None,
+            "install": None,  # installed: the reason names the fix when it does not work
         }
         for info in list_backends()
     ]
