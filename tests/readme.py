@@ -127,5 +127,5 @@ def run_block(block: Block, folder: Path) -> None:
         run_world(block.ranks, run_on_rank, block.code, timeout=BLOCK_TIMEOUT)
         return
     result = run_alone(block, folder)
-    assert result.returncode == 0, f"{block.name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    assert "Traceback" not in result.stderr, f"{block.name}:\n{result.stderr[-3000:]}"
+    if result.returncode != 0 or "Traceback" in result.stderr:  # not assert: the core env runs under -O too
+        raise AssertionError(f"{block.name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
