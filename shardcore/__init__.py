@@ -53,7 +53,7 @@ from .plan import (
     parse_shards,
     plan_layout,
 )
-from .version import __version__
+from .version import __version__, register_moved
 
 if TYPE_CHECKING:
     from .engine import (
@@ -113,6 +113,22 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(__all__)
+
+
+def _from_here(name: str) -> Any:
+    """A resolver of one of this package's public names (an engine name loads the engine when called)."""
+    return lambda: globals().get(name) or __getattr__(name)
+
+
+# Renamed in 0.1.0 (the engine left shardcore.refit): the old names work for one more release.
+for _old, _new in (
+    ("execute", "execute_refit"),
+    ("TransferStats", "TransferStats"),
+    ("RefitInputError", "RefitInputError"),
+    ("RefitPeerError", "RefitPeerError"),
+):
+    register_moved("shardcore.refit", _old, f"shardcore.{_new}", _from_here(_new))
+del _old, _new
 
 
 __all__ = [

@@ -10,7 +10,8 @@ import sys
 import textwrap
 import traceback
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from .. import __version__
@@ -158,7 +159,7 @@ def _backend_entries() -> tuple[list[dict[str, Any]], list[str]]:
             "reason": "torch does not import (see below)" if info.reason in long_reasons else info.reason,
             "device": info.device,
             "description": info.description,
-            "install": install_hint(info.name) if info.name in SHIPPED_BACKENDS and not info.available else None,
+            "install": None,  # installed: the reason names the fix when it does not work
         }
         for info in list_backends()
     ]
@@ -325,14 +326,21 @@ def _quiet_broken_pipe() -> int:
     return 141
 
 
-def _quiet_torch_logs(verbose: bool) -> None:
+@contextmanager
+def _quiet_torch_logs(verbose: bool) -> Iterator[None]:
     """Keep torch's C++ log lines off the terminal unless ``-v``: a store connection that timed out and was
     retried (``check --timeout 0.5`` on a busy machine) prints a C++ stack trace from every rank, though the
     command goes on and reports every real failure itself as one line. c10 reads the level once, when torch
-    loads, so it is set here, before any import of torch in this process or its spawned workers (they
-    inherit it); a level the user set is kept."""
-    if not verbose:
-        os.environ.setdefault(TORCH_LOG_LEVEL_ENV, "FATAL")
+    loads, so it is set for the command, before any import of torch in this process or its spawned workers
+    (they inherit it), and taken back after it; a level the user set is kept."""
+    if verbose or TORCH_LOG_LEVEL_ENV in os.environ:
+        yield
+        return
+    os.environ[TORCH_LOG_LEVEL_ENV] = "FATAL"
+    try:
+        yield
+    finally:
+        os.environ.pop(TORCH_LOG_LEVEL_ENV, None)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -340,8 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(format="%(message)s", level=logging.INFO if args.verbose else logging.WARNING)
-    _quiet_torch_logs(args.verbose)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _quiet_torch_logs(args.verbose):
         warnings.showwarning = _one_line_warning
         try:
             return int(args.func(args))

@@ -186,22 +186,25 @@ def run_search(args: argparse.Namespace) -> int:
     if not args.memory_gb > 0:
         raise RefitError(f"--memory-gb {args.memory_gb}: expected a positive number of GB per rank")
     layout = plan_layout(args.world, args.shards, order=args.order, allow_idle=True)
+    manifest, axes = model_manifest(args.model), parse_axes(args.axes) if args.axes is not None else AXES
     progress = _Progress(args.quiet)
-    result = search(
-        layout,
-        args.src,
-        model_manifest(args.model),
-        args.ranks,
-        args.memory_gb * 1e9,
-        offset=args.at,
-        ranks_per_node=args.ranks_per_node,
-        axes=parse_axes(args.axes) if args.axes is not None else AXES,
-        intra_gbps=args.intra_gbps,
-        inter_gbps=args.inter_gbps,
-        plan=args.plan,
-        progress=progress,
-    )
-    progress.close()
+    try:
+        result = search(
+            layout,
+            args.src,
+            manifest,
+            args.ranks,
+            args.memory_gb * 1e9,
+            offset=args.at,
+            ranks_per_node=args.ranks_per_node,
+            axes=axes,
+            intra_gbps=args.intra_gbps,
+            inter_gbps=args.inter_gbps,
+            plan=args.plan,
+            progress=progress,
+        )
+    finally:  # a search that fails says nothing more after its error
+        progress.close()
     if args.json:
         data = result.to_dict(top=args.top or None)
         for candidate, shown in zip(result.candidates, data["candidates"]):

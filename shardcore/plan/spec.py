@@ -203,7 +203,8 @@ def _parse_one(index: int, shard: str) -> tuple[ShardSpec, bool]:
         if not equals:
             if not key:
                 continue
-            colon = f" (write {key.partition(':')[0].strip()}={key.partition(':')[2].strip()})" if ":" in key else ""
+            name, _, typed = (part.strip() for part in key.partition(":"))
+            colon = f" (write {name}={typed})" if name in KEYS and typed.isalnum() and len(typed) <= 24 else ""
             raise ShardSpecError(f"bad entry {shown(key)}: expected key=value, e.g. tp=2{colon}")
         if key not in KEYS:
             hint = f" (keys are lower case: {key.lower()})" if key.lower() in KEYS else ""

@@ -26,11 +26,15 @@ The manifest and planner are pure Python (no torch); only execution imports torc
   (``Candidate``s, the Pareto front marked); ``Footprint`` (what a rank of a spec holds, whether the
   model splits over it) and ``estimate_refit`` -> ``RefitEstimate`` (a refit's cost without walking a plan).
 
-Executing a plan needs torch and lives in the engine: ``shardcore.execute_refit``.
+Executing a plan needs torch and lives in the engine: ``shardcore.execute_refit``. Its old name here,
+``shardcore.refit.execute``, still works for this release with a DeprecationWarning (``version.moved``).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from ..version import moved
 from .cost import RefitStats, ShardCost
 from .documents import load_manifest, manifest_from_dict, model_manifest
 from .estimate import RefitEstimate, estimate_refit
@@ -53,6 +57,12 @@ from .placement import (
 from .planner import RankRefit, RefitPlan, ShardRefitPlan, Transfer, plan_refit, plan_refit_from, tensors_matching
 from .request import RefitRequest
 from .search import Candidate, SearchResult, search
+
+
+def __getattr__(name: str) -> Any:
+    """Names that moved out of ``shardcore.refit`` (``execute``, its errors and stats), for one more release."""
+    return moved(__name__, name)
+
 
 __all__ = [
     "PRESETS",

@@ -516,7 +516,11 @@ class RefitPlan:
                     )
                 chosen.add(position)
         if not chosen:
-            raise RefitError(f"subset({shown(selection)}) selects no tensor: select at least one")
+            dense = "" if any(manifest.tensors[p].expert is not None for p in kept) else ", none an expert's"
+            raise RefitError(
+                f"subset({shown(selection)}) selects none of the {len(kept)} tensors of {manifest.name!r}{dense}: "
+                "select at least one (shardcore.refit.tensors_matching finds them by pattern)"
+            )
         return replace(self, tensors=frozenset(chosen | _scale_partners(manifest, kept, chosen)))
 
     def _world(self) -> str:

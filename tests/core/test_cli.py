@@ -258,6 +258,7 @@ def test_counts_are_singular_for_one() -> None:
         ("tp:2,pp:2", "bad entry 'tp:2': write key=value, e.g. 'tp=2,pp=2' (':' is for JSON or YAML)"),
         ("tp: 2, pp: 2+tp:4", "e.g. 'tp=2,pp=2+tp=4'"),
         ("spec.json", "'spec.json' looks like a file: give a spec file as @spec.json"),
+        ("tp:2,pp=2", "bad entry 'tp:2': expected key=value, e.g. tp=2 (write tp=2)"),
     ],
 )
 def test_a_mistyped_spec_gets_the_fix_it_needs(capsys: pytest.CaptureFixture[str], shards: str, hint: str) -> None:

@@ -66,8 +66,8 @@ def test_a_subset_of_a_subset_keeps_to_it() -> None:
     [
         (["no.such.tensor"], r"subset: tensor 'no.such.tensor' is not in the manifest: name tensors of "),
         ([3], "subset: tensor 3 is not in the manifest"),
-        (lambda t: False, "selects no tensor"),
-        ([], "selects no tensor"),
+        (lambda t: False, "selects none of the "),
+        ([], "selects none of the "),
         (7, r"subset\(7\): expected tensor names or a predicate"),
         ({"a": 1}, r"expected tensor names or a predicate"),
         (b"bytes", r"expected tensor names or a predicate"),
@@ -77,6 +77,12 @@ def test_bad_subsets_are_refit_errors(selection: object, match: str) -> None:
     with pytest.raises(RefitError, match=match) as caught:
         _full().subset(selection)  # type: ignore[arg-type]
     assert len(str(caught.value)) < 400
+
+
+def test_selecting_experts_of_a_dense_model_says_it_has_none() -> None:
+    plan = plan_refit(plan_layout(16, "tp=8,role=train + tp=8"), 0, 1, preset("llama3-8b"))
+    with pytest.raises(RefitError, match=r"selects none of the 195 tensors of 'llama3-8b', none an expert's"):
+        plan.subset(lambda tensor: tensor.expert is not None)
 
 
 def test_tensors_matching_finds_names_by_pattern() -> None:

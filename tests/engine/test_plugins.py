@@ -108,3 +108,13 @@ def test_cli_backends_lists_shipped_backends_to_install_in_100_columns() -> None
             row = next(line for line in text.splitlines() if line.startswith(f"{name} "))
             assert row.split()[2:4] == ["not", "installed"]
             assert f"{name} (not installed): install: pip install ./plugins/{name}" in text
+
+
+def test_refit_execute_is_the_executor_under_its_old_name() -> None:
+    import shardcore.refit
+
+    with pytest.warns(DeprecationWarning, match="use shardcore.execute_refit"):
+        execute = shardcore.refit.execute
+    assert execute is shardcore.execute_refit
+    with pytest.warns(DeprecationWarning, match="use shardcore.TransferStats"):
+        assert shardcore.refit.TransferStats is shardcore.TransferStats

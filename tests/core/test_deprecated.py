@@ -1,0 +1,42 @@
+"""Renamed public names keep a deprecated alias for a release (CHANGELOG.md lists them)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import shardcore
+import shardcore.refit
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", ["RefitInputError", "RefitPeerError"])
+def test_the_refit_errors_old_home_warns_and_gives_the_same_class(name: str) -> None:
+    with pytest.warns(DeprecationWarning, match=rf"shardcore.refit.{name} is deprecated .* use shardcore.{name}"):
+        found = getattr(shardcore.refit, name)
+    assert found is getattr(shardcore, name)
+
+
+def test_refit_execute_is_resolved_without_refit_importing_the_engine() -> None:
+    # a fresh process: shardcore.refit loads no engine module until the old name is used
+    code = (
+        "import sys, warnings; import shardcore.refit as r; "
+        "print(any(m.startswith('shardcore.engine') for m in sys.modules)); "
+        "warnings.simplefilter('error', DeprecationWarning)\n"
+        "try:\n    r.execute\nexcept DeprecationWarning as w:\n    print(w)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    lines = result.stdout.splitlines()
+    assert lines == [
+        "False",
+        "shardcore.refit.execute is deprecated and goes in the next release: use shardcore.execute_refit",
+    ], result.stderr
+
+
+def test_other_missing_names_are_attribute_errors() -> None:
+    with pytest.raises(AttributeError, match=r"module 'shardcore\.refit' has no attribute 'executes'"):
+        shardcore.refit.executes  # noqa: B018
