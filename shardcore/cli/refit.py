@@ -14,6 +14,7 @@ from ..plan.arguments import check_count, check_size, format_bytes, number_or_lo
 from ..plan.layout import plan_layout
 from ..refit.cost import DEFAULT_INTER_GBPS, DEFAULT_INTRA_GBPS, RefitStats
 from ..refit.documents import model_manifest
+from ..refit.families import LAYOUTS, shard_layouts
 from ..refit.manifest import Manifest, TensorSpec
 from ..refit.models import PRESETS
 from ..refit.planner import DEFAULT_MIN_PIECE_BYTES, RankRefit, ShardRefitPlan, plan_refit, tensors_matching
@@ -129,7 +130,8 @@ def rank_table(mine: RankRefit) -> str:
         for t in transfers:
             peer = t.dst if kind == "send" else t.src
             box = "[" + ", ".join(f"{start}:{stop}" for start, stop in t.box) + "]"
-            rows.append((kind, peer, t.tensor, box, format_bytes(t.bytes)))
+            name = f"{t.tensor} -> {t.target}" if t.target else t.tensor
+            rows.append((kind, peer, name, box, format_bytes(t.bytes)))
     title = (
         f"rank {mine.rank}: sends {len(mine.sends)} ({format_bytes(mine.bytes_sent)}), "
         f"receives {len(mine.recvs)} ({format_bytes(mine.bytes_received)}), copies {len(mine.copies)}"
@@ -156,14 +158,16 @@ def _plan(args: argparse.Namespace) -> tuple[ShardRefitPlan, tuple[str, ...]]:
         layout.shard_of(args.rank)  # a rank outside the world fails before any work
     src = check_count("--from", args.src, minimum=0, error=RefitError)  # a 4,000-digit index is shown short
     manifest = _manifest(args)
+    dst = _shard_indices(args.dst)
     plan = plan_refit(
         layout,
         src,
-        _shard_indices(args.dst),
+        dst,
         manifest,
         args.ranks_per_node,
         min_piece_bytes=floor,
         fan_out=args.fan_out,
+        layouts=shard_layouts(args.model, src, dst, args.from_layout, args.to_layout),
     )
     return (plan.subset(tensors_matching(manifest, patterns)) if patterns else plan), patterns
 
@@ -202,6 +206,8 @@ def _check_options(args: argparse.Namespace, plan: ShardRefitPlan, patterns: tup
         tensors=patterns,
         to_dtype=args.to_dtype,
         scale=args.scale,
+        from_layout=args.from_layout,
+        to_layout=args.to_layout,
     )
 
 
@@ -339,7 +345,24 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
         "--from", dest="src", type=NON_NEGATIVE_INT, metavar="I", help="source shard index (e.g. training)"
     )
     parser.add_argument("--to", dest="dst", metavar="J[,K...]", help="destination shard indices, comma separated")
-    parser.add_argument("--model", metavar="FILE|PRESET", help="manifest file (JSON/YAML) or a preset name")
+    parser.add_argument(
+        "--model",
+        metavar="FILE|PRESET|hf:PATH",
+        help="manifest file (JSON/YAML), a preset name, or hf:PATH/config.json (a Hugging Face config)",
+    )
+    parser.add_argument(
+        "--to-layout",
+        choices=LAYOUTS,
+        default="megatron",
+        help="the destinations' layout: hf (the transformers model class), hf-stacked (transformers 5's MoE), "
+        "vllm (vLLM/SGLang tp packing); needs --model hf:PATH",
+    )
+    parser.add_argument(
+        "--from-layout",
+        choices=LAYOUTS,
+        default="megatron",
+        help="the source's layout (hf: a training job starting from a Hugging Face model); needs --model hf:PATH",
+    )
     parser.add_argument(
         "--ranks-per-node",
         type=POSITIVE_INT,

@@ -28,7 +28,7 @@ Only shapes and index math live here; no weight, no torch.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -524,6 +524,41 @@ def _hf_to(model: HFModel, start: str, packing: WeightMap) -> WeightMap:
     return model._hf_stacked[1].reversed().then(model.to_hf).then(packing)
 
 
+HF_PREFIX = "hf:"
+"""``--model hf:PATH``: a Hugging Face config.json (or the folder holding it) instead of a manifest or preset."""
+
+
+def hf_model_of(model: str) -> HFModel:
+    """The model ``--model hf:PATH`` names (``manifest_from_hf_config(PATH)``).
+
+    Raises:
+        ManifestError: ``model`` does not start with ``hf:``, or its config is bad.
+    """
+    if not isinstance(model, str) or not model.startswith(HF_PREFIX):
+        raise ManifestError(
+            f"model {shown(model)}: a layout other than megatron needs the model's Hugging Face config: "
+            f"--model {HF_PREFIX}PATH/config.json"
+        )
+    return manifest_from_hf_config(model.removeprefix(HF_PREFIX))
+
+
+def shard_layouts(
+    model: str, src: int, dst: Sequence[int], source: str = "megatron", destination: str = "megatron"
+) -> dict[int, ModelLayout] | None:
+    """``plan_refit``'s ``layouts`` for ``--from-layout`` / ``--to-layout``: ``source``'s for shard ``src``,
+    ``destination``'s for every shard of ``dst``; None when both are megatron (no layout to plan through).
+
+    Raises:
+        ManifestError: an unknown layout, or one other than megatron without ``--model hf:PATH``.
+    """
+    if source == destination == "megatron":
+        return None
+    hf = hf_model_of(model)
+    chosen = {index: hf.layout(destination) for index in dst}
+    chosen[src] = hf.layout(source)
+    return {index: layout for index, layout in chosen.items() if layout.kind != "megatron"} or None
+
+
 # -- from a Hugging Face config ------------------------------------------------------------------------
 
 
@@ -615,12 +650,15 @@ def _read_config(config: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:
 
 __all__ = [
     "FAMILIES",
+    "HF_PREFIX",
     "LAYOUTS",
     "MEGATRON_VOCAB_MULTIPLE",
     "VLLM_VOCAB_PADDING",
     "HFModel",
     "ModelLayout",
     "engine_placement",
+    "hf_model_of",
     "manifest_from_hf_config",
+    "shard_layouts",
     "sides",
 ]

@@ -816,15 +816,15 @@ def _through_layouts(
     if stray is not None:
         raise RefitError(f"layouts names shard {shown(stray)}, which is neither the source nor a destination")
     model = next(iter(layouts.values())).model
-    if manifest is not model.manifest:
-        raise ManifestError(
-            f"manifest {manifest.name!r} is not the Megatron manifest of {model.name!r}, whose layouts are given: "
-            f"pass model.manifest"
-        )
     if manifest.converts:
         raise ManifestError(
             f"manifest {manifest.name!r} converts dtypes: a refit through a layout keeps them (convert in a second "
             f"refit, between Megatron shards)"
+        )
+    if manifest is not model.manifest and manifest != model.manifest:
+        raise ManifestError(
+            f"manifest {manifest.name!r} is not the Megatron manifest of {model.name!r}, whose layouts are given: "
+            f"pass model.manifest"
         )
     origin, targets = sides(source, destinations, layouts)
     _check_covered(origin, targets)

@@ -16,9 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 from ...plan.layout import DEFAULT_ORDER, ShardPlan, plan_layout
 from ...refit.documents import model_manifest
+from ...refit.families import shard_layouts
 from ...refit.planner import DEFAULT_MIN_PIECE_BYTES, ShardRefitPlan, plan_refit, tensors_matching
 from ..transfer.execute import DEFAULT_BUCKET_BYTES
 from .launch import LIVE_CHECK_TIMEOUT, OnEvent, run_joined_job, run_local_job
+from .layout_check import through_map
 
 if TYPE_CHECKING:
     import torch
@@ -103,9 +105,10 @@ def check_refit(plan: Any, rank: int, **execute_options: Any) -> RefitReport:
 
     sources = {name: cut(full(name), manifest.tensor(name), plan.source, rank, manifest) for name in mine.source_shapes}
     destinations = {
-        name: torch.full(shape, -1.0, dtype=getattr(torch, manifest.tensor(name).destination_dtype))
+        name: torch.full(shape, -1.0, dtype=getattr(torch, plan.destination_tensor(name).destination_dtype))
         for name, shape in mine.destination_shapes.items()
     }
+    mapped = through_map(plan, rank)
     stats = execute_refit(plan, sources, destinations, **execute_options)
     report = RefitReport(
         rank,
@@ -116,6 +119,11 @@ def check_refit(plan: Any, rank: int, **execute_options: Any) -> RefitReport:
         stats.seconds,
     )
     for name, got in destinations.items():
+        if mapped is not None:  # another layout: the source's tensors put through the weight map
+            report.checked += 1
+            if not torch.equal(_bits(got), _bits(mapped(name, full))):
+                report.mismatches.append(f"rank {rank}: {name} differs from the source's tensors through the map")
+            continue
         spec = manifest.tensor(name)
         wanted = reference(manifest, name, full) if manifest.converts else full(name)
         expected = cut(wanted, spec, target_plan, rank, manifest)  # type: ignore[arg-type]
@@ -148,6 +156,10 @@ class RefitCheckOptions:
     """The destination dtype of every floating tensor (``--to-dtype``), or None for the manifest's own."""
     scale: str | None = None
     """With a float8_e4m3fn ``to_dtype``: "block" (default) or "tensor"."""
+    from_layout: str = "megatron"
+    """The source's layout (``families.LAYOUTS``); another than megatron needs ``model`` = ``hf:PATH``."""
+    to_layout: str = "megatron"
+    """The destinations' layout."""
 
     def execute_options(self) -> dict[str, Any]:
         """The keyword arguments of ``execute_refit`` these options set."""
@@ -172,6 +184,7 @@ def plan_from_options(options: RefitCheckOptions, world_size: int) -> ShardRefit
         options.ranks_per_node,
         min_piece_bytes=options.min_piece_bytes,
         fan_out=options.fan_out,
+        layouts=shard_layouts(options.model, options.src, options.dst, options.from_layout, options.to_layout),
     )
     return plan.subset(tensors_matching(manifest, options.tensors)) if options.tensors else plan
 
