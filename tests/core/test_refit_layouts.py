@@ -244,3 +244,20 @@ def test_weight_map_checks_name_both_tensors() -> None:
         (Link("x", rows((6, 2), 0, 4), "a", whole((4, 2))), Link("x", rows((6, 2), 4, 6), "b", whole((2, 2)))),
     )
     assert fine.reversed().reversed().links == fine.links
+
+
+def test_cli_plans_into_a_layout_from_an_hf_config(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from shardcore.cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**BASE, **CONFIGS["qwen2"]}))
+    shards = ["refit", "--world", "4", "--shards", "tp=2,role=train + tp=2", "--from", "0", "--to", "1"]
+    assert main([*shards, "--model", f"hf:{config}", "--to-layout", "vllm", "--json", "--transfers"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    targets = {t["target"] for t in data["transfers"]}
+    assert "model.layers.1.self_attn.qkv_proj.bias" in targets and "model.embed_tokens.weight" in targets
+    assert all(t["target"] for t in data["transfers"])
+    assert main([*shards, "--model", "tiny-dense", "--to-layout", "vllm"]) == 2
+    assert "needs the model's Hugging Face config: --model hf:PATH" in capsys.readouterr().err
+    assert main([*shards, "--model", f"hf:{tmp_path / 'none.json'}", "--to-layout", "hf"]) == 2
+    assert "cannot read HF config" in capsys.readouterr().err

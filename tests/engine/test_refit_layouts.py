@@ -3,11 +3,15 @@ real transformers models: the logits of a model loaded from what each destinatio
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-pytest.importorskip("transformers", reason="the layout refits are checked against transformers' model classes")
-
 from shardcore.testing import run_world
+from tests.engine.test_check import ROOT, _env
 
 from . import layout_workers as workers
 
@@ -26,3 +30,20 @@ def test_refit_into_hf_and_vllm_and_back() -> None:
             assert back["back_names"] and back["back_equal"] == back["back_names"], (family, rank, back)
     for case, diff in zip(workers.CASES, workers.check_vllm(results, workers.CASES)):
         assert diff <= 1e-5, (case["model_type"], diff)
+
+
+@pytest.mark.parametrize(
+    ("shards", "nproc", "flags"),
+    [("tp=2,role=train + tp=2", 4, ["--to-layout", "vllm"]), ("dp=1 + tp=2,role=train", 3, ["--from-layout", "hf"])],
+)
+def test_refit_check_through_a_layout(tmp_path: Path, shards: str, nproc: int, flags: list[str]) -> None:
+    """``refit --check`` fills the source with known values and compares every destination byte with the
+    source's tensors put through the weight map (the vocabulary padding left as allocated)."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(workers.hf_config({"model_type": "qwen2"})))
+    command = [sys.executable, "-m", "shardcore", "refit", "--check", "--nproc", str(nproc), "--shards", shards]
+    command += ["--from", "0", "--to", "1", "--model", f"hf:{config}", *flags]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout.splitlines()[-1].split()[-1] == "ok"
