@@ -70,8 +70,24 @@ def logits(model: Any) -> torch.Tensor:
         return model(torch.tensor(TOKENS)).logits
 
 
+def per_expert(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict with transformers 5's stacked experts (``gate_up_proj [E, 2F, H]``: gate, then up) as
+    transformers 4 and checkpoints name them, one MLP per expert."""
+    out = dict(state)
+    for name in [n for n in state if n.endswith("mlp.experts.gate_up_proj")]:
+        prefix = name.removesuffix("gate_up_proj")
+        gate_up, down = out.pop(name), out.pop(f"{prefix}down_proj")
+        half = gate_up.shape[1] // 2
+        for e in range(gate_up.shape[0]):
+            out[f"{prefix}{e}.gate_proj.weight"] = gate_up[e, :half]
+            out[f"{prefix}{e}.up_proj.weight"] = gate_up[e, half:]
+            out[f"{prefix}{e}.down_proj.weight"] = down[e]
+    return out
+
+
 def megatron_globals(state: dict[str, torch.Tensor], model: HFModel) -> dict[str, torch.Tensor]:
     """The model's weights packed as Megatron-Core's GPT holds them, written straight from Megatron's layout."""
+    state = per_expert(state)
     c = model.config
     d = c.head_dim or c.hidden // c.heads
     groups = c.kv_heads or c.heads
