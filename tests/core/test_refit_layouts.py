@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Iterator
+from math import prod
 from typing import Any
 
 import pytest
@@ -97,9 +98,7 @@ def test_every_destination_element_once_from_a_holder(family: str) -> None:
         assert max(count.values()) == 1, rank  # no element written twice
         tp_rank = rank - 5 if 5 <= rank < 9 else 0
         for name, shape in shapes.items():
-            numel = 1
-            for size in shape:
-                numel *= size
+            numel = prod(shape)
             pad = padding_rows(model, name, shape, tp_rank) * shape[-1] if 5 <= rank < 9 else 0
             assert sum(1 for key in count if key[0] == name) == numel - pad, (rank, name)
         mine = plan.for_rank(rank)
@@ -151,9 +150,7 @@ def test_reverse_from_hf_into_megatron() -> None:
         shapes, count = written(plan, rank)
         assert max(count.values()) == 1
         for name, shape in shapes.items():
-            numel = 1
-            for size in shape:
-                numel *= size
+            numel = prod(shape)
             pad = 0
             if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
                 rows_held = shape[0]
@@ -261,3 +258,30 @@ def test_cli_plans_into_a_layout_from_an_hf_config(tmp_path: Any, capsys: pytest
     assert "needs the model's Hugging Face config: --model hf:PATH" in capsys.readouterr().err
     assert main([*shards, "--model", f"hf:{tmp_path / 'none.json'}", "--to-layout", "hf"]) == 2
     assert "cannot read HF config" in capsys.readouterr().err
+
+
+def test_fan_out_and_subsets_compose_with_layouts() -> None:
+    """Fan-out relays a tile into a node once, into the engine's own tensors; a subset keeps its tensors' pieces."""
+    model = model_of("qwen3_moe")
+    layout = plan_layout(2 + 4 + 4, "tp=2,ep=2,expt_tp=1,role=train + dp=4 + tp=2,dp=2,ep=2,expt_tp=1")
+    layouts = {1: model.layout("hf-stacked"), 2: model.layout("vllm")}
+    plan = plan_refit(layout, 0, [1, 2], model.manifest, ranks_per_node=2, fan_out=True, layouts=layouts)
+    every = list(plan.transfers())
+    assert any(t.hop for t in every)  # relays forward inside their node
+    assert all(t.target for t in every)
+    for rank in range(2, 10):
+        shapes, count = written(plan, rank)
+        assert max(count.values()) == 1, rank
+        for name, shape in shapes.items():
+            pad = padding_rows(model, name, shape, (rank - 6) % 2) * shape[-1] if rank >= 6 else 0
+            numel = prod(shape)
+            assert sum(1 for key in count if key[0] == name) == numel - pad, (rank, name)
+    relayed = [t for t in every if t.hop]
+    assert all(t.src // 2 == t.dst // 2 for t in relayed)  # a forward stays inside the node
+    experts = plan.subset(lambda tensor: tensor.expert == 1)
+    kept = [t for t in every if t.tensor.endswith("weight1")]
+    assert kept and sorted(experts.transfers()) == sorted(kept)
+    assert {t.destination for t in kept} >= {
+        "model.layers.0.mlp.experts.w13_weight",
+        "model.layers.0.mlp.experts.gate_up_proj",
+    }
