@@ -94,6 +94,8 @@ CONFIG_GOOD: dict[str, list[Any]] = {
     "dense_layers": [0, 1],
     "tied_embeddings": [True, False],
     "gated": [True, False],
+    "qkv_bias": [True, False],
+    "qk_norm": [True, False],
     "q_lora_rank": [None, 32],
     "kv_lora_rank": [None, 16],
     "qk_head_dim": [16],

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import RefitError, RefitInputError
 from ..plan.arguments import check_count, check_size, counted, format_bytes, number_or_long, shown
 from ..refit.cost import DEFAULT_INTER_GBPS, DEFAULT_INTRA_GBPS, RefitStats
+from ..refit.families import LAYOUTS
 from ..refit.manifest import Manifest, TensorSpec
 from ..refit.models import PRESETS
 from ..refit.options import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_OPS, MIN_BUCKET_BYTES, ExecuteOptions, Verify
@@ -120,7 +121,8 @@ def rank_table(mine: RankRefit) -> str:
         for t in transfers:
             peer = t.dst if kind == "send" else t.src
             box = "[" + ", ".join(f"{start}:{stop}" for start, stop in t.box) + "]"
-            rows.append((kind, peer, t.tensor, box, format_bytes(t.bytes)))
+            name = f"{t.tensor} -> {t.target}" if t.target else t.tensor
+            rows.append((kind, peer, name, box, format_bytes(t.bytes)))
     title = (
         f"rank {mine.rank}: sends {len(mine.sends)} ({format_bytes(mine.bytes_sent)}), "
         f"receives {len(mine.recvs)} ({format_bytes(mine.bytes_received)}), copies {len(mine.copies)}"
@@ -181,6 +183,8 @@ def _request(args: argparse.Namespace) -> RefitRequest:
         tensors=patterns,
         to_dtype=args.to_dtype,
         scale=args.scale,
+        from_layout=args.from_layout,
+        to_layout=args.to_layout,
     )
 
 
@@ -442,7 +446,24 @@ def _add_plan_flags(parser: argparse.ArgumentParser) -> None:
         "--from", dest="src", type=NON_NEGATIVE_INT, metavar="I", help="source shard index (e.g. training)"
     )
     parser.add_argument("--to", dest="dst", metavar="J[,K...]", help="destination shard indices, comma separated")
-    parser.add_argument("--model", metavar="FILE|PRESET", help="manifest file (JSON/YAML) or a preset name")
+    parser.add_argument(
+        "--model",
+        metavar="FILE|PRESET|hf:PATH",
+        help="manifest file (JSON/YAML), a preset name, or hf:PATH/config.json (a Hugging Face config)",
+    )
+    parser.add_argument(
+        "--to-layout",
+        choices=LAYOUTS,
+        default="megatron",
+        help="the destinations' layout: hf (the transformers model class), hf-stacked (transformers 5's MoE), "
+        "vllm (vLLM/SGLang tp packing); needs --model hf:PATH",
+    )
+    parser.add_argument(
+        "--from-layout",
+        choices=LAYOUTS,
+        default="megatron",
+        help="the source's layout (hf: a training job starting from a Hugging Face model); needs --model hf:PATH",
+    )
     parser.add_argument(
         "--ranks-per-node",
         type=POSITIVE_INT,

@@ -26,6 +26,10 @@ The manifest and planner are pure Python (no torch); only execution imports torc
   (``Candidate``s, the Pareto front marked); ``Footprint`` (what a rank of a spec holds, whether the
   model splits over it) and ``estimate_refit`` -> ``RefitEstimate`` (a refit's cost without walking a plan).
 
+- Another side's own layout: ``manifest_from_hf_config(path)`` -> ``HFModel`` (``.manifest``, Megatron's;
+  ``.layout("hf" | "hf-stacked" | "vllm")``) and ``plan_refit(..., layouts={shard: model.layout(kind)})``:
+  each rank receives its own slices of its own tensors (``WeightMap``, ``MappedPlacement``; ``families.py``).
+
 Executing a plan needs torch and lives in the engine: ``shardcore.execute_refit``. Its old name here,
 ``shardcore.refit.execute``, still works for this release with a DeprecationWarning (``version.moved``).
 """
@@ -38,6 +42,7 @@ from ..version import moved
 from .cost import RefitStats, ShardCost
 from .documents import load_manifest, manifest_from_dict, model_manifest
 from .estimate import RefitEstimate, estimate_refit
+from .families import FAMILIES, LAYOUTS, HFModel, ModelLayout, manifest_from_hf_config
 from .footprint import Footprint
 from .manifest import Manifest, TensorSpec
 from .models import PRESETS, TransformerConfig, manifest_from_config, preset
@@ -57,6 +62,7 @@ from .placement import (
 from .planner import RankRefit, RefitPlan, ShardRefitPlan, Transfer, plan_refit, plan_refit_from, tensors_matching
 from .request import RefitRequest
 from .search import Candidate, SearchResult, search
+from .weightmap import Link, MappedPlacement, WeightMap
 
 
 def __getattr__(name: str) -> Any:
@@ -65,15 +71,21 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "FAMILIES",
+    "LAYOUTS",
     "PRESETS",
     "Candidate",
     "ExecuteOptions",
     "ExplicitPlacement",
     "Footprint",
+    "HFModel",
     "HeldBox",
     "HeldTensor",
     "HolderSet",
+    "Link",
     "Manifest",
+    "MappedPlacement",
+    "ModelLayout",
     "Placement",
     "RankRefit",
     "RefitEstimate",
@@ -89,12 +101,14 @@ __all__ = [
     "Transfer",
     "TransformerConfig",
     "UnionPlacement",
+    "WeightMap",
     "estimate_refit",
     "holdings",
     "load_manifest",
     "local_shape",
     "manifest_from_config",
     "manifest_from_dict",
+    "manifest_from_hf_config",
     "model_manifest",
     "plan_refit",
     "plan_refit_from",

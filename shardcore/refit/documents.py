@@ -14,6 +14,7 @@ from typing import Any
 from ..errors import ManifestError
 from ..plan.arguments import did_you_mean, shown
 from ..plan.loading import load_document, read_text, shown_path
+from .families import HF_PREFIX, hf_model_of
 from .manifest import CONVERTIBLE, SCALED, Manifest, TensorSpec, check_conversion, check_dtype, tensor_label
 from .models import PRESET_CONFIGS, PRESETS, TransformerConfig, manifest_from_config, preset
 
@@ -143,7 +144,8 @@ def load_manifest(source: str | Path) -> Manifest:
 
 
 def model_manifest(model: str) -> Manifest:
-    """``--model FILE|PRESET``: a preset by name, else a JSON/YAML manifest file.
+    """``--model FILE|PRESET|hf:PATH``: a preset by name, a Hugging Face config's Megatron manifest
+    (``families.manifest_from_hf_config``), else a JSON/YAML manifest file.
 
     Raises:
         ManifestError: neither a preset nor a readable manifest (the message lists the presets), or
@@ -151,6 +153,8 @@ def model_manifest(model: str) -> Manifest:
     """
     if isinstance(model, str) and model in PRESET_CONFIGS:
         return preset(model)
+    if isinstance(model, str) and model.startswith(HF_PREFIX):
+        return hf_model_of(model).manifest
     path = _path(model, "model")
     try:
         text = read_text(path, "manifest", MAX_MANIFEST_BYTES, ManifestError, _FILE)

@@ -43,6 +43,8 @@ class TransformerConfig:
             ``first_k_dense_replace``).
         tied_embeddings: Share the embedding with the output head (no ``output_layer.weight``).
         gated: SwiGLU MLP: ``linear_fc1`` holds the gate and up blocks.
+        qkv_bias: ``linear_qkv`` has a bias (Megatron's ``add_qkv_bias``: Qwen2).
+        qk_norm: Per-head RMSNorms of the queries and keys (Megatron's ``qk_layernorm``: Qwen3).
         q_lora_rank / kv_lora_rank / qk_head_dim / qk_pos_emb_head_dim / v_head_dim: Multi-latent
             attention (DeepSeek) when ``kv_lora_rank`` is set; ``q_lora_rank`` None means no q compression.
         first_stage_layers / last_stage_layers: Uneven pipeline split (Megatron's
@@ -67,6 +69,8 @@ class TransformerConfig:
     dense_layers: int = 0
     tied_embeddings: bool = False
     gated: bool = True
+    qkv_bias: bool = False
+    qk_norm: bool = False
     q_lora_rank: int | None = None
     kv_lora_rank: int | None = None
     qk_head_dim: int = 128
@@ -79,7 +83,7 @@ class TransformerConfig:
     def __post_init__(self) -> None:
         for item in fields(self):
             value = getattr(self, item.name)
-            if item.name in ("tied_embeddings", "gated"):
+            if item.name in ("tied_embeddings", "gated", "qkv_bias", "qk_norm"):
                 if not isinstance(value, bool):
                     raise ManifestError(f"config {item.name}={shown(value)}: expected true or false")
             elif item.name == "dtype":
@@ -147,11 +151,15 @@ def _attention(config: TransformerConfig, prefix: str, **where: Any) -> list[Ten
         d = config.head_dim or h // config.heads
         groups = config.kv_heads or config.heads
         per_group = (config.heads // groups + 2) * d  # a group's q heads, then its k, then its v
+        qkv = f"{prefix}self_attention.linear_qkv."
+        fused = [TensorSpec(f"{qkv}weight", (groups * per_group, h), tp_dim=0, unit=per_group, **where)]
+        if config.qkv_bias:
+            fused.append(TensorSpec(f"{qkv}bias", (groups * per_group,), tp_dim=0, unit=per_group, **where))
+        if config.qk_norm:
+            fused += [TensorSpec(f"{prefix}self_attention.{n}_layernorm.weight", (d,), **where) for n in "qk"]
         return [
             TensorSpec(f"{prefix}input_layernorm.weight", (h,), **where),
-            TensorSpec(
-                f"{prefix}self_attention.linear_qkv.weight", (groups * per_group, h), tp_dim=0, unit=per_group, **where
-            ),
+            *fused,
             TensorSpec(f"{prefix}self_attention.linear_proj.weight", (h, config.heads * d), tp_dim=1, unit=d, **where),
         ]
     qk = config.qk_head_dim + config.qk_pos_emb_head_dim

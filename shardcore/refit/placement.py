@@ -62,6 +62,9 @@ class Slice(NamedTuple):
         part: Which part of its block it is (a shard's tp rank; an explicit placement's order).
             With ``block`` it names the slice among its tensor's, and so seeds the planner's choice
             of sender.
+        target: The local tensor the box lies in when a weight map puts it in another tensor than the
+            manifest's (``weightmap.MappedPlacement``: an engine's ``qkv_proj``); then ``offset`` is in that
+            tensor's coordinates, whose dims align with ``box``'s from the right. Empty: the manifest's tensor.
     """
 
     box: Box
@@ -69,14 +72,19 @@ class Slice(NamedTuple):
     holders: HolderSet
     block: int
     part: int
+    target: str = ""
 
 
 class HeldTensor(NamedTuple):
-    """A tensor one rank holds: its position in the manifest, its local shape, and the rank's slices of it."""
+    """A tensor one rank holds: its position in the manifest, its local shape, and the rank's slices of it.
+
+    Through a weight map, ``name`` is the local tensor's own name (an engine's), ``shape`` its shape, and
+    ``slices`` the rank's slices of it that come from the manifest's tensor at ``position``."""
 
     position: int
     shape: tuple[int, ...]
     slices: tuple[Slice, ...]
+    name: str = ""
 
 
 def _digest(text: str) -> str:
@@ -91,6 +99,23 @@ def meets(first: Box, second: Box) -> bool:
 def overlap(first: Box, second: Box) -> Box:
     """The box two boxes that meet share."""
     return tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(first, second))
+
+
+def moved(offset: tuple[int, ...], box: Box, inner: Box) -> tuple[int, ...]:
+    """Where ``inner``, a box inside ``box``, starts in a local tensor in which ``box`` starts at ``offset``.
+
+    The dims of ``offset`` align with the boxes' from the right: a weight map may put a box in a tensor
+    with unit dims more or fewer on the left (one expert's slot of a stacked tensor), which never move."""
+    n = min(len(offset), len(box))
+    lead, skip = len(offset) - n, len(box) - n
+    tail = (o + lo - a for o, (lo, _), (a, _) in zip(offset[lead:], inner[skip:], box[skip:]))
+    return (*offset[:lead], *tail)
+
+
+def fitted(shape: tuple[int, ...], ndim: int) -> tuple[int, ...]:
+    """A box's extents in a tensor of ``ndim`` dims, dims aligned from the right: unit dims added or dropped
+    on the left (see ``moved``)."""
+    return (1,) * (ndim - len(shape)) + shape[max(0, len(shape) - ndim) :]
 
 
 def volume(box: Box) -> int:
@@ -145,6 +170,11 @@ class Placement(ABC):
     @abstractmethod
     def describe(self) -> str:
         """This side as ranks must agree it is before a refit runs: short, and equal for equal holdings."""
+
+    def local_tensors(self) -> Manifest:
+        """The tensors this side's ranks hold, by the names of their local tensors: the manifest's, unless a
+        weight map puts them in an engine's own (``weightmap.MappedPlacement``)."""
+        return self.manifest
 
     def restrict(self, renumber: Mapping[int, int]) -> Placement:
         """These holdings on the ranks ``renumber`` names only, each under its new number.
@@ -784,12 +814,14 @@ __all__ = [
     "check_fits",
     "ep_owner",
     "expert_range",
+    "fitted",
     "holders",
     "holdings",
     "holds",
     "local_shape",
     "local_shape_on",
     "meets",
+    "moved",
     "overlap",
     "stages_of",
     "subtract",

@@ -49,8 +49,20 @@ from typing import Any, NamedTuple, Self, cast
 from ..errors import LayoutError, ManifestError, RefitError
 from ..plan.arguments import check_count, check_size, shown
 from ..plan.layout import Layout, ShardPlan
+from .families import ModelLayout, sides
 from .manifest import Manifest, TensorSpec
-from .placement import Box, HolderSet, Placement, Renumbered, ShardPlacement, Slice, check_fits, overlap, volume
+from .placement import (
+    Box,
+    HolderSet,
+    Placement,
+    Renumbered,
+    ShardPlacement,
+    Slice,
+    check_fits,
+    moved,
+    overlap,
+    volume,
+)
 
 DEFAULT_MIN_PIECE_BYTES = 1 << 20
 """The floor on piece size: below it a message costs more than the balance it buys."""
@@ -74,6 +86,9 @@ class Transfer:
         hop: 0 when the bytes come from the sender's source tensor; 1 when a relay forwards them (fan-out):
             they come from the relay's destination tensor (``src_offset`` is there), once its hop-0
             receives have landed.
+        target: The destination's local tensor when a weight map puts the box in another tensor than
+            ``tensor`` (an engine's ``qkv_proj``); empty: ``tensor`` itself. ``dst_offset`` (and a forward's
+            ``src_offset``) are in that tensor's coordinates: its dims align with the box's from the right.
     """
 
     tensor: str
@@ -84,6 +99,12 @@ class Transfer:
     dst_offset: tuple[int, ...]
     bytes: int
     hop: int = 0
+    target: str = ""
+
+    @property
+    def destination(self) -> str:
+        """The name of the destination's local tensor the box lands in."""
+        return self.target or self.tensor
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -106,6 +127,7 @@ class Transfer:
             "dst_offset": list(self.dst_offset),
             "bytes": self.bytes,
             "hop": self.hop,
+            **({"target": self.target} if self.target else {}),
         }
 
 
@@ -163,6 +185,7 @@ class Tile(NamedTuple):
     row_bytes: int  # bytes of one row of the box
     group: tuple[tuple[int, Slice], ...] = ()
     """With fan-out: (destination, slice) of every destination slice with this tile's box, this one included."""
+    target: str = ""  # the destination's local tensor, when a weight map puts the box in another one (Slice.target)
 
 
 Line = tuple[tuple[int, ...], tuple[int, ...], int]
@@ -249,6 +272,19 @@ class RefitPlan:
         """The model every placement of the plan describes."""
         return self.source_placement.manifest
 
+    def destination_tensor(self, name: str) -> TensorSpec:
+        """The tensor a destination rank holds locally as ``name``: the manifest's, or through a weight map an
+        engine's (its names, shapes and dtypes), for the executor's checks of the tensors it is given.
+
+        Raises:
+            ManifestError: no destination holds a tensor of that name.
+        """
+        for placement in self.destination_placements:
+            local = placement.local_tensors()
+            if local is not self.manifest and _position(local, name) is not None:
+                return local.tensor(name)
+        return self.manifest.tensor(name)
+
     # -- tiles -------------------------------------------------------------------------------
 
     def _tile(self, position: int, shard: int, source: Slice, target: Slice, group: tuple[Any, ...] = ()) -> Tile:
@@ -258,8 +294,8 @@ class RefitPlan:
             box, src_offset, dst_offset = source.box, source.offset, target.offset
         else:
             box = overlap(source.box, target.box)
-            src_offset = tuple(o + lo - a for o, (lo, _), (a, _) in zip(source.offset, box, source.box))
-            dst_offset = tuple(o + lo - a for o, (lo, _), (a, _) in zip(target.offset, box, target.box))
+            src_offset = moved(source.offset, source.box, box)
+            dst_offset = moved(target.offset, target.box, box)
         row_bytes = self.manifest.tensors[position].wire_itemsize
         for start, stop in box[1:]:
             row_bytes *= stop - start
@@ -267,7 +303,18 @@ class RefitPlan:
         seed = position + first * 7919 + (seeding.block + 1) * 31 + seeding.part * 131 + source.part * 1031
         rows = box[0][1] - box[0][0]
         return Tile(
-            position, shard, box, src_offset, dst_offset, source.holders, target.holders, seed, rows, row_bytes, group
+            position,
+            shard,
+            box,
+            src_offset,
+            dst_offset,
+            source.holders,
+            target.holders,
+            seed,
+            rows,
+            row_bytes,
+            group,
+            target.target,
         )
 
     def _group(self, position: int, shard: int, target: Slice) -> tuple[tuple[int, Slice], ...]:
@@ -278,7 +325,7 @@ class RefitPlan:
             (index, piece) if index != shard else (shard, target)
             for index, placement in enumerate(self.destination_placements)
             for piece in placement.overlapping(position, target.box)
-            if piece.box == target.box
+            if piece.box == target.box and piece.target == target.target
         )
 
     def _tiles_into(self, position: int, shard: int, target: Slice) -> Iterator[Tile]:
@@ -421,7 +468,7 @@ class RefitPlan:
         if rank in tile.needers.members or not tile.group:
             return tile.dst_offset
         target = next(target for _, target in tile.group if rank in target.holders.members)
-        return tuple(o + lo - a for o, (lo, _), (a, _) in zip(target.offset, tile.box, target.box))
+        return moved(target.offset, target.box, tile.box)
 
     def _transfers(self, tile: Tile, pieces: Sequence[Piece]) -> Iterator[Transfer]:
         name = self.manifest.tensors[tile.position].name
@@ -430,15 +477,17 @@ class RefitPlan:
         for src, dst, lo, hi, hop in pieces:
             origin = self._offset_in(tile, src) if hop else tile.src_offset
             target = tile.dst_offset if dst in tile.needers.members else self._offset_in(tile, dst)
+            box = ((first + lo, first + hi), *rest)
             yield Transfer(
                 name,
                 src,
                 dst,
-                ((first + lo, first + hi), *rest),
-                (origin[0] + lo, *origin[1:]),
-                (target[0] + lo, *target[1:]),
+                box,
+                moved(origin, tile.box, box),
+                moved(target, tile.box, box),
                 (hi - lo) * row_bytes,
                 hop,
+                tile.target,
             )
 
     # -- public ------------------------------------------------------------------------------
@@ -543,18 +592,18 @@ class RefitPlan:
 
     def _rank_part(self, rank: int) -> RankRefit:
         tensors = self.manifest.tensors
-        keyed: list[tuple[int, int, int, Box, int, Transfer]] = []
+        keyed: list[tuple[int, int, int, Box, int, str, Transfer]] = []
         destination_shapes: dict[str, tuple[int, ...]] = {}
         chosen = self.tensors
         for shard, placement in enumerate(self.destination_placements):
             for held in placement.held(rank):
                 if chosen is not None and held.position not in chosen:
                     continue
-                destination_shapes[tensors[held.position].name] = held.shape
+                destination_shapes[held.name or tensors[held.position].name] = held.shape
                 for target in held.slices:
                     for tile in self._tiles_into(held.position, shard, target):
                         mine = self._transfers(tile, self._pieces(tile, dst=rank) + self._forwards(tile, rank))
-                        keyed += ((t.src, t.dst, held.position, t.box, t.hop, t) for t in mine)
+                        keyed += ((t.src, t.dst, held.position, t.box, t.hop, t.target, t) for t in mine)
         source_shapes: dict[str, tuple[int, ...]] = {}
         for held in self.source_placement.held(rank):
             if chosen is not None and held.position not in chosen:
@@ -565,9 +614,9 @@ class RefitPlan:
                 for shard in range(len(self.destination_placements)):
                     for tile in self._tiles_from(held.position, shard, source):
                         mine = self._transfers(tile, self._pieces(tile, src=rank))
-                        keyed += ((t.src, t.dst, held.position, t.box, t.hop, t) for t in mine)
-        keyed.sort(key=lambda item: item[:5])
-        ordered = [item[5] for item in keyed]
+                        keyed += ((t.src, t.dst, held.position, t.box, t.hop, t.target, t) for t in mine)
+        keyed.sort(key=lambda item: item[:6])
+        ordered = [item[6] for item in keyed]
         return RankRefit(
             rank=rank,
             sends=tuple(t for t in ordered if t.src == rank and t.dst != rank),
@@ -594,16 +643,21 @@ class ShardRefitPlan(RefitPlan):
         layout: The layout whose world the shards live in.
         source: The source shard.
         destinations: The destination shards.
+        shards: The source shard, then the destinations, where a side holds another layout than Megatron's
+            (``layouts``: its placement is then not a ``ShardPlacement``); empty: read off the placements.
     """
 
     layout: Layout = field(kw_only=True)
+    shards: tuple[ShardPlan, ...] = field(kw_only=True, default=())
 
     @cached_property
     def source(self) -> ShardPlan:
-        return cast(ShardPlacement, self.source_placement).plan
+        return self.shards[0] if self.shards else cast(ShardPlacement, self.source_placement).plan
 
     @cached_property
     def destinations(self) -> tuple[ShardPlan, ...]:
+        if self.shards:
+            return self.shards[1:]
         return tuple(cast(ShardPlacement, placement).plan for placement in self.destination_placements)
 
     def _world(self) -> str:
@@ -678,6 +732,7 @@ def plan_refit(
     *,
     min_piece_bytes: int | str = DEFAULT_MIN_PIECE_BYTES,
     fan_out: bool = False,
+    layouts: Mapping[int, ModelLayout] | None = None,
 ) -> ShardRefitPlan:
     """Plan moving ``manifest``'s weights from shard ``src`` to shard(s) ``dst``; no model, no collective, no torch.
 
@@ -692,6 +747,10 @@ def plan_refit(
         min_piece_bytes: The floor on piece size, in bytes or as a size such as ``'1MiB'``; 0: none.
         fan_out: Send each tile once into every node that holds no source of it, through a relay
             there (see the module doc); needs ``ranks_per_node``.
+        layouts: The layout of some shards, by shard index, when not Megatron's: ``model.layout("hf")``,
+            ``model.layout("vllm")`` of a ``manifest_from_hf_config`` model, whose ``.manifest`` is then
+            ``manifest``. Each destination rank receives exactly its own slices of its own tensors, in its
+            layout's names and packing (``families.py``); a plan's ``Transfer.target`` names them.
 
     Returns:
         A lazy ShardRefitPlan; every check that can fail has been made.
@@ -700,7 +759,9 @@ def plan_refit(
         RefitError: a layout that is not a Layout, bad shard indices, overlapping destinations, a
             manifest that is not a Manifest, bad ranks_per_node, fan_out without it, or a
             min_piece_bytes that is not a size.
-        ManifestError: a tensor, the layers or the experts do not split over a shard.
+        ManifestError: a tensor, the layers or the experts do not split over a shard; with ``layouts``,
+            layouts of another model than ``manifest``'s, a shard in a layout it cannot hold, or a converting
+            manifest (not yet planned through a layout).
     """
     if not isinstance(layout, Layout):
         raise RefitError(
@@ -723,6 +784,8 @@ def plan_refit(
     floor = _check_options(ranks_per_node, min_piece_bytes, fan_out)
     if not isinstance(manifest, Manifest):
         raise RefitError(f"manifest must be a shardcore.refit.Manifest; got {type(manifest).__name__}")
+    if layouts:
+        return _through_layouts(layout, source, destinations, manifest, layouts, ranks_per_node, floor, fan_out)
     for plan in (source, *destinations):
         check_fits(manifest, plan)
     return ShardRefitPlan(
@@ -733,6 +796,51 @@ def plan_refit(
         floor,
         fan_out,
         layout=layout,
+    )
+
+
+def _through_layouts(
+    layout: Layout,
+    source: ShardPlan,
+    destinations: tuple[ShardPlan, ...],
+    manifest: Manifest,
+    layouts: Mapping[int, ModelLayout],
+    ranks_per_node: int | None,
+    floor: int,
+    fan_out: bool,
+) -> ShardRefitPlan:
+    """``plan_refit`` where some shards hold another layout: the same planning, in the source's coordinates."""
+    if not isinstance(layouts, Mapping) or not all(isinstance(item, ModelLayout) for item in layouts.values()):
+        raise RefitError(
+            f"layouts={shown(layouts)}: expected a mapping of shard index -> model.layout(kind), e.g. "
+            f"{{1: model.layout('vllm')}} with model = shardcore.refit.manifest_from_hf_config(path)"
+        )
+    shards = {plan.index for plan in (source, *destinations)}
+    stray = next((index for index in layouts if index not in shards), None)
+    if stray is not None:
+        raise RefitError(f"layouts names shard {shown(stray)}, which is neither the source nor a destination")
+    model = next(iter(layouts.values())).model
+    if manifest.converts:
+        raise ManifestError(
+            f"manifest {manifest.name!r} converts dtypes: a refit through a layout keeps them (convert in a second "
+            f"refit, between Megatron shards)"
+        )
+    if manifest is not model.manifest and manifest != model.manifest:
+        raise ManifestError(
+            f"manifest {manifest.name!r} is not the Megatron manifest of {model.name!r}, whose layouts are given: "
+            f"pass model.manifest"
+        )
+    origin, targets = sides(source, destinations, layouts)
+    _check_covered(origin, targets)
+    return ShardRefitPlan(
+        origin,
+        targets,
+        layout.world_size,
+        ranks_per_node,
+        floor,
+        fan_out,
+        layout=layout,
+        shards=(source, *destinations),
     )
 
 

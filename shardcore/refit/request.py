@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import RefitError
+from ..errors import ManifestError, RefitError
 from ..plan.arguments import shown
 from ..plan.layout import DEFAULT_ORDER, Layout, ShardPlan, plan_layout
 from .documents import model_manifest
+from .families import ModelLayout, shard_layouts
 from .manifest import Manifest
 from .planner import DEFAULT_MIN_PIECE_BYTES, ShardRefitPlan, plan_refit, tensors_matching
 
@@ -27,7 +28,7 @@ class RefitRequest:
         shards: The layout's spec, e.g. ``'tp=4,role=train + tp=2'``.
         src: The source shard's index.
         dst: The destination shards' indices.
-        to_layout: The spec of another layout over the same world whose shards ``dst`` indexes (the
+        dst_shards: The spec of another layout over the same world whose shards ``dst`` indexes (the
             collocated two-layout case); None: ``dst`` indexes the shards of ``shards``.
         order: How ranks map to coordinates in both layouts.
         allow_idle: Whether ranks after the last shard may stay idle (in both layouts).
@@ -35,13 +36,15 @@ class RefitRequest:
         tensors: Name patterns of a partial refit (``tensors_matching``); empty: every tensor.
         to_dtype: The destination dtype of every floating tensor, or None for the manifest's own.
         scale: With a ``float8_e4m3fn`` ``to_dtype``: ``block`` (the default) or ``tensor``.
+        from_layout / to_layout: How the source / the destinations hold their weights (``families.LAYOUTS``:
+            ``megatron``, ``hf``, ``hf-stacked``, ``vllm``); another than megatron needs ``model`` = ``hf:PATH``.
     """
 
     model: str | Manifest
     shards: str
     src: int
     dst: tuple[int, ...]
-    to_layout: str | None = None
+    dst_shards: str | None = None
     order: str = DEFAULT_ORDER
     allow_idle: bool = False
     ranks_per_node: int | None = None
@@ -50,6 +53,8 @@ class RefitRequest:
     tensors: tuple[str, ...] = ()
     to_dtype: str | None = None
     scale: str | None = None
+    from_layout: str = "megatron"
+    to_layout: str = "megatron"
 
     def manifest(self) -> Manifest:
         """The model's manifest, converted as ``to_dtype`` and ``scale`` say.
@@ -61,7 +66,7 @@ class RefitRequest:
         return manifest if self.to_dtype is None else manifest.converted(self.to_dtype, self.scale)
 
     def layout(self, world_size: int) -> Layout:
-        """The layout the source shard (and, without ``to_layout``, the destinations) belongs to.
+        """The layout the source shard (and, without ``dst_shards``, the destinations) belongs to.
 
         Raises:
             ShardcoreError: a bad spec or world size.
@@ -78,12 +83,12 @@ class RefitRequest:
         """
         layout = self.layout(world_size)
         targets: list[int | ShardPlan] = list(self.dst)
-        if self.to_layout is not None:
-            other = plan_layout(world_size, self.to_layout, order=self.order, allow_idle=self.allow_idle)
+        if self.dst_shards is not None:
+            other = plan_layout(world_size, self.dst_shards, order=self.order, allow_idle=self.allow_idle)
             wrong = [index for index in self.dst if not 0 <= index < len(other.shards)]
             if wrong:
                 raise RefitError(
-                    f"destination shard {shown(wrong[0])}: the destination layout {shown(self.to_layout)} has "
+                    f"destination shard {shown(wrong[0])}: the destination layout {shown(self.dst_shards)} has "
                     f"shards 0 to {len(other.shards) - 1}"
                 )
             targets = [other.shards[index] for index in self.dst]
@@ -96,8 +101,24 @@ class RefitRequest:
             self.ranks_per_node,
             min_piece_bytes=self.min_piece_bytes,
             fan_out=self.fan_out,
+            layouts=self.layouts(),
         )
         return plan.subset(tensors_matching(manifest, self.tensors)) if self.tensors else plan
+
+    def layouts(self) -> dict[int, ModelLayout] | None:
+        """``plan_refit``'s ``layouts`` for ``from_layout`` / ``to_layout`` (None: Megatron's on both sides).
+
+        Raises:
+            ManifestError: an unknown layout, or one other than megatron without a ``hf:PATH`` model.
+        """
+        if self.from_layout == self.to_layout == "megatron":
+            return None
+        if not isinstance(self.model, str):
+            raise ManifestError(
+                f"--from-layout {self.from_layout} --to-layout {self.to_layout}: a layout other than megatron "
+                "needs the model as a Hugging Face config, model='hf:PATH/config.json'"
+            )
+        return shard_layouts(self.model, self.src, self.dst, self.from_layout, self.to_layout)
 
 
 __all__ = ["RefitRequest"]

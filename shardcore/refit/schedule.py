@@ -74,6 +74,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from .placement import moved
+
 ALIGN = 16
 """Byte offset of each piece in a packed message: any dtype's view of it is aligned."""
 SOLO_BYTES = 256 << 10
@@ -101,13 +103,22 @@ class StagingLayout(NamedTuple):
 
 
 class Piece(NamedTuple):
-    """A dense box of one tensor: its shape, and where it starts in the sender's and the receiver's local tensor."""
+    """A dense box of one tensor: its shape, and where it starts in the sender's and the receiver's local tensor.
+
+    Through a weight map the receiver's tensor is another one, ``target`` (``Transfer.target``), whose dims
+    align with the box's from the right (``placement.fitted``)."""
 
     tensor: str
     shape: tuple[int, ...]
     src_offset: tuple[int, ...]
     dst_offset: tuple[int, ...]
     nbytes: int
+    target: str = ""
+
+    @property
+    def destination(self) -> str:
+        """The name of the receiver's local tensor."""
+        return self.target or self.tensor
 
 
 @dataclass
@@ -156,17 +167,19 @@ def pieces_of(transfer: Any, cap: int) -> Iterator[Piece]:
     shape = tuple(stop - start for start, stop in transfer.box)
     nbytes = int(transfer.bytes)
     dim = next((d for d, n in enumerate(shape) if n > 1), None)
+    target = getattr(transfer, "target", "")
     if dim is None or nbytes <= cap:
-        yield Piece(transfer.tensor, shape, tuple(transfer.src_offset), tuple(transfer.dst_offset), nbytes)
+        yield Piece(transfer.tensor, shape, tuple(transfer.src_offset), tuple(transfer.dst_offset), nbytes, target)
         return
     slab = nbytes // shape[dim]
     step = max(1, cap // slab)
+    box = tuple((0, n) for n in shape)
     for start in range(0, shape[dim], step):
         n = min(step, shape[dim] - start)
         cut = (*shape[:dim], n, *shape[dim + 1 :])
-        src = tuple(o + start if d == dim else o for d, o in enumerate(transfer.src_offset))
-        dst = tuple(o + start if d == dim else o for d, o in enumerate(transfer.dst_offset))
-        yield Piece(transfer.tensor, cut, src, dst, slab * n)
+        part = (*box[:dim], (start, start + n), *box[dim + 1 :])
+        src, dst = (moved(tuple(offset), box, part) for offset in (transfer.src_offset, transfer.dst_offset))
+        yield Piece(transfer.tensor, cut, src, dst, slab * n, target)
 
 
 def pair_messages(transfers: Sequence[Any], cap: int) -> list[tuple[tuple[tuple[Piece, int], ...], int]]:
@@ -231,6 +244,8 @@ def may_stage(
     if len(message.pieces) != 1:
         return True
     piece = message.pieces[0][0]
+    if piece.target:  # its destination tensor is another one, of its own shape
+        return True
     return piece.tensor in converting or piece.shape[1:] != tuple(shapes[piece.tensor][1:])
 
 

@@ -46,7 +46,7 @@ def test_allow_idle_is_the_requests_own() -> None:
 
 
 def test_a_destination_in_another_layout_of_the_same_world() -> None:
-    request = RefitRequest(preset("tiny-dense"), "tp=2,dp=2", 0, (0,), to_layout="tp=4")
+    request = RefitRequest(preset("tiny-dense"), "tp=2,dp=2", 0, (0,), dst_shards="tp=4")
     plan = request.plan(4)
     assert str(plan.destinations[0].spec) == "tp=4" and plan.source.index == 0
     with pytest.raises(RefitError, match="destination shard 1: the destination layout 'tp=4' has shards 0 to 0"):

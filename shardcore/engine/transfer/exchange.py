@@ -38,7 +38,8 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ...plan.arguments import shown_ranks
-from ...refit.schedule import Batch, Message, Slot, StagingLayout, aligned, staging_layout
+from ...refit.placement import fitted
+from ...refit.schedule import Batch, Message, Piece, Slot, StagingLayout, aligned, staging_layout
 from ..agreement import Party, publish_failure, published_failures
 
 if TYPE_CHECKING:
@@ -81,7 +82,9 @@ def checksum(data: torch.Tensor) -> int:
 
 
 def view_of(tensor: torch.Tensor, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-    return tensor[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+    """The box of ``shape`` at ``offset`` in ``tensor``; through a weight map the tensor may have unit dims more
+    or fewer than the box on the left (``placement.fitted``), and the view has the tensor's."""
+    return tensor[tuple(slice(o, o + n) for o, n in zip(offset, fitted(shape, len(offset))))]
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -205,7 +208,8 @@ class Exchange:
             source = view_of(self.sources[transfer.tensor], offset, shape)
             if self.conversion is not None:  # quantized with its scales, or cast by the copy
                 source = self.conversion.outgoing(transfer.tensor, source, offset)
-            view_of(self.destinations[transfer.tensor], tuple(transfer.dst_offset), shape).copy_(source)
+            target = view_of(self.destinations[transfer.destination], tuple(transfer.dst_offset), shape)
+            target.copy_(source.reshape(target.shape))
             self.bytes_copied += int(transfer.bytes)
 
     def remaining(self) -> timedelta:
@@ -356,6 +360,12 @@ class Exchange:
                 self._fill_ledger(message, wire)
         return wires
 
+    @staticmethod
+    def _name(message: Message, piece: Piece) -> str:
+        """The local tensor ``message`` reads or writes ``piece`` in: its source tensor for a send from the
+        sources, else the destination's (another one through a weight map)."""
+        return piece.tensor if message.send and not message.hop else piece.destination
+
     def _sent_from(self, message: Message) -> Mapping[str, torch.Tensor]:
         """The tensors a send reads: the sources, or for a relay's forward (hop 1) its destinations."""
         return self.destinations if message.hop else self.sources
@@ -380,7 +390,7 @@ class Exchange:
         reads_source = message.send and not message.hop  # a relay's forward reads its destination
         if self.conversion is not None and not self.conversion.in_place(piece.tensor, reads_source):
             return None  # cast on the way: through the staging buffer
-        tensor = (self._sent_from(message) if message.send else self.destinations).get(piece.tensor)
+        tensor = (self._sent_from(message) if message.send else self.destinations).get(self._name(message, piece))
         if tensor is None:  # a scale this rank never computed: it drains, and the message is never read
             return None
         view = view_of(tensor, piece.src_offset if message.send else piece.dst_offset, piece.shape)
@@ -391,13 +401,13 @@ class Exchange:
         if staged:
             tensors = self._sent_from(message)
             for piece, offset in message.pieces:
-                view = view_of(tensors[piece.tensor], piece.src_offset, piece.shape)
+                view = view_of(tensors[self._name(message, piece)], piece.src_offset, piece.shape)
                 dtype = view.dtype
                 if self.conversion is not None:  # cast (by the copy) or quantized into the wire's dtype
                     dtype = self.conversion.wire_dtype(piece.tensor, dtype)
                     if not message.hop:  # a relay forwards its destination's bytes, already converted
                         view = self.conversion.outgoing(piece.tensor, view, piece.src_offset)
-                wire[offset : offset + piece.nbytes].view(dtype).view(piece.shape).copy_(view)
+                wire[offset : offset + piece.nbytes].view(dtype).view(view.shape).copy_(view)
         if self.verify == "checksum":
             self.sent_sums[message.key] = checksum(wire)
 
@@ -431,9 +441,9 @@ class Exchange:
 
     def _unpack(self, message: Message, wire: torch.Tensor) -> None:
         for piece, offset in message.pieces:
-            target = view_of(self.destinations[piece.tensor], piece.dst_offset, piece.shape)
+            target = view_of(self.destinations[piece.destination], piece.dst_offset, piece.shape)
             dtype = target.dtype if self.conversion is None else self.conversion.wire_dtype(piece.tensor, target.dtype)
-            target.copy_(wire[offset : offset + piece.nbytes].view(dtype).view(piece.shape))
+            target.copy_(wire[offset : offset + piece.nbytes].view(dtype).view(target.shape))
 
     def _check_ledger(self, ledger: Message, wire: torch.Tensor) -> None:
         """Compare what the sender says it sent with what this rank expected and received."""

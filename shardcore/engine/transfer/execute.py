@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -260,7 +260,7 @@ def _prepare(
         checked = ExecuteOptions.merged(options, **given)
         mine = plan.for_rank(rank)
         conversion = Conversion.of(plan, mine, rank)
-        held, wanted = _checked_tensors(mine, plan.manifest, sources, destinations, conversion)
+        held, wanted = _checked_tensors(mine, plan, sources, destinations, conversion)
         shapes = _global_shapes(plan.manifest, mine)
         return _Prepared(wait, checked, mine, held, wanted, _terms(plan, checked), shapes, conversion)
     except BaseException as error:
@@ -361,7 +361,7 @@ _DEVICES = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
 
 def _checked_tensors(
     mine: Any,
-    manifest: Any,
+    plan: Any,
     sources: Mapping[str, Any],
     destinations: Mapping[str, Any],
     conversion: Conversion | None = None,
@@ -373,9 +373,9 @@ def _checked_tensors(
     """
     read = mine.sources_read
     needed = read if conversion is None else conversion.needed_sources(read)
-    problems = _side_problems("source", sources, mine.source_shapes, needed, manifest)
+    problems = _side_problems("source", sources, mine.source_shapes, needed, plan.manifest.tensor)
     problems += _side_problems(
-        "destination", destinations, mine.destination_shapes, set(mine.destination_shapes), manifest
+        "destination", destinations, mine.destination_shapes, set(mine.destination_shapes), plan.destination_tensor
     )
     problems += _device_problems({**sources, **destinations})
     if problems:
@@ -388,10 +388,11 @@ def _checked_tensors(
 
 
 def _side_problems(
-    kind: str, given: Any, shapes: Mapping[str, tuple[int, ...]], needed: set[str], manifest: Any
+    kind: str, given: Any, shapes: Mapping[str, tuple[int, ...]], needed: set[str], spec_of: Callable[[str], Any]
 ) -> list[str]:
     """Problems of one side's tensors: needed ones missing, any given one unknown, misshapen, of another dtype,
-    or not contiguous (the schedule counts staging memory alike at both ends for contiguous tensors only)."""
+    or not contiguous (the schedule counts staging memory alike at both ends for contiguous tensors only).
+    ``spec_of`` gives a tensor's spec by the name the side holds it under (a destination's may be an engine's)."""
     import torch
 
     if not isinstance(given, Mapping):
@@ -403,7 +404,7 @@ def _side_problems(
     ]
     for name, tensor in given.items():
         if name not in shapes:
-            if not _in_manifest(manifest, name):
+            if not _known(spec_of, name):
                 problems.append(f"{kind} tensor {shown(name)} is not in the manifest: check its name")
             continue
         if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
@@ -414,7 +415,7 @@ def _side_problems(
             problems.append(
                 f"{kind} tensor {shown(name)} has shape {list(tensor.shape)}, expected {list(shapes[name])}"
             )
-        spec = manifest.tensor(name)
+        spec = spec_of(name)
         expected = getattr(torch, spec.destination_dtype if kind == "destination" else spec.dtype)
         if tensor.dtype != expected:
             problems.append(f"{kind} tensor {shown(name)} has dtype {tensor.dtype}, expected {expected}")
@@ -426,9 +427,9 @@ def _side_problems(
     return problems
 
 
-def _in_manifest(manifest: Any, name: object) -> bool:
+def _known(spec_of: Callable[[str], Any], name: str) -> bool:
     try:
-        manifest.tensor(name)
+        spec_of(name)
     except (KeyError, TypeError, ShardcoreError):
         return False
     return True

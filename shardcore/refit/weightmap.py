@@ -1,0 +1,309 @@
+"""Weight maps: which box of which source tensor is which box of which destination tensor.
+
+Two frameworks hold the same weights under other names and packings: Megatron-Core fuses a layer's
+q, k and v rows into ``linear_qkv`` (per query group: its q heads, then its k, then its v), Hugging Face
+keeps ``q_proj`` / ``k_proj`` / ``v_proj``, and vLLM packs each tp rank's q and kv heads into its own
+``qkv_proj``. Between any two of them every destination element is one source element, moved whole:
+a ``WeightMap`` lists those correspondences as ``Link``s, boxes in the tensors' global coordinates.
+The box math is the planner's (``placement.py``); no tensor exists here.
+
+A map is checked when made: every box inside its tensor, the two boxes of a link of one extent, and the
+links of each destination tensor tiling it exactly, except the boxes it names as *padding* (rows an
+engine pads its vocabulary with, which no source feeds and a refit leaves alone). Maps compose
+(``then``: Megatron -> Hugging Face -> vLLM is one map) and a one-to-one map reverses (``reversed``:
+Hugging Face -> Megatron, a training job starting from a checkpoint).
+
+``MappedPlacement`` is how the planner plans through a map: a destination's holdings of its own tensors
+(an engine's placement), seen in the source tensors' coordinates. Each of its slices is a box of a source
+tensor, held by the ranks that hold its image, at an offset in their local *destination* tensor
+(``Slice.target``), so the planner's tiles, pieces and balance apply unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ..errors import ManifestError
+from .manifest import Manifest, tensor_label
+from .placement import Box, HeldTensor, Placement, Slice, meets, overlap, subtract, volume
+
+
+class Link(NamedTuple):
+    """One box of a destination tensor that is one box of a source tensor: the same elements in the same order.
+
+    Attributes:
+        target: The destination tensor's name.
+        box: The box in the destination tensor's global coordinates.
+        source: The source tensor's name.
+        origin: The same elements' box in the source tensor's coordinates: of the same extents, up to unit
+            dims on the left (one expert's box in a stacked tensor has one dim more than in its own).
+    """
+
+    target: str
+    box: Box
+    source: str
+    origin: Box
+
+
+def whole(shape: tuple[int, ...]) -> Box:
+    """The box of a whole tensor."""
+    return tuple((0, size) for size in shape)
+
+
+def rows(shape: tuple[int, ...], start: int, stop: int, dim: int = 0) -> Box:
+    """The box of rows [start, stop) of a tensor along ``dim``, every other dim whole."""
+    return tuple((start, stop) if d == dim else (0, size) for d, size in enumerate(shape))
+
+
+def translate(inner: Box, frm: Box, to: Box) -> Box:
+    """The box of ``to`` that is ``inner``, a box inside ``frm``, when ``frm`` and ``to`` are the same elements
+    (dims aligned from the right; the unit dims one has more than the other on the left stay where they are)."""
+    n = min(len(frm), len(to))
+    tail = tuple(
+        (t + a - f, t + b - f)
+        for (a, b), (f, _), (t, _) in zip(inner[len(inner) - n :], frm[len(frm) - n :], to[len(to) - n :])
+    )
+    return (*to[: len(to) - n], *tail)
+
+
+def _extents(box: Box) -> tuple[int, ...]:
+    """A box's extents with the unit dims on its left dropped (what two boxes of one link share)."""
+    sizes = [stop - start for start, stop in box]
+    while len(sizes) > 1 and sizes[0] == 1:
+        sizes.pop(0)
+    return tuple(sizes)
+
+
+def _inside(box: Box, shape: tuple[int, ...]) -> bool:
+    return len(box) == len(shape) and all(0 <= a < b <= size for (a, b), size in zip(box, shape))
+
+
+@dataclass(frozen=True)
+class WeightMap:
+    """Every element of ``targets``' tensors as an element of ``sources``' (see the module doc).
+
+    Args:
+        sources: The tensors the map reads.
+        targets: The tensors it fills.
+        links: The correspondences.
+        padding: Per destination tensor, boxes no source feeds (an engine's vocabulary padding).
+        name: What it maps, for messages and fingerprints ("megatron -> hf").
+
+    Raises:
+        ManifestError: a link naming a tensor that is not there, a box outside its tensor, a link whose two
+            boxes differ in extent, or a destination tensor its links and padding do not tile exactly, naming
+            both tensors.
+    """
+
+    sources: Manifest
+    targets: Manifest
+    links: tuple[Link, ...]
+    padding: Mapping[str, tuple[Box, ...]] = field(default_factory=dict)
+    name: str = "map"
+    _into: dict[str, tuple[Link, ...]] = field(init=False, repr=False, compare=False)
+    _from: dict[str, tuple[Link, ...]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        into: dict[str, list[Link]] = {}
+        out: dict[str, list[Link]] = {}
+        for link in self.links:
+            source, target = self.sources.tensor(link.source), self.targets.tensor(link.target)
+            where = f"{self.name}: {tensor_label(link.target)} {_shown(link.box)} <- {tensor_label(link.source)}"
+            if not _inside(link.box, target.shape) or not _inside(link.origin, source.shape):
+                raise ManifestError(
+                    f"{where} {_shown(link.origin)}: a box reaches outside {tensor_label(link.target)} "
+                    f"{list(target.shape)} or {tensor_label(link.source)} {list(source.shape)}: check the sizes"
+                )
+            if _extents(link.box) != _extents(link.origin):
+                raise ManifestError(f"{where} {_shown(link.origin)}: the two boxes differ in extent")
+            into.setdefault(link.target, []).append(link)
+            out.setdefault(link.source, []).append(link)
+        for name, boxes in self.padding.items():
+            tensor = self.targets.tensor(name)
+            if not all(_inside(box, tensor.shape) for box in boxes):
+                raise ManifestError(f"{self.name}: padding of {tensor_label(name)} reaches outside it")
+        for tensor in self.targets:
+            self._check_tiled(tensor.name, tensor.numel, into.get(tensor.name, []))
+        object.__setattr__(self, "_into", {k: tuple(v) for k, v in into.items()})
+        object.__setattr__(self, "_from", {k: tuple(v) for k, v in out.items()})
+
+    def _check_tiled(self, name: str, numel: int, links: list[Link]) -> None:
+        """The links and padding of one destination tensor cover it, each element once."""
+        boxes = sorted([(link.box, link.source) for link in links] + [(box, "") for box in self.padding.get(name, ())])
+        if not links:
+            raise ManifestError(
+                f"{self.name}: destination tensor {tensor_label(name)} is fed by no source tensor of "
+                f"{self.sources.name!r}: the model's families disagree (check the config's family and sizes)"
+            )
+        for i, (first, feeds) in enumerate(boxes):
+            for second, other in boxes[i + 1 :]:
+                if second[0][0] >= first[0][1]:
+                    break
+                if meets(first, second):
+                    raise ManifestError(
+                        f"{self.name}: destination tensor {tensor_label(name)}: box {_shown(first)} (from "
+                        f"{tensor_label(feeds or 'padding')}) and box {_shown(second)} (from "
+                        f"{tensor_label(other or 'padding')}) overlap: each element has one source"
+                    )
+        covered = sum(volume(box) for box, _ in boxes)
+        if covered != numel:
+            sources = sorted({link.source for link in links})
+            raise ManifestError(
+                f"{self.name}: destination tensor {tensor_label(name)} has {numel} elements but its sources "
+                f"({', '.join(map(tensor_label, sources[:3]))}) feed {covered}: the config's sizes disagree with "
+                f"the manifest's"
+            )
+
+    def into(self, target: str) -> tuple[Link, ...]:
+        """The links that fill destination tensor ``target``."""
+        return self._into.get(target, ())
+
+    def out_of(self, source: str) -> tuple[Link, ...]:
+        """The links that read source tensor ``source``."""
+        return self._from.get(source, ())
+
+    def then(self, after: WeightMap) -> WeightMap:
+        """This map followed by ``after`` (whose sources are this map's targets): one map from this map's
+        sources to ``after``'s targets. Padding stays ``after``'s; an element ``after`` reads from this map's
+        padding would be fed by nothing, and is an error.
+
+        Raises:
+            ManifestError: the two maps do not meet (naming the tensor), or a composed box reads padding.
+        """
+        if after.sources is not self.targets:
+            raise ManifestError(f"{self.name} then {after.name}: the second map must read the first map's targets")
+        links: list[Link] = []
+        for second in after.links:
+            fed = 0
+            for first in self.into(second.source):
+                if meets(first.box, second.origin):
+                    shared = overlap(first.box, second.origin)
+                    fed += volume(shared)
+                    links.append(
+                        Link(
+                            second.target,
+                            translate(shared, second.origin, second.box),
+                            first.source,
+                            translate(shared, first.box, first.origin),
+                        )
+                    )
+            if fed != volume(second.origin):
+                raise ManifestError(
+                    f"{self.name} then {after.name}: {tensor_label(second.target)} reads padding of "
+                    f"{tensor_label(second.source)} that no source of {self.sources.name!r} feeds"
+                )
+        return WeightMap(self.sources, after.targets, tuple(links), after.padding, f"{self.name} -> {after.name}")
+
+    def reversed(self, name: str | None = None) -> WeightMap:
+        """The same correspondences read the other way: this map's sources filled from its targets. The parts
+        of a source no link reads (Megatron's vocabulary padding) become the reversed map's padding.
+
+        Raises:
+            ManifestError: a source element that this map copies into two places (an engine's replicated kv
+                heads), which the reverse could not fill once: reverse the map to the unreplicated layout.
+        """
+        padding: dict[str, tuple[Box, ...]] = {}
+        for tensor in self.sources:
+            links = self.out_of(tensor.name)
+            if sum(volume(link.origin) for link in links) > tensor.numel:
+                raise ManifestError(
+                    f"{self.name}: source tensor {tensor_label(tensor.name)} feeds more elements than it has "
+                    f"(replicated into {len({link.target for link in links})} tensors or places): a map that copies "
+                    f"an element twice has no reverse"
+                )
+            rest = [whole(tensor.shape)]
+            for link in links:
+                rest = [left for box in rest for left in subtract(box, link.origin)]
+            if rest:
+                padding[tensor.name] = tuple(rest)
+        links = tuple(Link(link.source, link.origin, link.target, link.box) for link in self.links)
+        return WeightMap(self.targets, self.sources, links, padding, name or f"reverse of {self.name}")
+
+    def digest(self) -> str:
+        """A short digest that equal maps share (in a plan's fingerprint)."""
+        text = repr((self.name, self.links, sorted(self.padding.items())))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _shown(box: Box) -> str:
+    return str([list(pair) for pair in box])
+
+
+class MappedPlacement(Placement):
+    """A destination's holdings of its own tensors (``engine``), in the coordinates of ``weights``' sources.
+
+    The planner plans between placements of one manifest: this one presents what ``engine`` holds as boxes
+    of ``weights.sources``' tensors, each held by the ranks holding its image and lying at an offset in
+    their local destination tensor (``Slice.target`` names it). Its slices of one source tensor may overlap
+    (an element copied to two places, such as a replicated kv head); each is planned on its own.
+
+    Args:
+        engine: What the destination holds, over ``weights.targets``.
+        weights: How the destination's tensors are the source's.
+
+    Raises:
+        ManifestError: ``engine`` describes other tensors than ``weights.targets``.
+    """
+
+    def __init__(self, engine: Placement, weights: WeightMap) -> None:
+        if engine.manifest is not weights.targets:
+            raise ManifestError(
+                f"{engine.label}: its tensors are not those {weights.name} fills: build both from one model"
+            )
+        self.engine, self.weights, self.manifest = engine, weights, weights.sources
+        self.index, self.label = engine.index, engine.label
+        self._mapped: dict[int, tuple[tuple[int, Slice], ...]] = {}
+        self._slices: dict[int, tuple[Slice, ...]] = {}
+
+    @property
+    def ranks(self) -> Collection[int]:
+        return self.engine.ranks
+
+    def describe(self) -> str:
+        return f"{self.engine.describe()} through {self.weights.name} (digest {self.weights.digest()})"
+
+    def _of_target(self, position: int) -> tuple[tuple[int, Slice], ...]:
+        """Every slice of destination tensor ``position``'s image, with its source tensor's position."""
+        found = self._mapped.get(position)
+        if found is not None:
+            return found
+        name = self.weights.targets.tensors[position].name
+        out: list[tuple[int, Slice]] = []
+        for link in self.weights.into(name):
+            source = self.manifest.index(link.source)
+            for piece in self.engine.overlapping(position, link.box):
+                shared = overlap(piece.box, link.box)
+                box = translate(shared, link.box, link.origin)
+                offset = tuple(o + lo - a for o, (lo, _), (a, _) in zip(piece.offset, shared, piece.box))
+                out.append((source, Slice(box, offset, piece.holders, piece.block, len(out), name)))
+        found = self._mapped[position] = tuple(out)
+        return found
+
+    def slices(self, position: int) -> tuple[Slice, ...]:
+        found = self._slices.get(position)
+        if found is None:
+            name = self.manifest.tensors[position].name
+            targets = sorted({self.weights.targets.index(link.target) for link in self.weights.out_of(name)})
+            found = tuple(piece for t in targets for source, piece in self._of_target(t) if source == position)
+            self._slices[position] = found
+        return found
+
+    def held(self, rank: int) -> Iterator[HeldTensor]:
+        for held in self.engine.held(rank):
+            name = self.weights.targets.tensors[held.position].name
+            by_source: dict[int, list[Slice]] = {}
+            for source, piece in self._of_target(held.position):
+                if rank in piece.holders.members:
+                    by_source.setdefault(source, []).append(piece)
+            for source, pieces in sorted(by_source.items()):
+                yield HeldTensor(source, held.shape, tuple(pieces), name)
+
+    def local_tensors(self) -> Manifest:
+        """The tensors this side's ranks hold locally (the destination's, by their own names)."""
+        return self.weights.targets
+
+
+__all__ = ["Link", "MappedPlacement", "WeightMap", "rows", "translate", "whole"]

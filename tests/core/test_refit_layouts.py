@@ -1,0 +1,287 @@
+"""Planning through weight maps (torch-free): Megatron shards into the Hugging Face and vLLM layouts and back.
+
+Every destination element is written exactly once (an engine's vocabulary padding never), by a rank that
+holds it; replicas share the sending; bad input is a ManifestError naming the tensors, before any plan.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from math import prod
+from typing import Any
+
+import pytest
+
+from shardcore.errors import ManifestError, RefitError
+from shardcore.plan.layout import plan_layout
+from shardcore.refit import RefitStats
+from shardcore.refit.families import FAMILIES, HFModel, manifest_from_hf_config
+from shardcore.refit.manifest import Manifest, TensorSpec
+from shardcore.refit.placement import fitted, holdings
+from shardcore.refit.planner import RefitPlan, plan_refit
+from shardcore.refit.weightmap import Link, WeightMap, rows, whole
+
+BASE = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 100,
+    "torch_dtype": "bfloat16",
+}
+CONFIGS = {
+    "llama": {"model_type": "llama", "tie_word_embeddings": True},
+    "qwen2": {"model_type": "qwen2"},
+    "qwen3": {"model_type": "qwen3", "head_dim": 32},
+    "qwen3_moe": {"model_type": "qwen3_moe", "head_dim": 16, "num_experts": 4, "moe_intermediate_size": 32},
+}
+
+
+def model_of(family: str, **more: Any) -> HFModel:
+    return manifest_from_hf_config({**BASE, **CONFIGS[family], **more}, vocab_multiple=128)
+
+
+def local_elements(shape: tuple[int, ...], offset: tuple[int, ...], box_shape: tuple[int, ...]) -> Iterator[int]:
+    """The flat indices, in a local tensor of ``shape``, of the box of ``box_shape`` at ``offset``."""
+    extents = fitted(box_shape, len(shape))
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+
+    def walk(dim: int, base: int) -> Iterator[int]:
+        if dim == len(shape):
+            yield base
+            return
+        for i in range(offset[dim], offset[dim] + extents[dim]):
+            yield from walk(dim + 1, base + i * strides[dim])
+
+    return walk(0, 0)
+
+
+def written(plan: RefitPlan, rank: int) -> tuple[dict[str, tuple[int, ...]], Counter[tuple[str, int]]]:
+    """A destination rank's local shapes, and how often each element of each of its tensors is written."""
+    mine = plan.for_rank(rank)
+    count: Counter[tuple[str, int]] = Counter()
+    for transfer in (*mine.recvs, *mine.copies):
+        shape = mine.destination_shapes[transfer.destination]
+        assert len(transfer.dst_offset) == len(shape)
+        for index in local_elements(shape, transfer.dst_offset, transfer.shape):
+            count[transfer.destination, index] += 1
+    return mine.destination_shapes, count
+
+
+def padding_rows(model: HFModel, name: str, shape: tuple[int, ...], tp_rank: int) -> int:
+    """Rows of an engine's vocabulary padding a tp rank holds (vLLM pads to a multiple of 64)."""
+    if not name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return 0
+    start = tp_rank * shape[0]
+    return max(0, start + shape[0] - max(start, model.vocab))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_destination_element_once_from_a_holder(family: str) -> None:
+    model = model_of(family)
+    moe = family == "qwen3_moe"
+    source_spec = "tp=2,dp=2,ep=2,expt_tp=1,role=train" if moe else "tp=2,dp=2,role=train"
+    engine = "tp=4,ep=2,expt_tp=2" if moe else "tp=4"  # tp=4 over 2 kv heads: each kv head on two ranks
+    layout = plan_layout(4 + 1 + 4 + 2, f"{source_spec} + dp=1 + {engine} + dp=2")
+    layouts = {1: model.layout("hf"), 2: model.layout("vllm"), 3: model.layout("hf-stacked")}
+    plan = plan_refit(layout, 0, [1, 2, 3], model.manifest, layouts=layouts, min_piece_bytes=0)
+    source = layout.shards[0]
+    every = list(plan.transfers())
+    for rank in range(4, layout.world_size):
+        shapes, count = written(plan, rank)
+        assert shapes, rank
+        assert max(count.values()) == 1, rank  # no element written twice
+        tp_rank = rank - 5 if 5 <= rank < 9 else 0
+        for name, shape in shapes.items():
+            numel = prod(shape)
+            pad = padding_rows(model, name, shape, tp_rank) * shape[-1] if 5 <= rank < 9 else 0
+            assert sum(1 for key in count if key[0] == name) == numel - pad, (rank, name)
+        mine = plan.for_rank(rank)
+        assert sorted(mine.recvs) == sorted(t for t in every if t.dst == rank and t.src != rank)
+    for transfer in every:
+        held = holdings(model.manifest.tensor(transfer.tensor), source, transfer.src, model.manifest)
+        assert any(all(a <= lo and hi <= b for (lo, hi), (a, b) in zip(transfer.box, box)) for box, _ in held)
+    senders = Counter(t.src for t in every)
+    assert set(senders) == {0, 1, 2, 3}  # the dp replicas share the sending
+    assert max(senders.values()) <= 2 * min(senders.values())
+
+
+def test_hf_shapes_and_names_follow_the_model_classes() -> None:
+    model = model_of("qwen3_moe")
+    hf = {t.name: t.shape for t in model.hf_manifest}
+    assert hf["model.layers.0.self_attn.q_proj.weight"] == (4 * 16, 64)
+    assert hf["model.layers.0.self_attn.k_norm.weight"] == (16,)
+    assert hf["model.layers.1.mlp.experts.3.down_proj.weight"] == (64, 32)
+    assert hf["model.layers.0.mlp.gate.weight"] == (4, 64)
+    assert hf["model.embed_tokens.weight"] == hf["lm_head.weight"] == (100, 64)
+    stacked = {t.name: t.shape for t in model.vllm(2, 1)[0]}
+    assert stacked["model.layers.0.mlp.experts.w13_weight"] == (4, 64, 64)
+    assert stacked["model.layers.0.self_attn.qkv_proj.weight"] == (2 * (2 + 2) * 16, 64)
+    assert stacked["model.embed_tokens.weight"] == (128, 64)  # 100 padded to a multiple of 64
+    assert "lm_head.weight" not in {t.name for t in model_of("llama").hf_manifest}  # tied: the embedding
+
+
+def test_vllm_packing_of_one_rank() -> None:
+    """tp rank 1 of 4 over 2 kv heads: q heads 1 of 4, kv head 0 (replicated on ranks 0 and 1)."""
+    model = model_of("qwen2")
+    layout = plan_layout(2 + 4, "tp=2,role=train + tp=4")
+    plan = plan_refit(layout, 0, [1], model.manifest, layouts={1: model.layout("vllm")}, min_piece_bytes=0)
+    mine = plan.for_rank(3)  # tp rank 1 of the engine
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    d, span = 16, (2 + 2) * 16  # head size, a Megatron query group's rows: 2 q heads, 1 k, 1 v
+    into = sorted((t.dst_offset[0], t.box[0]) for t in mine.recvs if t.destination == qkv)
+    assert mine.destination_shapes[qkv] == ((1 + 2) * d, 64)
+    # q head 1 is group 0's second q head; k and v are group 0's
+    assert into == [(0, (d, 2 * d)), (d, (2 * d, 3 * d)), (2 * d, (3 * d, span))]
+    bias = [t for t in mine.recvs if t.destination == qkv.replace("weight", "bias")]
+    assert {t.tensor for t in bias} == {"decoder.layers.0.self_attention.linear_qkv.bias"}
+
+
+def test_reverse_from_hf_into_megatron() -> None:
+    model = model_of("qwen3_moe")
+    layout = plan_layout(2 + 4, "dp=2 + tp=2,pp=2,ep=2,expt_tp=1,role=train")
+    plan = plan_refit(layout, 0, [1], model.manifest, layouts={0: model.layout("hf")}, min_piece_bytes=0)
+    for rank in range(2, 6):
+        shapes, count = written(plan, rank)
+        assert max(count.values()) == 1
+        for name, shape in shapes.items():
+            numel = prod(shape)
+            pad = 0
+            if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                rows_held = shape[0]
+                start = (rank - 2) % 2 * rows_held
+                pad = max(0, start + rows_held - max(start, model.vocab)) * shape[1]
+            assert sum(1 for key in count if key[0] == name) == numel - pad, (rank, name)
+    assert {t.src for t in plan.transfers()} == {0, 1}
+    assert RefitStats.of(plan).total_bytes > 0
+
+
+def test_hf_config_file_and_dict_agree(tmp_path: Any) -> None:
+    config = {**BASE, **CONFIGS["qwen3"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    from_file = manifest_from_hf_config(tmp_path, vocab_multiple=128)
+    assert from_file.manifest.to_dict() == model_of("qwen3").manifest.to_dict()
+    assert from_file.config.vocab == 128 and from_file.vocab == 100 and from_file.config.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        ({**BASE, "model_type": "gpt2"}, ["gpt2", "llama, qwen2, qwen3, qwen3_moe"]),
+        ({**{k: v for k, v in BASE.items() if k != "hidden_size"}, "model_type": "llama"}, ["hidden_size"]),
+        ({**BASE, "model_type": "llama", "mlp_bias": True}, ["mlp_bias"]),
+        ({**BASE, "model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 8, "mlp_only_layers": [1]},
+         ["mlp_only_layers"]),
+    ],
+)  # fmt: skip
+def test_bad_config_names_the_key(config: dict[str, Any], words: list[str]) -> None:
+    with pytest.raises(ManifestError) as error:
+        manifest_from_hf_config(config)
+    for word in words:
+        assert word in str(error.value)
+
+
+def test_bad_layouts_stop_before_planning() -> None:
+    model = model_of("llama")
+    layout = plan_layout(2 + 2 + 3, "tp=2,role=train + tp=2 + tp=3")
+    with pytest.raises(ManifestError, match=r"hf layout holds .* tp=1, pp=1"):
+        plan_refit(layout, 0, [1], model.manifest, layouts={1: model.layout("hf")})
+    with pytest.raises(ManifestError, match=r"vllm layout of .*tp=3"):
+        plan_refit(layout, 0, [2], model.manifest, layouts={2: model.layout("vllm")})
+    with pytest.raises(ManifestError, match="a refit starts from megatron or hf"):
+        plan_refit(layout, 1, [0], model.manifest, layouts={1: model.layout("vllm")})
+    with pytest.raises(ManifestError, match="is not the Megatron manifest"):
+        plan_refit(layout, 0, [1], model_of("qwen2").manifest, layouts={1: model.layout("vllm")})
+    with pytest.raises(RefitError, match="neither the source nor a destination"):
+        plan_refit(layout, 0, [1], model.manifest, layouts={2: model.layout("vllm")})
+    with pytest.raises(ManifestError, match="unknown layout 'sglang'"):
+        model.layout("sglang")
+
+
+def test_vocab_the_engine_pads_differently() -> None:
+    model = manifest_from_hf_config(
+        {**BASE, "model_type": "llama", "vocab_size": 100, "num_attention_heads": 6, "num_key_value_heads": 6,
+         "hidden_size": 96}, vocab_multiple=384,
+    )  # fmt: skip
+    layout = plan_layout(3 + 3, "tp=3,role=train + tp=3")
+    assert model.manifest.tensor("embedding.word_embeddings.weight").shape == (384, 96)  # Megatron's tp=3 splits it
+    with pytest.raises(ManifestError, match=r"embed_tokens.weight: vLLM pads the vocabulary 100 to 128 .* tp=3"):
+        plan_refit(layout, 0, [1], model.manifest, layouts={1: model.layout("vllm")})
+
+
+def test_weight_map_checks_name_both_tensors() -> None:
+    source = Manifest((TensorSpec("a", (4, 2), stage="all"), TensorSpec("b", (2, 2), stage="all")))
+    target = Manifest((TensorSpec("x", (6, 2), stage="all"),))
+    with pytest.raises(ManifestError, match=r"x .* <- b .*differ in extent"):
+        WeightMap(
+            source,
+            target,
+            (Link("x", rows((6, 2), 0, 4), "a", whole((4, 2))), Link("x", rows((6, 2), 4, 6), "b", rows((2, 2), 0, 1))),
+        )
+    with pytest.raises(ManifestError, match=r"x has 12 elements but its sources \(a\) feed 8"):
+        WeightMap(source, target, (Link("x", rows((6, 2), 0, 4), "a", whole((4, 2))),))
+    with pytest.raises(
+        ManifestError, match=r"box \[\[0, 4\], \[0, 2\]\] \(from a\) and box \[\[2, 4\], \[0, 2\]\] \(from b\) overlap"
+    ):
+        WeightMap(
+            source,
+            target,
+            (Link("x", rows((6, 2), 0, 4), "a", whole((4, 2))), Link("x", rows((6, 2), 2, 4), "b", whole((2, 2)))),
+        )
+    with pytest.raises(ManifestError, match="x is fed by no source tensor"):
+        WeightMap(source, target, ())
+    fine = WeightMap(
+        source,
+        target,
+        (Link("x", rows((6, 2), 0, 4), "a", whole((4, 2))), Link("x", rows((6, 2), 4, 6), "b", whole((2, 2)))),
+    )
+    assert fine.reversed().reversed().links == fine.links
+
+
+def test_cli_plans_into_a_layout_from_an_hf_config(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from shardcore.cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**BASE, **CONFIGS["qwen2"]}))
+    shards = ["refit", "--world", "4", "--shards", "tp=2,role=train + tp=2", "--from", "0", "--to", "1"]
+    assert main([*shards, "--model", f"hf:{config}", "--to-layout", "vllm", "--json", "--transfers"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    targets = {t["target"] for t in data["transfers"]}
+    assert "model.layers.1.self_attn.qkv_proj.bias" in targets and "model.embed_tokens.weight" in targets
+    assert all(t["target"] for t in data["transfers"])
+    assert main([*shards, "--model", "tiny-dense", "--to-layout", "vllm"]) == 2
+    assert "needs the model's Hugging Face config: --model hf:PATH" in capsys.readouterr().err
+    assert main([*shards, "--model", f"hf:{tmp_path / 'none.json'}", "--to-layout", "hf"]) == 2
+    assert "cannot read HF config" in capsys.readouterr().err
+
+
+def test_fan_out_and_subsets_compose_with_layouts() -> None:
+    """Fan-out relays a tile into a node once, into the engine's own tensors; a subset keeps its tensors' pieces."""
+    model = model_of("qwen3_moe")
+    layout = plan_layout(2 + 4 + 4, "tp=2,ep=2,expt_tp=1,role=train + dp=4 + tp=2,dp=2,ep=2,expt_tp=1")
+    layouts = {1: model.layout("hf-stacked"), 2: model.layout("vllm")}
+    plan = plan_refit(layout, 0, [1, 2], model.manifest, ranks_per_node=2, fan_out=True, layouts=layouts)
+    every = list(plan.transfers())
+    assert any(t.hop for t in every)  # relays forward inside their node
+    assert all(t.target for t in every)
+    for rank in range(2, 10):
+        shapes, count = written(plan, rank)
+        assert max(count.values()) == 1, rank
+        for name, shape in shapes.items():
+            pad = padding_rows(model, name, shape, (rank - 6) % 2) * shape[-1] if rank >= 6 else 0
+            numel = prod(shape)
+            assert sum(1 for key in count if key[0] == name) == numel - pad, (rank, name)
+    relayed = [t for t in every if t.hop]
+    assert all(t.src // 2 == t.dst // 2 for t in relayed)  # a forward stays inside the node
+    experts = plan.subset(lambda tensor: tensor.expert == 1)
+    kept = [t for t in every if t.tensor.endswith("weight1")]
+    assert kept and sorted(experts.transfers()) == sorted(kept)
+    assert {t.destination for t in kept} >= {
+        "model.layers.0.mlp.experts.w13_weight",
+        "model.layers.0.mlp.experts.gate_up_proj",
+    }

@@ -1,0 +1,95 @@
+"""Refit from Megatron shards into the Hugging Face and vLLM layouts and back, on a live gloo world, checked by
+real transformers models: the logits of a model loaded from what each destination received equal the original's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardcore.testing import run_world
+from tests.engine.test_check import ROOT, _env
+
+from . import layout_workers as workers
+
+
+def test_refit_into_hf_and_vllm_and_back() -> None:
+    results = run_world(5, workers.run_cases, workers.CASES, timeout=600)
+    for index, (case, _, _) in enumerate(workers.CASES):
+        family = case["model_type"]
+        hf = results[2][index]
+        tied = case.get("tie_word_embeddings", False)
+        assert hf["unexpected"] == [], family
+        assert hf["missing"] == (["lm_head.weight"] if tied else []), family
+        assert hf["hf_diff"] <= 1e-5, (family, hf["hf_diff"])
+        for rank in (0, 1):
+            back = results[rank][index]
+            assert back["back_names"] and back["back_equal"] == back["back_names"], (family, rank, back)
+    for case, diff in zip(workers.CASES, workers.check_vllm(results, workers.CASES)):
+        assert diff <= 1e-5, (case["model_type"], diff)
+
+
+@pytest.mark.parametrize(
+    ("shards", "nproc", "flags"),
+    [("tp=2,role=train + tp=2", 4, ["--to-layout", "vllm"]), ("dp=1 + tp=2,role=train", 3, ["--from-layout", "hf"])],
+)
+def test_refit_check_through_a_layout(tmp_path: Path, shards: str, nproc: int, flags: list[str]) -> None:
+    """``refit --check`` fills the source with known values and compares every destination byte with the
+    source's tensors put through the weight map (the vocabulary padding left as allocated)."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(workers.hf_config({"model_type": "qwen2"})))
+    command = [sys.executable, "-m", "shardcore", "refit", "--check", "--nproc", str(nproc), "--shards", shards]
+    command += ["--from", "0", "--to", "1", "--model", f"hf:{config}", *flags]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout.splitlines()[-1].split()[-1] == "ok"
+
+
+@pytest.mark.parametrize("index", range(len(workers.CASES)))
+def test_hf_layout_is_the_installed_model_class(index: int) -> None:
+    """The hf layout (transformers 4) or hf-stacked (transformers 5, experts stacked) has the names, shapes and
+    dtypes of the installed transformers' ``model.state_dict()``, and the plan's boxes, copied in one process,
+    make a model with the original's logits."""
+    import torch
+    import transformers
+
+    from shardcore.engine.live.refit_check import cut
+    from shardcore.plan.layout import plan_layout
+    from shardcore.refit.families import manifest_from_hf_config
+    from shardcore.refit.placement import fitted
+    from shardcore.refit.planner import plan_refit
+
+    case, megatron_spec, _ = workers.CASES[index]
+    kind = "hf" if transformers.__version__.startswith("4.") else "hf-stacked"
+    config = workers.hf_config(case)
+    model = manifest_from_hf_config(config, vocab_multiple=128)
+    original = workers.reference_model(config, seed=1)
+    state = original.state_dict()
+    plan = plan_refit(
+        plan_layout(3, f"{megatron_spec},role=train + dp=1"), 0, [1], model.manifest, layouts={1: model.layout(kind)}
+    )
+    shapes = plan.for_rank(2).destination_shapes
+    tied = {"lm_head.weight"} if config.get("tie_word_embeddings") else set()
+    assert {name: tuple(t.shape) for name, t in state.items() if name not in tied} == shapes
+    assert {str(t.dtype) for t in state.values()} == {f"torch.{plan.destination_tensor(n).dtype}" for n in shapes}
+    full = workers.megatron_globals(state, model)
+    manifest = model.manifest
+    sources = {
+        rank: {
+            n: cut(full[n], manifest.tensor(n), plan.source, rank, manifest) for n in plan.for_rank(rank).source_shapes
+        }
+        for rank in (0, 1)
+    }
+    received = {name: torch.zeros(shape) for name, shape in shapes.items()}
+    for t in plan.transfers():  # what the executor does, in one process
+        piece = sources[t.src][t.tensor][tuple(slice(o, o + n) for o, n in zip(t.src_offset, t.shape))]
+        target = received[t.destination]
+        view = target[tuple(slice(o, o + n) for o, n in zip(t.dst_offset, fitted(t.shape, target.dim())))]
+        view.copy_(piece.reshape(view.shape))
+    fresh = workers.reference_model(config, seed=2)
+    fresh.load_state_dict(received, strict=not tied)
+    assert (workers.logits(fresh) - workers.logits(original)).abs().max().item() <= 1e-5
