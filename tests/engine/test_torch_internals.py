@@ -4,14 +4,14 @@ On the running torch every internal checks out and the counter really names the 
 without one of them, or with the counter no longer naming groups, fails at shardcore's first use of
 torch in one line naming the internal and the tested releases: in the library (a copy of torch's
 module with the internal taken out, as another release would ship it) and from ``shardcore check``
-(run on a real torch whose internal was deleted before shardcore imported it), before any group.
+(its ranks run a real torch patched to name groups otherwise, as torch still works then), before any group.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
-import textwrap
 import types
 from pathlib import Path
 from typing import Any
@@ -106,25 +106,24 @@ def test_a_counter_that_no_longer_names_groups_is_caught_and_left_as_found() -> 
     assert distributed_c10d._world.group_count == before
 
 
-def test_check_says_it_in_one_line_before_any_group_is_made() -> None:
-    """A real torch whose ``_world.pg_names`` is gone: ``shardcore check`` stops with the one line."""
-    code = textwrap.dedent(
-        """
-        import sys
-        from torch.distributed import distributed_c10d
-
-        del type(distributed_c10d._world).pg_names  # as a torch without it
-        from shardcore.cli import main
-
-        sys.exit(main(["check", "--nproc", "2", "--shards", "tp=2", "--timeout", "60"]))
-        """
+def test_check_says_it_in_one_line_from_every_rank_before_any_group_is_made(tmp_path: Path) -> None:
+    """A real torch that names groups by their ranks' hash, not by the counter (patched at start-up in every
+    process, the parent and each rank): torch still works, but members-only creation would pick wrong
+    names; ``shardcore check`` stops with the one line instead, and no rank builds a group."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "from torch.distributed import distributed_c10d\n\n"
+        "named = distributed_c10d._process_group_name\n"
+        "distributed_c10d._process_group_name = lambda ranks, use_hashed_name: named(ranks, True)\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=180, check=False
-    )
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    environ.pop("SHARDCORE_BACKEND", None)
+    argv = [sys.executable, "-m", "shardcore", "check", "--nproc", "2", "--shards", "tp=2", "--timeout", "60"]
+    result = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=environ, timeout=180, check=False)
     assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    lines = result.stderr[result.stderr.index("shardcore: error:") :].splitlines()
-    assert len(lines) == 1, result.stderr
-    assert "lacks or changed torch.distributed.distributed_c10d._world.pg_names (group -> name)" in lines[0]
-    assert "(tested on torch 2.13.0 and 2.14.1)" in lines[0]
+    assert "Traceback" not in result.stderr and "built" not in result.stderr
+    errors = result.stderr[result.stderr.index("shardcore: error:") :].splitlines()
+    assert errors[0] == "shardcore: error: shardcore check failed:", result.stderr
+    assert len(errors) == 2 and "(2 ranks): torch " in errors[1], result.stderr
+    named = "distributed_c10d._world.group_count names the next default-mode group and can be set"
+    assert f"lacks or changed torch.distributed.{named}, which shardcore relies on" in errors[1]
+    assert "(tested on torch 2.13.0 and 2.14.1)" in errors[1]
