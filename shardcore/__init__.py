@@ -35,6 +35,7 @@ from .errors import (
     ShardcoreError,
     ShardSpecError,
     ShardSpecWarning,
+    TorchInternalsError,
 )
 from .plan import (
     DEFAULT_ORDER,
@@ -165,6 +166,7 @@ __all__ = [
     "ShardSpecWarning",
     "ShardcoreError",
     "Strategy",
+    "TorchInternalsError",
     "TransferStats",
     "__version__",
     "build_shards",

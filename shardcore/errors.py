@@ -30,6 +30,11 @@ class BackendUnavailableError(ShardcoreError, RuntimeError):
     """The backend is installed but cannot work here (framework or device missing)."""
 
 
+class TorchInternalsError(BackendUnavailableError):
+    """This torch lacks, or has changed, a torch internal shardcore (or a plugin) relies on: the message names
+    it and the torch releases tested."""
+
+
 class GroupCreationError(ShardcoreError, RuntimeError):
     """Process-group creation failed, timed out, or ranks disagree on how to do it; ``ranks`` names those at fault."""
 

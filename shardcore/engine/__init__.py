@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from .groups.strategy import Strategy
     from .groups.window import Window, window_of
     from .survivors import SurvivorWorld, form_survivor_world
-    from .torch_state import import_torch, live_group_count
+    from .torch_state import TESTED_TORCH, check_torch_internals, import_torch, live_group_count, torch_internal_missing
     from .transfer.execute import (
         DEFAULT_BUCKET_BYTES,
         DEFAULT_MAX_OPS,
@@ -65,12 +65,14 @@ _LAZY: dict[str, str] = {
     "SHIPPED_BACKENDS": ".backends.plugins",
     "Shard": ".backends.shards",
     "Strategy": ".groups.strategy",
+    "TESTED_TORCH": ".torch_state",
     "SurvivorWorld": ".survivors",
     "TransferStats": ".transfer.execute",
     "Verify": ".transfer.execute",
     "Window": ".groups.window",
     "all_gather_objects": ".collectives",
     "build_shards": ".backends.shards",
+    "check_torch_internals": ".torch_state",
     "comm_backend": ".device",
     "destroy_shards": ".backends.shards",
     "device_type": ".device",
@@ -86,6 +88,7 @@ _LAZY: dict[str, str] = {
     "my_shard": ".backends.shards",
     "npu_status": ".device",
     "register_backend": ".backends.plugins",
+    "torch_internal_missing": ".torch_state",
     "unregister_backend": ".backends.plugins",
     "window_of": ".groups.window",
 }
@@ -110,6 +113,7 @@ __all__ = [
     "DEFAULT_MAX_OPS",
     "ENTRY_POINT_GROUP",
     "SHIPPED_BACKENDS",
+    "TESTED_TORCH",
     "Backend",
     "BackendInfo",
     "ExecuteOptions",
@@ -122,6 +126,7 @@ __all__ = [
     "Window",
     "all_gather_objects",
     "build_shards",
+    "check_torch_internals",
     "comm_backend",
     "destroy_shards",
     "device_type",
@@ -137,6 +142,7 @@ __all__ = [
     "my_shard",
     "npu_status",
     "register_backend",
+    "torch_internal_missing",
     "unregister_backend",
     "window_of",
 ]

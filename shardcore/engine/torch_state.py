@@ -14,8 +14,11 @@ delete them.
 ``strategy="local"`` names each group by setting torch's world-wide default-mode group
 counter (``_world.group_count``) before creating it; see ``shardcore.engine.groups.create``.
 That counter, the live group names (``_world.pg_names``), the default group's bound
-device and the default store are private to torch, so one probe checks, on first use,
-that this torch still has them in the shape relied on.
+device, the default store and the others in ``INTERNALS`` are private to torch, and
+``c10d()`` is the one way to them: its first call checks that this torch still has every
+one in the shape relied on (the counter still names the next group), so another torch
+release fails there, in one line naming the internal and ``TESTED_TORCH``, rather than
+building groups wrong.
 
 Importing torch: every shardcore entry point that needs torch imports it through
 ``import_torch``. torch 2.13 calls, at the end of its own ``import``, every entry point of
@@ -40,12 +43,12 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import cache
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..errors import BackendUnavailableError, GroupCreationError
+from ..errors import BackendUnavailableError, GroupCreationError, TorchInternalsError
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Store
@@ -113,6 +116,7 @@ def import_torch() -> ModuleType:
         BackendUnavailableError: an autoloaded device extension broke ``import torch`` (one
             line naming the extension, its error and both fixes); raised again, without a
             second import, on every later call.
+        TorchInternalsError: this torch lacks or changed an internal shardcore relies on (``c10d``).
         ImportError: torch is not installed.
     """
     module = sys.modules.get("torch")
@@ -132,6 +136,8 @@ def import_torch() -> ModuleType:
         _Import.failure = failure
         raise failure from None
     _Import.seconds = time.perf_counter() - started
+    if torch.distributed.is_available():
+        c10d()  # this torch's internals, checked once, as soon as shardcore imports it
     return torch
 
 
@@ -164,36 +170,88 @@ def is_fake_world() -> bool:
     return str(dist().get_backend()) == "fake"
 
 
-def c10d() -> Any:
-    """torch's ``distributed_c10d`` module (imported on first use)."""
-    from torch.distributed import distributed_c10d
+TESTED_TORCH = ("2.13.0", "2.14.1")
+"""The torch releases shardcore's tests run on (tox: every env, and ``torch214``)."""
 
-    return distributed_c10d
+
+def _names_groups_by_counter(c10d: ModuleType) -> bool:
+    """Whether the next default-mode group is named by ``_world.group_count``, which can be set (the counter
+    is left as found)."""
+    world = c10d._world
+    count = world.group_count
+    try:
+        world.group_count = count + 7
+        named = c10d._process_group_name([], use_hashed_name=False)
+        return isinstance(count, int) and named == str(count + 7) and world.group_count == count + 8
+    finally:
+        world.group_count = count
+
+
+INTERNALS: dict[str, Callable[[ModuleType], bool]] = {
+    "_world.group_count names the next default-mode group and can be set": _names_groups_by_counter,
+    "_world.pg_names (group -> name)": lambda c10d: isinstance(c10d._world.pg_names, dict),
+    "_world.pg_backend_config (group -> 'device:backend,...')": lambda c10d: isinstance(
+        c10d._world.pg_backend_config, dict
+    ),
+    "_get_default_group()": lambda c10d: callable(c10d._get_default_group),
+    "_get_default_store()": lambda c10d: callable(c10d._get_default_store),
+    "_get_process_group_name(group)": lambda c10d: callable(c10d._get_process_group_name),
+    "ProcessGroup._get_backend(device)": lambda c10d: callable(c10d.ProcessGroup._get_backend),
+    "ProcessGroup.bound_device_id": lambda c10d: hasattr(c10d.ProcessGroup, "bound_device_id"),
+    "shrink_group(ranks, shrink_flags=SHRINK_ABORT | SHRINK_DEFAULT)": lambda c10d: (
+        callable(c10d.shrink_group) and isinstance(c10d.SHRINK_ABORT, int) and isinstance(c10d.SHRINK_DEFAULT, int)
+    ),
+}
+"""Each torch.distributed internal shardcore relies on (in ``distributed_c10d``), and how to tell it is there
+as relied on."""
+
+
+def check_torch_internals(
+    owner: str, module: ModuleType, internals: Mapping[str, Callable[[ModuleType], bool]]
+) -> None:
+    """Check that this torch has each internal ``owner`` relies on, as relied on.
+
+    Args:
+        owner: who relies on them, for the message (``"shardcore"``, a plugin's name).
+        module: the torch module they live in, handed to each check.
+        internals: each internal's name (as the message shows it) and its check, which returns False, or
+            raises AttributeError, ImportError, TypeError or ValueError, when the internal is missing or changed.
+
+    Raises:
+        TorchInternalsError: the first missing or changed internal, named with this torch's version and
+            ``TESTED_TORCH`` (one line).
+    """
+    for name, present in internals.items():
+        try:
+            found = present(module)
+        except (AttributeError, ImportError, TypeError, ValueError):
+            found = False
+        if not found:
+            raise TorchInternalsError(torch_internal_missing(owner, f"{module.__name__}.{name}"))
+
+
+def torch_internal_missing(owner: str, internal: str) -> str:
+    """The one-line message for a torch internal ``owner`` relies on that this torch lacks or changed."""
+    import torch
+
+    tested = " and ".join(TESTED_TORCH)
+    return (
+        f"torch {torch.__version__} lacks or changed {internal}, which {owner} relies on (tested on torch {tested}): "
+        f"install one of those (pip install 'torch=={TESTED_TORCH[-1]}')"
+    )
 
 
 @cache
-def probe() -> None:
-    """Check once per process that this torch names default-mode groups by a settable counter.
+def c10d() -> Any:
+    """torch's ``distributed_c10d`` module, once this torch is known to have every internal in ``INTERNALS``.
 
     Raises:
-        GroupCreationError: torch changed the internals members-only creation depends on.
+        TorchInternalsError: it lacks one, or has changed it (see ``check_torch_internals``).
     """
-    import torch
+    from torch.distributed import distributed_c10d
 
-    world = getattr(c10d(), "_world", None)
-    count = getattr(world, "group_count", None)
-    if world is None or not isinstance(count, int) or not isinstance(getattr(world, "pg_names", None), dict):
-        raise GroupCreationError(
-            f"torch {torch.__version__} no longer keeps a default-mode group counter (_world.group_count) and "
-            f"live group names (_world.pg_names) as shardcore expects (tested on torch 2.13): "
-            f"use strategy='world', which relies on no torch internals"
-        )
-    try:
-        world.group_count = count  # a property with a setter on torch >= 2.1
-    except AttributeError:
-        raise GroupCreationError(
-            f"torch {torch.__version__} does not let the group counter be set: use strategy='world'"
-        ) from None
+    check_torch_internals("shardcore", distributed_c10d, INTERNALS)
+    return distributed_c10d
 
 
 def live_group_count() -> int:
@@ -207,8 +265,7 @@ def group_counter() -> int:
 
 
 def set_group_counter(value: int) -> None:
-    """Set the counter that names the next default-mode group (see ``probe``)."""
-    probe()
+    """Set the counter that names the next default-mode group (checked by ``c10d``)."""
     c10d()._world.group_count = value
 
 
@@ -456,12 +513,14 @@ def group_keys(pg: ProcessGroup) -> list[str]:
 __all__ = [
     "AUTOLOAD_ENV",
     "AUTOLOAD_GROUP",
+    "TESTED_TORCH",
     "abandon_store",
     "agent_hosts_store",
     "autoloaded_extensions",
     "bound_device",
     "c10d",
     "check_torch_imports",
+    "check_torch_internals",
     "default_group_can_shrink",
     "default_store",
     "dist",
@@ -470,13 +529,13 @@ __all__ = [
     "import_torch",
     "is_fake_world",
     "live_group_count",
-    "probe",
     "set_group_counter",
     "store_abandoned",
     "store_call",
     "store_host",
     "store_in_background",
     "torch_import_seconds",
+    "torch_internal_missing",
     "torchcomms_enabled",
     "world_token",
 ]

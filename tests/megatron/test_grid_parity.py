@@ -1,4 +1,4 @@
-"""Parity with the real megatron-core (0.16.1) ``HyperCommGrid`` and its inference group recipe.
+"""Parity with the real megatron-core (0.16.1, 0.19.2) ``HyperCommGrid`` and its inference group recipe.
 
 Megatron's grids need only ``WORLD_SIZE`` in the environment (no process group) and einops.
 The group recipe is ``build_inference_pg_collection`` in Megatron-Core 0.19

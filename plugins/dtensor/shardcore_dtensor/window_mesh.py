@@ -14,21 +14,65 @@ a ``WindowMesh``, and which creates new groups through the window's agreement in
 
 This is the one module that relies on DeviceMesh internals (``_layout``, ``_rank_map``,
 ``_flatten_mapping``, ``_pg_registry``, ``_dim_group_names``, ``_create_sub_mesh``,
-``_create_flatten_mesh``, ``_create_unflatten_mesh`` and ``_init_process_groups`` of torch
-2.13); it imports torch, so import it on use.
+``_create_flatten_mesh``, ``_create_unflatten_mesh`` and ``_init_process_groups``, as in
+torch 2.13 and 2.14): importing it checks them (``MESH_INTERNALS``; the ones a mesh holds
+when the first one is made), so another torch fails in one line naming the internal. It
+imports torch, so import it on use.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import importlib
+import inspect
+from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
-from torch.distributed._mesh_layout import _MeshLayout
-from torch.distributed.device_mesh import DeviceMesh
+import torch.distributed.device_mesh
 
-from shardcore import GroupCreationError
-from shardcore.engine import Window
+from shardcore import GroupCreationError, TorchInternalsError
+from shardcore.engine import Window, check_torch_internals, torch_internal_missing
+
+OWNER = "shardcore-dtensor"
+MESH_METHODS = (
+    "_create_sub_mesh",
+    "_create_flatten_mesh",
+    "_create_unflatten_mesh",
+    "_init_process_groups",
+    "_get_root_mesh",
+    "_hash_key",
+)
+MESH_STATE = ("_device_type", "_layout", "_rank_map", "_flatten_mapping", "_pg_registry")
+"""What every DeviceMesh holds: checked on the first mesh made here (``over_groups``)."""
+
+
+def _has_mesh_layout(distributed: ModuleType) -> bool:
+    layout = importlib.import_module(f"{distributed.__name__}._mesh_layout")._MeshLayout
+    return callable(layout.collapse) and callable(layout.remap_to_tensor)
+
+
+MESH_INTERNALS: dict[str, Callable[[ModuleType], bool]] = {
+    "device_mesh.DeviceMesh(..., _layout=, _rank_map=, _root_mesh=, _init_backend=)": lambda distributed: (
+        {
+            "_layout",
+            "_rank_map",
+            "_root_mesh",
+            "_init_backend",
+        }
+        <= set(inspect.signature(distributed.device_mesh.DeviceMesh.__init__).parameters)
+    ),
+    f"device_mesh.DeviceMesh.{'/'.join(MESH_METHODS)}": lambda distributed: all(
+        callable(getattr(distributed.device_mesh.DeviceMesh, name)) for name in MESH_METHODS
+    ),
+    "_mesh_layout._MeshLayout (collapse, remap_to_tensor)": _has_mesh_layout,
+}
+"""The torch.distributed internals this module relies on, checked when it is imported."""
+
+check_torch_internals(OWNER, torch.distributed, MESH_INTERNALS)
+
+from torch.distributed._mesh_layout import _MeshLayout  # noqa: E402  # known to be there only now
+from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 
 
 class _DeclaredFlattens(dict[str, DeviceMesh]):
@@ -108,6 +152,11 @@ class WindowMesh(DeviceMesh):
             window: the window that creates later groups (``Shard.window``); None refuses creation.
         """
         mesh = cls(device_type, ranks, mesh_dim_names=dim_names, _init_backend=False)
+        for name in MESH_STATE:
+            if not hasattr(mesh, name):
+                raise TorchInternalsError(
+                    torch_internal_missing(OWNER, f"torch.distributed.device_mesh.DeviceMesh.{name}")
+                )
         mesh._dim_group_names = [group.group_name for group in groups]
         mesh._pg_registry.update({group.group_name: group for group in groups})
         mesh._window = window

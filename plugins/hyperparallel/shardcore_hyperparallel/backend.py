@@ -25,7 +25,7 @@ from shardcore import (
 
 from .device import device_note, select_device
 from .install import installed_layout, mesh_classes
-from .meshes import wrap_mesh, wrap_ranks
+from .meshes import flatten_existing, wrap_mesh, wrap_ranks
 from .topology import StageSizes, check_dense_tp_layout, resolve_sizes, stage_start
 
 OPTIONS = ("dp_replicate", "dp_shard", "edp_shard", "sequence_parallel", "loss_parallel", "device_type")
@@ -175,13 +175,21 @@ class HyperParallelBackend(Backend):
             sequence_parallel=bool(_option(options, "sequence_parallel", plan)),
             loss_parallel=bool(_option(options, "loss_parallel", plan)),
         )
-        dp_cp_ranks = plan.decoder_grid.group_ranks(rank, ("cp", "dp"))
-        # the engine's dp_cp group: flattening device_mesh's dp and cp would create groups instead
-        context._dp_cp_mesh = wrap_ranks(groups["dp_cp"], list(dp_cp_ranks), device, "dp_cp")
-        register = getattr(device_mesh, "add_flatten_mapping", None)
-        if callable(register):  # Hyper-Parallel's DeviceMesh: device_mesh["dp_cp"] then returns it
-            register("dp_cp", context._dp_cp_mesh)
+        context._dp_cp_mesh = dp_cp_mesh(plan, sizes, start, device_mesh, groups["dp_cp"], rank, device)
         return context
+
+
+def dp_cp_mesh(
+    plan: ShardPlanLike, sizes: StageSizes, start: int, device_mesh: Any, group: Any, rank: int, device: str
+) -> Any:
+    """The engine's dp x cp group as a 1-D mesh: on Hyper-Parallel's DeviceMesh, the flattened dim ``dp_cp`` of
+    ``device_mesh``, as its own build makes it (and as its ``MeshContext.dp_cp_mesh`` finds it); on torch's,
+    whose flatten would create groups, a mesh of its own."""
+    if not hasattr(device_mesh, "add_flatten_mapping"):
+        return wrap_ranks(group, list(plan.decoder_grid.group_ranks(rank, ("cp", "dp"))), device, "dp_cp")
+    stage = range(start, start + sizes.dp * sizes.cp * sizes.tp)
+    rows = {tuple(plan.decoder_grid.group_ranks(r, ("cp", "dp"))) for r in stage}
+    return flatten_existing(device_mesh, ("dp", "cp"), "dp_cp", group, sorted(rows))
 
 
 def distributed_setup(mesh_context: Any, **fields: Any) -> Any:

@@ -68,4 +68,43 @@ def wrap_ranks(group: Any, ranks: list[int], device: str, name: str) -> Any:
     return _checked(mesh, (name,), [group])
 
 
-__all__ = ["GROUP_CACHE", "wrap_mesh", "wrap_ranks"]
+def flatten_existing(mesh: Any, dims: tuple[str, ...], name: str, group: Any, rows: Sequence[Sequence[int]]) -> Any:
+    """``mesh[dims].flatten(name)``: the flattened dim Hyper-Parallel's own build makes (a dim of ``mesh``'s
+    root, found by name, sliceable and concatenable with its other dims), over shardcore's ``group``.
+
+    Hyper-Parallel's flatten asks ``split_group`` for every peer row of the root, which takes a row from the
+    group cache when it is there: so every row is put there first, this rank's as ``group`` and the others
+    as what ``new_group`` hands a non-member (torch's ``GroupMember.NON_GROUP_MEMBER``), and the flatten
+    creates nothing. That it created nothing, and that the new dim resolves to ``group``, is checked.
+
+    Args:
+        mesh: a Hyper-Parallel DeviceMesh (a root: its flattened dims are found through it).
+        dims: the dims to flatten, in ``mesh``'s order.
+        name: the flattened dim's name.
+        group: this rank's group over the flattened dim (created by shardcore).
+        rows: every peer row of the flattening in ``mesh`` (the groups of all ranks of ``mesh``).
+
+    Raises:
+        GroupCreationError: the flatten created a group anyway, or resolves the new dim to another group.
+    """
+    import torch.distributed as dist
+
+    from shardcore.engine import live_group_count
+
+    _adopt(type(mesh), [group])
+    cache = getattr(sys.modules.get(type(mesh).__module__), GROUP_CACHE, None)
+    if isinstance(cache, dict):
+        for row in rows:
+            cache.setdefault(str(tuple(sorted(row))), dist.GroupMember.NON_GROUP_MEMBER)
+    before = live_group_count()
+    flat = mesh[dims].flatten(name)
+    if live_group_count() != before:
+        raise GroupCreationError(
+            f"{type(mesh).__module__}.{type(mesh).__name__}.flatten({name!r}) created process groups although "
+            f"shardcore had put every row in its group cache (its flatten changed?): uninstall it to use torch's "
+            f"DeviceMesh"
+        )
+    return _checked(flat, (name,), [group])
+
+
+__all__ = ["GROUP_CACHE", "flatten_existing", "wrap_mesh", "wrap_ranks"]

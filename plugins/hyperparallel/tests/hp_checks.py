@@ -28,6 +28,9 @@ def check_matches_build_meshs(seen: dict, rank: int, mesh_class: str) -> None:
     own, ours = seen["hyper_parallel"], seen["shardcore"]
     assert seen["shardcore_is_a_hyper_parallel_context"]
     assert ours["meshes"] == own["meshes"] and ours["cp_mesh"] == own["cp_mesh"]
+    for flattened in ("dp_cp_mesh", "dp_cp_tp", "joined", "dp_cp_root_is_device_mesh"):  # dp_cp: a flattened dim
+        assert ours[flattened] == own[flattened], flattened
+    assert ours["dp_cp_root_is_device_mesh"]
     assert {m["class"] for m in ours["meshes"].values()} == {mesh_class}
     sizes = {k: v for k, v in ours["fields"].items() if k not in RANK_FIELDS}
     assert sizes == {k: v for k, v in own["fields"].items() if k not in RANK_FIELDS}
@@ -39,7 +42,7 @@ def check_pipelined(result: dict, rank: int, mesh_class: str) -> None:
     """STAGED, built twice with destroy_shards between: Hyper-Parallel's classes, each dim over the right
     ranks of the rank's own stage (all-reduced and all-gathered), Hyper-Parallel's own API answering, every
     dim resolving to shardcore's group, and none created through Hyper-Parallel (where it can be counted)."""
-    assert result["split_calls"] in (0, None)
+    assert result["created"] in (0, None)
     window = stage_window(0, 2, 1, 2, rank)
     local = rank - window[0]
     assert len(result["builds"]) == 2
@@ -61,3 +64,7 @@ def check_pipelined(result: dict, rank: int, mesh_class: str) -> None:
             assert api["axis_id"] == {name: len(names) - 1 - d for d, name in enumerate(names)}
         assert report["dp_cp"]["ranks"] == [r for r in window if r % 2 == rank % 2]
         assert report["fields"]["pp_rank"] == rank // 4
+        flattened = report["flattened_dp_cp"]
+        assert flattened["sliced"] == {"ranks": window, "shape": [2, 2]}
+        assert flattened["sliced_groups_are_shardcores"] == [True, True]
+        assert flattened["joined_is_the_slice"] and flattened["root_is_device_mesh"] and flattened["upstream_property"]

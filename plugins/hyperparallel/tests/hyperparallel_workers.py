@@ -133,6 +133,7 @@ def build_and_probe(
     use_stand_in()
     report["compare"] = compare_with_build_meshs(rank, world, *compare)
     report["stand_in"] = pipelined_probe(rank, world, staged)
+    report["apart"] = dp_cp_made_apart(world, staged)
     return report
 
 
@@ -156,8 +157,8 @@ def pipelined_probe(rank: int, world: int, staged: str) -> dict[str, Any]:
     from shardcore_hyperparallel import mesh_classes
 
     module = sys.modules[mesh_classes().device_mesh.__module__]
-    calls = getattr(module, "SPLIT_CALLS", None)
-    before = None if calls is None else len(calls)
+    created = getattr(module, "CREATED", None)
+    before = None if created is None else len(created)
     reports = []
     for _ in range(2):  # build, destroy, build again
         built = build_shards(world, staged, backend="hyperparallel", timeout=60)
@@ -169,9 +170,59 @@ def pipelined_probe(rank: int, world: int, staged: str) -> dict[str, Any]:
         report["groups_are_shardcores"] = all(
             ctx.device_mesh.get_group(dim) is shard.groups[dim] for dim in ("dp", "cp", "tp")
         )
+        report["flattened_dp_cp"] = _flattened_dp_cp(ctx, shard.groups)
         reports.append(report)
         destroy_shards(built)
-    return {"builds": reports, "split_calls": None if calls is None or before is None else len(calls) - before}
+    return {"builds": reports, "created": None if created is None or before is None else len(created) - before}
+
+
+def _flattened_dp_cp(ctx: Any, groups: dict[str, Any]) -> dict[str, Any]:
+    """What Hyper-Parallel code does with the flattened ``dp_cp`` dim (see the plugin README), on the handle."""
+    from hyper_parallel.distributed.mesh import MeshContext
+
+    mesh = ctx.device_mesh
+    sliced = mesh["dp_cp", "tp"]
+    joined = type(mesh).concatenate([mesh["dp_cp"], mesh["tp"]])
+    return {
+        "sliced": {"ranks": list(sliced.rank_list), "shape": list(sliced.mesh_shape)},
+        "sliced_groups_are_shardcores": [sliced.get_group(d) is groups[d] for d in ("dp_cp", "tp")],
+        "joined_is_the_slice": [list(joined.rank_list), joined.mesh_dim_names]
+        == [list(sliced.rank_list), ("dp_cp", "tp")],
+        "root_is_device_mesh": ctx.dp_cp_mesh.root_mesh is mesh and ctx.cp_mesh.root_mesh is mesh,
+        "upstream_property": MeshContext.dp_cp_mesh.fget(ctx) is ctx.dp_cp_mesh,  # type: ignore[attr-defined]
+    }
+
+
+def dp_cp_made_apart(world: int, staged: str) -> dict[str, Any]:
+    """The stand-in's answers where ``dp_cp`` is a mesh of its own only registered on ``device_mesh`` (what the
+    plugin made before): each call the README lists, and the exception it raises (or what it returns)."""
+    from hyper_parallel import DeviceMesh
+    from hyper_parallel.distributed.mesh import MeshContext
+
+    from shardcore_hyperparallel.meshes import wrap_mesh, wrap_ranks
+
+    built = build_shards(world, staged, backend="hyperparallel", timeout=60)
+    shard = my_shard(built)
+    groups, own = shard.groups, shard.handle.device_mesh
+    names = ("dp", "cp", "tp")
+    mesh = wrap_mesh([groups[d] for d in names], tuple(own.mesh_shape), names, own.rank_list[0], "cpu")
+    apart = wrap_ranks(groups["dp_cp"], dist.get_process_group_ranks(groups["dp_cp"]), "cpu", "dp_cp")
+    mesh.add_flatten_mapping("dp_cp", apart)
+    context = MeshContext(device_mesh=mesh, dp_size=2, tp_size=2)
+    calls = {
+        "slice": lambda: mesh["dp_cp", "tp"],
+        "concatenate": lambda: DeviceMesh.concatenate([mesh["dp_cp"], mesh["tp"]]),
+        "upstream_property": lambda: context.dp_cp_mesh,
+    }
+    out: dict[str, Any] = {"root_mesh": apart.root_mesh}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "no error"
+        except Exception as error:
+            out[name] = f"{type(error).__name__}: {error}"
+    destroy_shards(built)
+    return out
 
 
 def compare_with_build_meshs(rank: int, world: int, spec: str, sizes: dict[str, int]) -> dict[str, Any]:
@@ -188,6 +239,10 @@ def compare_with_build_meshs(rank: int, world: int, spec: str, sizes: dict[str, 
             "meshes": {name: _describe(getattr(c, name)) for name in MESHES},
             "fields": {k: getattr(c, k) for k in FIELDS},
             "cp_mesh": _describe(c.cp_mesh),
+            "dp_cp_mesh": _describe(c.dp_cp_mesh),
+            "dp_cp_tp": _describe(c.device_mesh["dp_cp", "tp"]),
+            "joined": _describe(type(c.device_mesh).concatenate([c.device_mesh["dp_cp"], c.device_mesh["tp"]])),
+            "dp_cp_root_is_device_mesh": c.dp_cp_mesh.root_mesh is c.device_mesh,
         }
         for side, c in (("hyper_parallel", own), ("shardcore", ctx))
     }

@@ -89,3 +89,18 @@ def test_the_handle_matches_hyper_parallels_own_build_meshs(reports: list[dict],
 @pytest.mark.parametrize("rank", range(8))
 def test_hyper_parallels_meshes_over_pipeline_stages_wrap_shardcores_groups(reports: list[dict], rank: int) -> None:
     check_pipelined(reports[rank]["stand_in"], rank, HP_MESH)
+
+
+@pytest.mark.parametrize("rank", [0, 5])
+def test_the_stand_in_refuses_a_dp_cp_mesh_made_apart_as_hyper_parallel_does(reports: list[dict], rank: int) -> None:
+    """What the plugin made before (dp_cp a mesh of its own, only registered on device_mesh): the stand-in
+    raises where Hyper-Parallel raises, so the flattened dim's tests above catch a return to it."""
+    apart = reports[rank]["apart"]
+    assert apart["root_mesh"] is None
+    assert (
+        apart["slice"].startswith("NotImplementedError: ") and "only allows slicing out a contiguous" in apart["slice"]
+    )
+    assert apart["concatenate"].startswith("ValueError: ") and "share the same root mesh" in apart["concatenate"]
+    assert apart["upstream_property"] == (
+        "ValueError: Flatten mesh with mesh_dim_name 'dp_cp' has been created before with different layout"
+    )

@@ -15,7 +15,7 @@ from shardcore.plan import Dims
 if TYPE_CHECKING:
     from shardcore import Shard
 
-INSTALL_HINT = "pip install megatron-core==0.16.1 einops"
+INSTALL_HINT = "pip install 'megatron-core>=0.16.1' einops"
 
 
 def _has_megatron_core() -> bool:

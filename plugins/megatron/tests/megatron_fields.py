@@ -1,6 +1,6 @@
 """Megatron's inference recipe, as data: each ``ProcessGroupCollection`` field and the dims of the
-``HyperCommGrid`` it is created over (``build_inference_pg_collection`` in megatron-core 0.16.1's
-``megatron/core/inference/shards.py``).
+``HyperCommGrid`` it is created over (``build_inference_pg_collection`` in megatron-core 0.19's
+``megatron/core/inference/shards.py``, which 0.16.1 lacks).
 
 The parity tests and the drop-in benchmark build Megatron's own groups from it, to compare with
 shardcore's; it imports nothing, so the benchmark can use it without the test harness.

@@ -4,9 +4,9 @@ Importing this module skips the importing test module unless torch, einops and m
 installed, so every test module that needs megatron-core imports it first. Workers import and build
 megatron-core's objects inside ``quiet()`` and build models with ``tiny_gpt``.
 
-The tiny GPT is megatron-core 0.16.1's own ``GPTModel`` (local layer spec: SwiGLU, GQA, learned
-positions, optional MoE) with one module swapped: its core attention. Megatron's
-``DotProductAttention`` cannot run a forward pass here: it takes its scratch buffer from
+The tiny GPT is megatron-core's own ``GPTModel`` (local layer spec: SwiGLU, GQA, learned positions,
+optional MoE; 0.16.1 and 0.19.2 alike, nothing patched) with one module swapped: its core attention.
+Megatron's ``DotProductAttention`` cannot run a forward pass here: it takes its scratch buffer from
 ``get_global_memory_buffer()`` on ``torch.cuda.current_device()`` and refuses cp > 1 (Transformer
 Engine's job), and Megatron's rope picks the cp rank's positions with ``.cuda()``. ``CpuAttention``
 is the same causal softmax attention in plain torch, with context parallelism done by all-gathering
@@ -111,7 +111,7 @@ def _config(spec: Any, model: Tiny) -> Any:
 def tiny_gpt(shard: Any, model: Tiny) -> Any:
     """This rank's stage of a tiny GPT over its shard's ProcessGroupCollection, in eval mode.
 
-    A tied model with pp > 1 is built with ``embd=None``: megatron-core 0.16.1 moves the last stage's
+    A tied model with pp > 1 is built with ``embd=None``: megatron-core (0.16.1, 0.19.2) moves the last stage's
     copy of the embedding to CUDA (``weight.data.cuda()``) for its first all-reduce over ``embd``.
     The copy then starts at zero, which refit must overwrite; the real group is set afterwards.
     """

@@ -1,4 +1,4 @@
-"""Rank functions for the Megatron refit tests: tiny megatron-core 0.16.1 GPTs on CPU, refit, then compared.
+"""Rank functions for the Megatron refit tests: tiny megatron-core GPTs (0.16.1, 0.19.2) on CPU, refit, compared.
 
 The source is filled by Megatron's own conventions (a seeded full tensor per global name, cut along
 ``partition_dim`` with ``partition_stride`` the way ``_initialize_affine_weight_cpu`` cuts it), the
@@ -37,7 +37,7 @@ class Case:
 
     @property
     def runs_forward(self) -> bool:
-        """megatron-core 0.16.1's MoE router moves its weight to CUDA in every forward: dense models only."""
+        """megatron-core's MoE router (0.16.1, 0.19.2) moves its weight to CUDA in every forward: dense models only."""
         return self.model.experts is None
 
 

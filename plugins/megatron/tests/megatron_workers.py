@@ -36,6 +36,40 @@ def _members(pg: Any) -> tuple[int, ...] | None:
     return None if pg is None else tuple(sorted(dist.get_process_group_ranks(pg)))
 
 
+def megatron_inference_shards() -> Any:
+    """megatron-core's own ``megatron.core.inference.shards`` (0.19 and later), or None where it has none (0.16)."""
+    try:
+        with quiet():
+            from megatron.core.inference import shards
+    except ImportError:
+        return None
+    return shards
+
+
+def oracle() -> str:
+    """What the parity tests compare shardcore's drop-in with on this megatron-core."""
+    return "megatron.core.inference.shards" if megatron_inference_shards() else "HyperCommGrid recipe"
+
+
+def megatron_fields(c: dict[str, Any]) -> dict[str, tuple[int, ...] | None] | str:
+    """This rank's fields from megatron-core's own ``build_inference_pg_collection`` where it has one (0.19+),
+    else from its HyperCommGrids used the same way (0.16.1)."""
+    shards = megatron_inference_shards()
+    if shards is None:
+        return megatron_recipe(c)
+    size = c["tp"] * c["cp"] * c["pp"] * c["dp"]
+    try:
+        with quiet():
+            pgc = shards.build_inference_pg_collection(
+                size, c["tp"], c["pp"], c["cp"], c["ep"], c["expt_tp"], c["mapping"], c["offset"]
+            )
+    except AssertionError as error:
+        if "PP groups must match" not in str(error):
+            raise
+        return "pp mismatch"
+    return {name: _members(getattr(pgc, name)) for name in FIELDS}
+
+
 def megatron_recipe(c: dict[str, Any]) -> dict[str, tuple[int, ...] | None] | str:
     """This rank's fields, built with Megatron's HyperCommGrids the way its inference builder does."""
     with quiet():
@@ -102,7 +136,7 @@ def parity(configs: list[dict[str, Any]]) -> list[str]:
     for c in configs:
         for rank in range(c["world"]):
             fake_world(rank, c["world"])
-            theirs = megatron_recipe(c)
+            theirs = megatron_fields(c)
             for via_shards in (False, True):
                 fake_world(rank, c["world"])
                 ours = shardcore_dropin(c, via_shards)
@@ -111,6 +145,60 @@ def parity(configs: list[dict[str, Any]]) -> list[str]:
     if dist.is_initialized():
         dist.destroy_process_group()
     return problems
+
+
+def _shard_view(shard: Any) -> tuple[Any, ...]:
+    """What a rank sees of one shard, Megatron's ``InferenceShard`` or the drop-in's, comparably."""
+    spec = tuple(getattr(shard.spec, key) for key in ("tp", "pp", "dp", "ep", "expt_tp", "role"))
+    pgc = shard.pg_collection
+    fields = None if pgc is None else tuple(_members(getattr(pgc, name)) for name in FIELDS)
+    return spec, shard.rank_offset, shard.world_size, fields
+
+
+def shards_parity(layouts: list[tuple[str, int, bool]]) -> list[str]:
+    """Every rank's shards from megatron-core's own ``build_inference_pg_collections_for_shards`` and from the
+    drop-in, given the spec string and Megatron's own ``InferenceShardSpec`` objects; one line per difference."""
+    from shardcore_megatron.shards import build_inference_pg_collections_for_shards
+
+    shards = megatron_inference_shards()
+    problems = []
+    for spec, world, mapping in layouts:
+        with quiet():
+            objects = shards.normalize_shard_specs(spec, world)
+        for rank in range(world):
+            fake_world(rank, world)
+            with quiet():
+                built = shards.build_inference_pg_collections_for_shards(world, spec, mapping)
+            theirs = [_shard_view(s) for s in built]
+            for given in (spec, objects):
+                fake_world(rank, world)
+                ours = [_shard_view(s) for s in build_inference_pg_collections_for_shards(world, given, mapping)]
+                if ours != theirs:
+                    problems.append(f"{spec!r} world {world} rank {rank} ({type(given).__name__}): {ours} != {theirs}")
+    dist.destroy_process_group()
+    return problems
+
+
+def refusals(cases: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, str, str]]:
+    """Each call of megatron-core's own builder (by name) that fails, and the drop-in's answer to the same
+    call: (Megatron's exception type, the drop-in's exception type, the drop-in's message)."""
+    import shardcore_megatron.shards as dropin
+
+    shards = megatron_inference_shards()
+    out = []
+    for function, kwargs in cases:
+        answers = []
+        for module in (shards, dropin):
+            fake_world(0, 8)
+            try:
+                with quiet():
+                    getattr(module, function)(**kwargs)
+                answers.append(("none", ""))
+            except Exception as error:
+                answers.append((type(error).__name__, str(error)))
+        out.append((answers[0][0], answers[1][0], answers[1][1]))
+    dist.destroy_process_group()
+    return out
 
 
 def defaults_from_parallel_state(world: int) -> list[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""shardcore_megatron.refit on a live 4-rank gloo world: tiny megatron-core 0.16.1 GPTs on CPU.
+"""shardcore_megatron.refit on a live 4-rank gloo world: tiny megatron-core GPTs on CPU (0.16.1; 0.19.2 in megatron019).
 
 After each refit the destination's weights, gathered to full tensors over its own groups, equal the
 source's bitwise, and both models' forward passes on the same tokens give the same logits: bitwise

@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 EXISTING_COMM_GROUPS: dict[str, Any] = {}
 """Process-wide group cache, ``str(tuple(sorted(ranks)))`` -> group, as Hyper-Parallel keeps it."""
-SPLIT_CALLS: list[list[list[int]]] = []
-"""Every rank-list family ``split_group`` was asked to create (what tests count)."""
+CREATED: list[list[int]] = []
+"""Every rank list ``split_group`` created a group for, not finding it in the cache (what tests count)."""
 _DEVICE_MESH_MAP: dict[tuple[Any, ...], DeviceMesh] = {}
 
 
@@ -24,12 +24,12 @@ def _key(ranks: Any) -> str:
 def split_group(split_ranks: list[list[int]]) -> Any:
     """One group per rank list, created on every calling rank with torch's counter-named ``new_group``
     (Hyper-Parallel's torch platform does this; it is not torch's ``split_group``); this rank's group."""
-    SPLIT_CALLS.append([list(ranks) for ranks in split_ranks])
     mine = None
     for ranks in split_ranks:
         group = EXISTING_COMM_GROUPS.get(_key(ranks))
         if group is None:
             group = EXISTING_COMM_GROUPS[_key(ranks)] = dist.new_group(ranks=list(ranks))
+            CREATED.append(list(ranks))
         if dist.get_rank() in ranks:
             mine = group
     return mine
@@ -83,6 +83,9 @@ class DeviceMesh:
                 f"mesh_dim_names {self.mesh_dim_names} must name each of {len(self._mesh_shape)} dims once"
             )
         self._root_mesh = _root_mesh
+        self._root_axes: tuple[tuple[int, ...], ...] | None = tuple((d,) for d in range(self.ndim))
+        """For each dim, the root mesh's dims it spans (several for a flattened dim); None for a mesh made
+        apart from the root and only registered as its flattening (``add_flatten_mapping``)."""
         self._flatten_mapping: dict[str, DeviceMesh] = {}
         self._sub_mesh_cache: dict[tuple[str, ...], DeviceMesh] = {}
         self._dim_group_names: list[str | None] = [None] * self.ndim
@@ -222,64 +225,96 @@ class DeviceMesh:
         return self._flatten_mapping
 
     def add_flatten_mapping(self, name: str, mesh: DeviceMesh) -> None:
+        """Register ``mesh`` as the flattened dim ``name`` as is: a mesh made apart keeps its own root (none)."""
+        if mesh._root_mesh is None:
+            mesh._root_axes = None
         self._flatten_mapping[name] = mesh
+
+    def _axes_of(self, name: str) -> tuple[int, ...]:
+        """The root dims that a dim of this mesh, or a flattened dim of its root, spans (in a multi-dim slice)."""
+        if name in (self.mesh_dim_names or ()):
+            if self._root_axes is None:
+                raise NotImplementedError(f"'{name}' of a mesh made apart from its root cannot be sliced with others")
+            return self._root_axes[self._index(name)]
+        flat = self._root()._flatten_mapping.get(name)
+        if flat is None:
+            self._index(name)  # raises: not a dim name
+        axes = None if flat is None or flat._root_axes is None else flat._root_axes[0]
+        if axes is None or list(axes) != list(range(axes[0], axes[0] + len(axes))):
+            raise NotImplementedError(
+                f"slicing '{name}' together with other dims: DeviceMesh only allows slicing out a contiguous "
+                f"flattened dim of the root mesh"
+            )
+        return axes
 
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
         names = (names,) if isinstance(names, str) else tuple(names)
         flattened = self._root()._flatten_mapping
         if len(names) == 1 and names[0] in flattened and names[0] not in (self.mesh_dim_names or ()):
             return flattened[names[0]]
-        dims = [self._index(name) for name in names]
-        if dims != sorted(dims):
-            raise ValueError(f"sub_mesh_dim_names {names} must follow the order of {self.mesh_dim_names}")
         if names == self.mesh_dim_names:
             return self
         if names not in self._sub_mesh_cache:
-            self._sub_mesh_cache[names] = self._slice(dims, names)
+            spans = [self._axes_of(name) for name in names]
+            axes = [axis for span in spans for axis in span]
+            if axes != sorted(axes) or len(set(axes)) != len(axes):
+                raise ValueError(f"sub_mesh_dim_names {names} must follow the order of {self.mesh_dim_names}")
+            self._sub_mesh_cache[names] = self._root()._slice(spans, names, [self._key_of(n) for n in names])
         return self._sub_mesh_cache[names]
 
-    def _slice(self, dims: list[int], names: tuple[str, ...]) -> DeviceMesh:
-        """The sub-mesh through this rank along ``dims``; it shares this mesh's groups (creates none)."""
+    def _key_of(self, name: str) -> str | None:
+        """The group-cache key of this rank's group along a dim of this mesh or a flattened dim of its root."""
+        if name in (self.mesh_dim_names or ()):
+            return self._dim_group_names[self._index(name)]
+        return self._root()._flatten_mapping[name]._dim_group_names[0]
+
+    def _slice(self, spans: list[tuple[int, ...]], names: tuple[str, ...], keys: list[str | None]) -> DeviceMesh:
+        """The sub-mesh of this root mesh through this rank, one dim per span of its dims; it shares the dims'
+        groups (creates none)."""
         coords = _unravel(self._rank_list.index(self._rank), self._mesh_shape)
+        axes = [axis for span in spans for axis in span]
         ranks = []
-        for picked in product(*(range(self._mesh_shape[d]) for d in dims)):
-            for d, k in zip(dims, picked):
+        for picked in product(*(range(self._mesh_shape[d]) for d in axes)):
+            for d, k in zip(axes, picked):
                 coords[d] = k
             ranks.append(self._rank_list[_ravel(coords, self._mesh_shape)])
-        shape = tuple(self._mesh_shape[d] for d in dims)
+        shape = tuple(prod(self._mesh_shape[d] for d in span) for span in spans)
         sub = DeviceMesh(
             self.device_type, torch.tensor(ranks).reshape(shape), mesh_dim_names=names, _init_backend=False,
-            _root_mesh=self._root(),
+            _root_mesh=self,
         )  # fmt: skip
-        sub._dim_group_names = [self._dim_group_names[d] for d in dims]
+        sub._root_axes = tuple(spans)
+        sub._dim_group_names = list(keys)
         return sub
 
     def flatten(self, mesh_dim_name: str | None = None) -> DeviceMesh:
-        """This mesh as one dim: its groups are created now, for every peer row, via split_group."""
+        """This mesh as one dim of its root: its groups are created now, for every peer row, via split_group."""
         name = mesh_dim_name or "_".join(self.mesh_dim_names or ())
         if self.ndim == 1 and name in (self.mesh_dim_names or ()):
             return self
         root = self._root()
         if name in (root.mesh_dim_names or ()):
             raise ValueError(f"'{name}' already exists in the root mesh mesh_dim_names {root.mesh_dim_names}")
+        axes = None if self._root_axes is None else tuple(axis for span in self._root_axes for axis in span)
         cached = root._flatten_mapping.get(name)
         if cached is not None:
-            if cached.rank_list != self.rank_list:
+            if cached.rank_list != self.rank_list or cached._root_axes != (axes,):
                 raise ValueError(
-                    f"Flatten mesh with mesh_dim_name '{name}' has been created before with another layout"
+                    f"Flatten mesh with mesh_dim_name '{name}' has been created before with different layout"
                 )
             return cached
         rows = sorted({tuple(sorted(self._peer_rows(root, r))) for r in root.rank_list})
         split_group([list(row) for row in rows])
         flat = DeviceMesh(self.device_type, list(self.rank_list), mesh_dim_names=(name,), _init_backend=False)
         flat._root_mesh = root
+        flat._root_axes = None if axes is None else (axes,)
         flat._dim_group_names = [_key(self.rank_list)]
         root._flatten_mapping[name] = flat
         return flat
 
     def _peer_rows(self, root: DeviceMesh, rank: int) -> list[int]:
-        """The ranks of ``root`` that share ``rank``'s coordinates outside this mesh's dims."""
-        dims = [root._index(n) for n in self.mesh_dim_names or ()]
+        """The ranks of ``root`` that share ``rank``'s coordinates outside the root dims this mesh spans."""
+        dims = [axis for span in self._root_axes or () for axis in span]
         coords = _unravel(root._rank_list.index(rank), root._mesh_shape)
         out = []
         for picked in product(*(range(root._mesh_shape[d]) for d in dims)):
@@ -290,12 +325,12 @@ class DeviceMesh:
 
     @staticmethod
     def concatenate(meshes: list[DeviceMesh]) -> DeviceMesh:
-        """Sub-meshes of one root joined into one (their groups are shared, none created)."""
+        """Sub-meshes (or flattened dims) of one root joined into one (their groups are shared, none created)."""
         if len(meshes) == 1:
             return meshes[0]
-        root = meshes[0]._root()
-        names = tuple(name for mesh in meshes for name in mesh.mesh_dim_names or ())
-        return root[names]
+        if len({id(mesh._root()) for mesh in meshes}) > 1:
+            raise ValueError("DeviceMesh.concatenate: the meshes must share the same root mesh")
+        return meshes[0]._root()[tuple(name for mesh in meshes for name in mesh.mesh_dim_names or ())]
 
     def __repr__(self) -> str:
         return (
@@ -328,4 +363,4 @@ def init_device_mesh(
     return _DEVICE_MESH_MAP[key]
 
 
-__all__ = ["EXISTING_COMM_GROUPS", "SPLIT_CALLS", "DeviceMesh", "init_device_mesh", "split_group"]
+__all__ = ["CREATED", "EXISTING_COMM_GROUPS", "DeviceMesh", "init_device_mesh", "split_group"]
