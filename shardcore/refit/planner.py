@@ -50,6 +50,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from operator import attrgetter
 from typing import Any, NamedTuple, Self, cast
 
 from ..errors import LayoutError, ManifestError, RefitError
@@ -185,6 +186,10 @@ class Routes(NamedTuple):
 
 Piece = tuple[int, int, int, int, int]
 """(src, dst, first row, end row, hop) of a tile, rows along dim 0 relative to the tile's box."""
+
+
+_place = attrgetter("position", "box")
+"""Where a tile lies: its tensor and box (a run's order)."""
 
 
 def line_cuts(starts: Sequence[int], steps: Sequence[int], copies: int, holders: int, floor: int) -> tuple[int, ...]:
@@ -361,11 +366,53 @@ class RefitPlan:
         return every if self.tensors is None else (p for p in every if p in self.tensors)
 
     def _all_tiles(self) -> Iterator[Tile]:
-        """Every tile, in the global order: destination, tensor, destination slice, source slice."""
+        """Every tile, in the global order: destination, tensor, destination slice, source slice.
+
+        A tensor whose slices on both sides are the very slices of an earlier one (a shard placement's
+        are, for the same weight of every layer) has that tensor's tiles, moved to it (``_moved``):
+        its tiles are not found again. With fan-out a tile's group depends on every destination: each
+        is found."""
+        if self.fan_out:
+            for shard, placement in enumerate(self.destination_placements):
+                for position in self._positions():
+                    for target in placement.slices(position):
+                        yield from self._tiles_into(position, shard, target)
+            return
+        tensors = self.manifest.tensors
+        held = [(position, self.source_placement.slices(position)) for position in self._positions()]
         for shard, placement in enumerate(self.destination_placements):
-            for position in self._positions():
-                for target in placement.slices(position):
-                    yield from self._tiles_into(position, shard, target)
+            found: dict[tuple[int, ...], tuple[Any, list[tuple[Tile, int]]]] = {}
+            for position, sources in held:
+                targets = placement.slices(position)
+                key = (*map(id, targets), -1, *map(id, sources))
+                known = found.get(key)
+                if known is None:
+                    tiles = [tile for target in targets for tile in self._tiles_into(position, shard, target)]
+                    itemsize = tensors[position].wire_itemsize
+                    found[key] = (targets, [(tile, tile.row_bytes // itemsize) for tile in tiles])  # ids stay theirs
+                    yield from tiles
+                else:
+                    itemsize = tensors[position].wire_itemsize
+                    for tile, per_row in known[1]:
+                        yield self._moved(tile, position, per_row * itemsize)
+
+    @staticmethod
+    def _moved(tile: Tile, position: int, row_bytes: int) -> Tile:
+        """``tile`` of another tensor with the same slices, for tensor ``position``: the same boxes and holders;
+        the seed (which starts from the position, ``_tile``) and the bytes of a row move."""
+        return Tile(
+            position,
+            tile.shard,
+            tile.box,
+            tile.src_offset,
+            tile.dst_offset,
+            tile.sources,
+            tile.needers,
+            tile.seed - tile.position + position,
+            tile.rows,
+            row_bytes,
+            tile.group,
+        )
 
     # -- pieces ------------------------------------------------------------------------------
 
@@ -416,17 +463,20 @@ class RefitPlan:
     def _cut_runs(self, tiles: Iterable[Tile]) -> list[TileRun]:
         """The runs of the routes of ``tiles``, in the order they first appear; a route not cut yet is cut from
         its tiles among ``tiles``, which must be all of them (a rank's own tiles hold every tile of its routes)."""
-        found: dict[tuple[Any, ...], dict[tuple[int, Box], Tile] | None] = {}
+        found: dict[tuple[Any, ...], list[Tile] | None] = {}
         for tile in tiles:
             key = self._route_key(tile)
-            pending = found.get(key, 0)
-            if pending == 0:
-                pending = found[key] = None if key in self._runs else {}
+            pending = found.get(key, ())
+            if pending == ():
+                pending = found[key] = None if key in self._runs else []
             if pending is not None:
-                pending.setdefault((tile.position, tile.box), tile)
+                pending.append(tile)
         for key, pending in found.items():
             if pending is not None:
-                self._runs[key] = self._run([pending[at] for at in sorted(pending)])
+                pending.sort(key=_place)  # stable: the first found of a box's tiles stays first
+                if self.fan_out:  # a box's tile once, not once per destination of its group
+                    pending = [t for i, t in enumerate(pending) if not i or _place(pending[i - 1]) != _place(t)]
+                self._runs[key] = self._run(pending)
         return [self._runs[key] for key in found]
 
     def _run(self, tiles: Sequence[Tile]) -> TileRun:
