@@ -290,6 +290,11 @@ class RefitStats:
         else:
             for run in plan.runs():
                 tally.add_run(run)
+        return cls.of_tally(plan, tally)
+
+    @classmethod
+    def of_tally(cls, plan: RefitPlan, tally: _Tally) -> RefitStats:
+        """The stats of ``plan`` from the sums of a walk over it (the tests walk tile by tile, as an oracle)."""
         loads, relayed = tally.loads, tally.relayed
         sent = {rank: load[0] + load[1] for rank, load in sorted(loads.items()) if load[0] + load[1]}
         received = {rank: load[2] + load[3] for rank, load in sorted(loads.items()) if load[2] + load[3]}

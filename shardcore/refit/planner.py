@@ -4,7 +4,7 @@ A *placement* (``placement.py``) says what one side of a refit holds: each tenso
 global boxes with the ranks holding them) and each rank's tensors. The unit of planning is a
 *tile*: for one tensor and one destination, the overlap of a source slice with a destination
 slice. Its holders H are the source slice's ranks, its needers D the destination slice's ranks.
-Every piece's source is a pure function of the tile alone:
+Every piece's source is a pure function of the tile and the other tiles of its route (below):
 
 1. a needer that is also a holder copies the tile locally (collocated ranks send nothing);
 2. with ``ranks_per_node``, the needers on a node that has holders are served by those holders;
@@ -18,11 +18,11 @@ So every holder of a route sends an equal share of all its bytes, a needer's cop
 consecutive segments (it hears from about |H| / needers holders of each route, not from all), and a
 tile is cut only where a segment ends inside it: most travel whole, from one replica.
 
-**The floor on piece size** (``min_piece_bytes``, default 1 MiB; 0 turns it off): a line has no
-more segments than it has floors of bytes (with one cut step each), cuts fall on whole rows (whole
-``unit`` rows when the tensor is split along dim 0), and a cut nearer than a floor to the edge of a
-tile's copy moves onto that edge. So no piece is smaller than the floor unless the tile itself is.
-Off, a line has min(|H|, rows) equal segments, each cut on the row it falls in.
+**The floor on piece size** (``min_piece_bytes``, default 1 MiB; 0 turns it off): cuts fall on whole
+rows, and a cut nearer than a floor to the edge of a tile's copy (or to the cut before it in the same
+copy) moves onto that edge (or that cut). So no piece is smaller than the floor unless the tile itself
+is. A cut on a tile's edge costs no piece, so a line of small tiles is still cut evenly: each cut
+moves by at most a floor and a row, each segment stays within two of them of its even share.
 
 **Fan-out** (``fan_out=True``, with ``ranks_per_node``): the needers of a tile are those of every
 destination slice with the same box (replicas of one destination shard, and ranks of other
@@ -30,7 +30,7 @@ destination shards sliced alike). On a node that holds no source of the tile, on
 *relay* (rotated by the seed): only the relays join the work line, so the tile crosses the slow
 link once per node, and each relay forwards the whole tile to the node's other needers in a
 second hop (``Transfer.hop == 1``: from the relay's destination tensor, after its first-hop
-receives). Sender, relay and forwardee still derive the same pieces from the tile alone.
+receives). Sender, relay and forwardee still derive the same pieces from the tile's route.
 
 Every rank that evaluates a tile derives the same pieces: a route's line is a pure function of the
 route's tiles, and a rank that sends or receives on a route evaluates all of them (it holds every
@@ -484,9 +484,7 @@ class RefitPlan:
         routes, floor = self._routes_of(tiles[0]), self.min_piece_bytes
         starts, steps = [0], []
         for tile in tiles:
-            tensor = self.manifest.tensors[tile.position]
-            grain = tensor.unit if floor and tensor.tp_dim == 0 and tile.rows % tensor.unit == 0 else 1
-            steps.append(grain * tile.row_bytes)
+            steps.append(tile.row_bytes)
             starts.append(starts[-1] + tile.rows * tile.row_bytes)
         seed = tiles[0].seed
         lines = [
