@@ -366,35 +366,35 @@ class RefitPlan:
         return every if self.tensors is None else (p for p in every if p in self.tensors)
 
     def _all_tiles(self) -> Iterator[Tile]:
-        """Every tile, in the global order: destination, tensor, destination slice, source slice.
-
-        A tensor whose slices on both sides are the very slices of an earlier one (a shard placement's
-        are, for the same weight of every layer) has that tensor's tiles, moved to it (``_moved``):
-        its tiles are not found again. With fan-out a tile's group depends on every destination: each
-        is found."""
+        """Every tile, in the global order: destination, tensor, destination slice, source slice."""
         if self.fan_out:
             for shard, placement in enumerate(self.destination_placements):
                 for position in self._positions():
                     for target in placement.slices(position):
                         yield from self._tiles_into(position, shard, target)
             return
-        tensors = self.manifest.tensors
         held = [(position, self.source_placement.slices(position)) for position in self._positions()]
         for shard, placement in enumerate(self.destination_placements):
-            found: dict[tuple[int, ...], tuple[Any, list[tuple[Tile, int]]]] = {}
+            found: dict[tuple[int, ...], Any] = {}
             for position, sources in held:
-                targets = placement.slices(position)
-                key = (*map(id, targets), -1, *map(id, sources))
-                known = found.get(key)
-                if known is None:
-                    tiles = [tile for target in targets for tile in self._tiles_into(position, shard, target)]
-                    itemsize = tensors[position].wire_itemsize
-                    found[key] = (targets, [(tile, tile.row_bytes // itemsize) for tile in tiles])  # ids stay theirs
-                    yield from tiles
-                else:
-                    itemsize = tensors[position].wire_itemsize
-                    for tile, per_row in known[1]:
-                        yield self._moved(tile, position, per_row * itemsize)
+                yield from self._tiles_alike(found, position, shard, placement.slices(position), sources)
+
+    def _tiles_alike(
+        self, found: dict[tuple[int, ...], Any], position: int, shard: int, targets: Sequence[Slice], sources: Any
+    ) -> list[Tile]:
+        """The tiles into ``targets`` (slices of tensor ``position`` in destination ``shard``; ``sources`` are
+        the tensor's source slices). A tensor whose slices are the very slices of an earlier one (a shard
+        placement's are, for the same weight of every layer) has that tensor's tiles, moved to it
+        (``_moved``), from ``found``; so most tiles are not found again. Not with fan-out, whose groups
+        depend on every destination."""
+        key = (shard, *map(id, targets), -1, *map(id, sources))
+        itemsize = self.manifest.tensors[position].wire_itemsize
+        known = found.get(key)
+        if known is None:
+            tiles = [tile for target in targets for tile in self._tiles_into(position, shard, target)]
+            found[key] = ((targets, sources), [(tile, tile.row_bytes // itemsize) for tile in tiles])  # ids stay theirs
+            return tiles
+        return [self._moved(tile, position, per_row * itemsize) for tile, per_row in known[1]]
 
     @staticmethod
     def _moved(tile: Tile, position: int, row_bytes: int) -> Tile:
@@ -710,14 +710,20 @@ class RefitPlan:
         tensors = self.manifest.tensors
         wanted: list[tuple[Tile, bool]] = []  # each tile, and whether the rank receives (or sends) on it
         destination_shapes: dict[str, tuple[int, ...]] = {}
-        chosen = self.tensors
+        chosen, found = self.tensors, {}
         for shard, placement in enumerate(self.destination_placements):
             for held in placement.held(rank):
-                if chosen is not None and held.position not in chosen:
+                position = held.position
+                if chosen is not None and position not in chosen:
                     continue
-                destination_shapes[tensors[held.position].name] = held.shape
-                for target in held.slices:
-                    wanted += ((tile, True) for tile in self._tiles_into(held.position, shard, target))
+                destination_shapes[tensors[position].name] = held.shape
+                if self.fan_out:
+                    tiles = [tile for target in held.slices for tile in self._tiles_into(position, shard, target)]
+                else:
+                    tiles = self._tiles_alike(
+                        found, position, shard, held.slices, self.source_placement.slices(position)
+                    )
+                wanted += ((tile, True) for tile in tiles)
         source_shapes: dict[str, tuple[int, ...]] = {}
         for held in self.source_placement.held(rank):
             if chosen is not None and held.position not in chosen:
@@ -734,7 +740,7 @@ class RefitPlan:
                 self._pieces(tile, dst=rank) + self._forwards(tile, rank) if receiving else self._pieces(tile, src=rank)
             )
             keyed += ((t.src, t.dst, tile.position, t.box, t.hop, t) for t in self._transfers(tile, pieces))
-        keyed.sort(key=lambda item: item[:5])
+        keyed.sort()  # by (src, dst, tensor, box, hop): no two transfers share them
         ordered = [item[5] for item in keyed]
         return RankRefit(
             rank=rank,
