@@ -255,6 +255,15 @@ class TileRun:
     tiles: tuple[Tile, ...]
     starts: tuple[int, ...]
     lines: tuple[WorkLine, ...]
+    _at: dict[int, dict[int, int]] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def at(self, ranks: tuple[int, ...], rank: int) -> int:
+        """Where ``rank`` is in ``ranks`` (a line's sources or needers, which may be a thousand ranks long),
+        indexed once per line."""
+        index = self._at.get(id(ranks))
+        if index is None:
+            index = self._at[id(ranks)] = {member: i for i, member in enumerate(ranks)}
+        return index[rank]
 
     @cached_property
     def index(self) -> dict[tuple[int, Box], int]:
@@ -517,9 +526,9 @@ class RefitPlan:
         copies: Iterable[int] = range(len(needers))
         mine = None
         if dst is not None:
-            copies = (needers.index(dst),)
+            copies = (run.at(needers, dst) if needers is line.needers else needers.index(dst),)
         elif src is not None:  # a source takes at most one segment: the copies it meets
-            mine = (sources.index(src) - seed) % len(sources)
+            mine = (run.at(sources, src) - seed) % len(sources)
             if mine >= len(cuts) - 1:
                 return []
             low, high = cuts[mine], cuts[mine + 1]
