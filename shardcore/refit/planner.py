@@ -196,13 +196,13 @@ def line_cuts(starts: Sequence[int], steps: Sequence[int], copies: int, holders:
     """Where a work line is cut into segments, one per sending holder at most.
 
     The line is ``copies`` copies of a run of tiles laid end to end: tile j takes bytes
-    [starts[j], starts[j + 1]) of each copy and may be cut every ``steps[j]`` bytes (a row, or a unit of
-    rows). The line is cut into min(holders, rows of the line) equal segments, each cut moved back onto a
-    step of the tile it falls in. With a floor, a cut nearer than a floor to an edge of its tile's copy
-    moves onto that edge, and one nearer than a floor to the cut before it in the same copy moves onto
-    the nearer of the two; then every piece (a segment's part inside one tile's copy) has at least
-    ``floor`` bytes, or is the whole tile. Cuts on a tile's edge cost no piece, so a run of small tiles
-    is still cut evenly. Cuts never decrease, so a segment may be empty.
+    [starts[j], starts[j + 1]) of each copy and may be cut every ``steps[j]`` bytes (its row). The line
+    is cut into min(holders, rows of the line) equal segments, each cut moved back onto a step of the
+    tile it falls in. With a floor, a cut nearer than a floor to an edge of its tile's copy moves onto
+    that edge, and one nearer than a floor to the cut before it in the same copy moves onto the nearer
+    of the two; then every piece (a segment's part inside one tile's copy) has at least ``floor`` bytes,
+    or is the whole tile. Cuts on a tile's edge cost no piece, so a run of small tiles is still cut
+    evenly. Cuts never decrease, so a segment may be empty.
 
     Returns:
         The count + 1 cut positions, in bytes from the start of the line: 0 first, the line's end last.
@@ -394,14 +394,15 @@ class RefitPlan:
         """The tiles into ``targets`` (slices of tensor ``position`` in destination ``shard``; ``sources`` are
         the tensor's source slices). A tensor whose slices are the very slices of an earlier one (a shard
         placement's are, for the same weight of every layer) has that tensor's tiles, moved to it
-        (``_moved``), from ``found``; so most tiles are not found again. Not with fan-out, whose groups
-        depend on every destination."""
+        (``_moved``), from ``found``; so most tiles are not found again. ``found`` is keyed by the slices'
+        ids and holds the slices, so no other slice can take their ids while it lives. Not with fan-out,
+        whose groups depend on every destination."""
         key = (shard, *map(id, targets), -1, *map(id, sources))
         itemsize = self.manifest.tensors[position].wire_itemsize
         known = found.get(key)
         if known is None:
             tiles = [tile for target in targets for tile in self._tiles_into(position, shard, target)]
-            found[key] = ((targets, sources), [(tile, tile.row_bytes // itemsize) for tile in tiles])  # ids stay theirs
+            found[key] = ((targets, sources), [(tile, tile.row_bytes // itemsize) for tile in tiles])
             return tiles
         return [self._moved(tile, position, per_row * itemsize) for tile, per_row in known[1]]
 
@@ -475,9 +476,9 @@ class RefitPlan:
         found: dict[tuple[Any, ...], list[Tile] | None] = {}
         for tile in tiles:
             key = self._route_key(tile)
-            pending = found.get(key, ())
-            if pending == ():
-                pending = found[key] = None if key in self._runs else []
+            if key not in found:
+                found[key] = None if key in self._runs else []
+            pending = found[key]
             if pending is not None:
                 pending.append(tile)
         for key, pending in found.items():
@@ -719,7 +720,8 @@ class RefitPlan:
         tensors = self.manifest.tensors
         wanted: list[tuple[Tile, bool]] = []  # each tile, and whether the rank receives (or sends) on it
         destination_shapes: dict[str, tuple[int, ...]] = {}
-        chosen, found = self.tensors, {}
+        chosen = self.tensors
+        found: dict[tuple[int, ...], Any] = {}  # tiles of tensors with the same slices (``_tiles_alike``)
         for shard, placement in enumerate(self.destination_placements):
             for held in placement.held(rank):
                 position = held.position
