@@ -91,6 +91,7 @@ def summary_table(plan: ShardRefitPlan, stats: RefitStats, intra_gbps: float, in
         ),
         *conversion_lines(plan.manifest, stats),
         f"busiest sender: {busiest}; lower bound {format_bytes(stats.lower_bound)} (x{stats.balance:.3f})",
+        f"peers per rank (each a connection): max {stats.most_peers}, median {stats.median_peers}",
         (
             f"estimate {stats.estimate_seconds(intra_gbps, inter_gbps):.3g} s at {intra_gbps:g} GB/s intra-node, "
             f"{inter_gbps:g} GB/s inter-node{nodes}"

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .placement import Placement
-from .planner import Piece, RefitPlan, Tile
+from .planner import Piece, RefitPlan, Tile, TileRun
 
 DEFAULT_INTRA_GBPS = 200.0
 """Default intra-node bandwidth per rank and direction, GB/s (NVLink-class)."""
@@ -120,6 +120,7 @@ class _Tally:
             copied locally, per destination shard.
         must_move: Bytes the holders must send, per holder set key (relays forward the rest).
         holder_sets: The members of each holder set key.
+        pairs: Every (sender, receiver) pair that moves bytes.
         count / local / scale_bytes: Pieces, bytes copied inside a rank, bytes of scale tensors sent.
     """
 
@@ -133,6 +134,7 @@ class _Tally:
     relayed: defaultdict[int, Load] = field(default_factory=_new_loads)
     must_move: defaultdict[int, int] = field(default_factory=lambda: defaultdict(int))
     holder_sets: dict[int, frozenset[int]] = field(default_factory=dict)
+    pairs: set[tuple[int, int]] = field(default_factory=set)
     count: int = 0
     local: int = 0
     scale_bytes: int = 0
@@ -161,22 +163,56 @@ class _Tally:
                 self.local += size
                 self.shard_local[tile.shard] += size
             else:
-                self._add_transfer(tile, src, dst, size, hop)
+                self._add_moved(tile.shard, tile.sources.key, size * (tile.position in self.scales), size, hop)
+                self._add_transfer(tile.shard, src, dst, size, hop)
 
-    def _add_transfer(self, tile: Tile, src: int, dst: int, size: int, hop: int) -> None:
-        """Add ``size`` bytes sent from ``src`` to ``dst``: to both ranks' loads, the tile's shard's, and
-        (for a relay's forward, ``hop`` set) the relay loads too."""
-        if not hop:  # what the holders must send; relays forward the rest
-            self.must_move[tile.sources.key] += size
-        self.shard_bytes[tile.shard] += size
-        if tile.position in self.scales:
-            self.scale_bytes += size
+    def add_run(self, run: TileRun) -> None:
+        """Add every piece of a route's run at once (no fan-out): each line's segments by arithmetic
+        (``TileRun.shares``), each local copy as a whole run."""
+        first = run.tiles[0]
+        shard, key, width = first.shard, first.sources.key, run.starts[-1]
+        self.holder_sets[key] = first.sources.members
+        local = len(run.routes.local)
+        self.count += local * len(run.tiles)
+        self.local += local * width
+        self.shard_local[shard] += local * width
+        scaled = sum(
+            stop - start
+            for tile, start, stop in zip(run.tiles, run.starts, run.starts[1:])
+            if tile.position in self.scales
+        )
+        for line in run.lines:
+            self.count += run.piece_count(line)
+            self._add_moved(shard, key, line.copies * scaled, line.copies * width, 0)
+            for src, copy, size in run.shares(line):
+                self._add_transfer(shard, src, line.needers[copy], size, 0)
+
+    def _add_moved(self, shard: int, key: int, scale_bytes: int, size: int, hop: int) -> None:
+        """Count ``size`` bytes (``scale_bytes`` of them of scale tensors) moved into ``shard`` from holder set
+        ``key``; at ``hop`` 0 the holders must send them (relays forward the rest)."""
+        if not hop:
+            self.must_move[key] += size
+        self.shard_bytes[shard] += size
+        self.scale_bytes += scale_bytes
+
+    def _add_transfer(self, shard: int, src: int, dst: int, size: int, hop: int) -> None:
+        """Add ``size`` bytes sent from ``src`` to ``dst``: to both ranks' loads, the shard's, and (for a
+        relay's forward, ``hop`` set) the relay loads too."""
+        self.pairs.add((src, dst))
         per_node = self.per_node
         inter = 1 if per_node is None or src // per_node != dst // per_node else 0
-        tables = (self.loads, self.shard_loads[tile.shard])
-        for table in (*tables, self.relayed, self.shard_relayed[tile.shard]) if hop else tables:
+        tables = (self.loads, self.shard_loads[shard])
+        for table in (*tables, self.relayed, self.shard_relayed[shard]) if hop else tables:
             table[src][inter] += size
             table[dst][2 + inter] += size
+
+    def peers(self) -> dict[int, int]:
+        """Per rank, the distinct ranks it sends to or receives from (each a connection), ranks with none absent."""
+        found: defaultdict[int, set[int]] = defaultdict(set)
+        for src, dst in self.pairs:
+            found[src].add(dst)
+            found[dst].add(src)
+        return {rank: len(others) for rank, others in sorted(found.items())}
 
     def must_move_by_holders(self) -> dict[frozenset[int], int]:
         """Bytes the holders must send, per holder set's members (what ``lower_bound`` takes)."""
@@ -218,6 +254,8 @@ class RefitStats:
             without it every byte counts as inter-node.
         relayed_bytes: Bytes relays forwarded inside their node (fan-out; 0 without it).
         shards: Per destination shard.
+        peers: Per rank, how many distinct ranks it sends to or receives from: each is a connection (an
+            NCCL communicator's buffers per peer and channel); ranks with none are absent.
         loads: Per rank, every hop: [sent intra, sent inter, received intra, received inter] bytes.
         relay_loads: The same for the relays' forwards alone (the second hop).
         scale_bytes: Of ``total_bytes``, those of fp8 scale tensors.
@@ -236,16 +274,27 @@ class RefitStats:
     inter_node_bytes: int
     shards: tuple[ShardCost, ...]
     loads: dict[int, Load]
+    peers: dict[int, int] = field(default_factory=dict)
     relay_loads: dict[int, Load] = field(default_factory=dict)
     relayed_bytes: int = 0
     scale_bytes: int = 0
 
     @classmethod
     def of(cls, plan: RefitPlan) -> RefitStats:
-        """Walk every tile of ``plan`` once and add up its pieces."""
+        """Add up every piece of ``plan``: a route's run at once by arithmetic, or (fan-out, whose relays
+        change from tile to tile) tile by tile."""
         tally = _Tally.start(plan)
-        for tile, pieces in plan.tiles():
-            tally.add(tile, pieces)
+        if plan.fan_out:
+            for tile, pieces in plan.tiles():
+                tally.add(tile, pieces)
+        else:
+            for run in plan.runs():
+                tally.add_run(run)
+        return cls.of_tally(plan, tally)
+
+    @classmethod
+    def of_tally(cls, plan: RefitPlan, tally: _Tally) -> RefitStats:
+        """The stats of ``plan`` from the sums of a walk over it (the tests walk tile by tile, as an oracle)."""
         loads, relayed = tally.loads, tally.relayed
         sent = {rank: load[0] + load[1] for rank, load in sorted(loads.items()) if load[0] + load[1]}
         received = {rank: load[2] + load[3] for rank, load in sorted(loads.items()) if load[2] + load[3]}
@@ -266,6 +315,7 @@ class RefitStats:
                 tally.shard_cost(index, destination) for index, destination in enumerate(plan.destination_placements)
             ),
             loads=dict(loads),
+            peers=tally.peers(),
             relay_loads=dict(relayed),
             relayed_bytes=sum(load[0] + load[1] for load in relayed.values()),
             scale_bytes=tally.scale_bytes,
@@ -276,6 +326,17 @@ class RefitStats:
         """Inter-node bytes the same refit moves without fan-out: every forwarded copy would cross the link
         (a relay and the needers it forwards to share a node, and no holder is on it)."""
         return self.inter_node_bytes + self.relayed_bytes
+
+    @property
+    def most_peers(self) -> int:
+        """The most peers one rank has (0 when nothing moves)."""
+        return max(self.peers.values(), default=0)
+
+    @property
+    def median_peers(self) -> int:
+        """The median of the peers of the ranks that move anything (the lower middle one; 0 when nothing moves)."""
+        counts = sorted(self.peers.values())
+        return counts[(len(counts) - 1) // 2] if counts else 0
 
     @property
     def balance(self) -> float:
@@ -302,6 +363,7 @@ class RefitStats:
             "inter_node_bytes": self.inter_node_bytes,
             "inter_node_bytes_without_fan_out": self.inter_node_bytes_without_fan_out,
             "relayed_bytes": self.relayed_bytes,
+            "peers_per_rank": {"max": self.most_peers, "p50": self.median_peers},
             "bandwidth_gbps": {"intra_node": intra_gbps, "inter_node": inter_gbps},
             "estimate_seconds": self.estimate_seconds(intra_gbps, inter_gbps),
             "sent": {str(rank): size for rank, size in self.sent.items()},

@@ -4,20 +4,25 @@ A *placement* (``placement.py``) says what one side of a refit holds: each tenso
 global boxes with the ranks holding them) and each rank's tensors. The unit of planning is a
 *tile*: for one tensor and one destination, the overlap of a source slice with a destination
 slice. Its holders H are the source slice's ranks, its needers D the destination slice's ranks.
-Every piece's source is a pure function of the tile alone:
+Every piece's source is a pure function of the tile and the other tiles of its route (below):
 
 1. a needer that is also a holder copies the tile locally (collocated ranks send nothing);
 2. with ``ranks_per_node``, the needers on a node that has holders are served by those holders;
-3. the rest form a *work line*: their copies of the tile laid end to end (in rows of dim 0),
-   cut into at most |H| segments, segment k sent by holder ``(k + seed) % |H|``; ``seed`` (from
-   the tile's identity) rotates which holders take small tiles, so whole small tensors also
-   spread over replicas.
+3. the rest form a *work line*. Every tile with the same holders and needers (the same *route*: most
+   tensors of a layout share a few) is served by one line: each needer's copy of all those tiles
+   laid end to end (tensor by tensor, in rows of dim 0), cut into at most |H| equal segments,
+   segment k sent by holder ``(k + seed) % |H|``; ``seed`` (from the route's first tile) rotates
+   which holders take the longer segments of small routes.
 
-**The floor on piece size** (``min_piece_bytes``, default 1 MiB; 0 turns it off): a line has no
-more segments than it has floors of bytes, and a cut that would leave less than a floor between
-it and the edge of a copy moves onto that edge; cuts fall on whole ``unit`` rows when the tensor is
-split along dim 0. So no piece is smaller than the floor unless the tile itself is. Off, a line
-has min(|H|, rows) equal segments wherever they fall.
+So every holder of a route sends an equal share of all its bytes, a needer's copy spans a few
+consecutive segments (it hears from about |H| / needers holders of each route, not from all), and a
+tile is cut only where a segment ends inside it: most travel whole, from one replica.
+
+**The floor on piece size** (``min_piece_bytes``, default 1 MiB; 0 turns it off): cuts fall on whole
+rows, and a cut nearer than a floor to the edge of a tile's copy (or to the cut before it in the same
+copy) moves onto that edge (or that cut). So no piece is smaller than the floor unless the tile itself
+is. A cut on a tile's edge costs no piece, so a line of small tiles is still cut evenly: each cut
+moves by at most a floor and a row, each segment stays within two of them of its even share.
 
 **Fan-out** (``fan_out=True``, with ``ranks_per_node``): the needers of a tile are those of every
 destination slice with the same box (replicas of one destination shard, and ranks of other
@@ -25,12 +30,13 @@ destination shards sliced alike). On a node that holds no source of the tile, on
 *relay* (rotated by the seed): only the relays join the work line, so the tile crosses the slow
 link once per node, and each relay forwards the whole tile to the node's other needers in a
 second hop (``Transfer.hop == 1``: from the relay's destination tensor, after its first-hop
-receives). Sender, relay and forwardee still derive the same pieces from the tile alone.
+receives). Sender, relay and forwardee still derive the same pieces from the tile's route.
 
-A piece is therefore split across replicas when that balances the load, and every rank that
-evaluates a tile derives the same pieces. ``RefitPlan.for_rank(r)`` evaluates only the tiles of
-the slices r holds (as a destination: its slices against the source's; as a source: its slices
-against each destination's): its cost is its own tiles and their replica sets, never the whole
+Every rank that evaluates a tile derives the same pieces: a route's line is a pure function of the
+route's tiles, and a rank that sends or receives on a route evaluates all of them (it holds every
+slice of the route on its side). ``RefitPlan.for_rank(r)`` evaluates only the tiles of the slices r
+holds (as a destination: its slices against the source's; as a source: its slices against each
+destination's): its cost is its own tiles and their replica sets, never the whole
 schedule. ``plan_refit`` plans between shards (``ShardPlacement``, by index math);
 ``plan_refit_from`` between any placements (``ExplicitPlacement``, ``Placement.restrict``);
 ``plan.subset(...)`` keeps some tensors only (a partial refit).
@@ -43,7 +49,8 @@ import hashlib
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import cached_property, lru_cache
+from functools import cached_property
+from operator import attrgetter
 from typing import Any, NamedTuple, Self, cast
 
 from ..errors import LayoutError, ManifestError, RefitError
@@ -204,35 +211,103 @@ Piece = tuple[int, int, int, int, int]
 """(src, dst, first row, end row, hop) of a tile, rows along dim 0 relative to the tile's box."""
 
 
-@lru_cache(maxsize=1 << 14)
-def line_cuts(rows: int, copies: int, holders: int, row_bytes: int, floor: int, grain: int) -> tuple[int, ...]:
-    """Where a work line of ``copies`` copies of ``rows`` rows is cut into segments, one per sending holder at most.
+_place = attrgetter("position", "box")
+"""Where a tile lies: its tensor and box (a run's order)."""
 
-    Without a floor (0): min(holders, rows of the line) equal segments. With one: counted in
-    grains of ``grain`` rows, no more segments than floors of bytes fit in the line, and a cut
-    nearer than a floor to the edge of a copy moves onto that edge; then every piece (a segment's
-    part inside one copy) has at least ``floor`` bytes, or is a whole copy. Cuts never decrease,
-    so a segment may be empty.
+
+def line_cuts(starts: Sequence[int], steps: Sequence[int], copies: int, holders: int, floor: int) -> tuple[int, ...]:
+    """Where a work line is cut into segments, one per sending holder at most.
+
+    The line is ``copies`` copies of a run of tiles laid end to end: tile j takes bytes
+    [starts[j], starts[j + 1]) of each copy and may be cut every ``steps[j]`` bytes (its row). The line
+    is cut into min(holders, rows of the line) equal segments, each cut moved back onto a step of the
+    tile it falls in. With a floor, a cut nearer than a floor to an edge of its tile's copy moves onto
+    that edge, and one nearer than a floor to the cut before it in the same copy moves onto the nearer
+    of the two; then every piece (a segment's part inside one tile's copy) has at least ``floor`` bytes,
+    or is the whole tile. Cuts on a tile's edge cost no piece, so a run of small tiles is still cut
+    evenly. Cuts never decrease, so a segment may be empty.
 
     Returns:
-        The count + 1 cut positions, in rows from the start of the line: 0 first, the line's end last.
+        The count + 1 cut positions, in bytes from the start of the line: 0 first, the line's end last.
     """
-    if not floor:
-        width = copies * rows
-        count = max(1, min(holders, width))
-        return tuple(k * width // count for k in range(count + 1))
-    per_copy = rows // grain
-    width = copies * per_copy
-    least = -(-floor // (row_bytes * grain))  # grains a piece needs to reach the floor
-    count = max(1, min(holders, width // least))
-    cuts = []
-    for k in range(count + 1):
-        at = k * width // count
-        inside = at % per_copy
-        if inside < least or per_copy - inside < least:  # too near an edge of its copy: onto the nearer edge
-            at += -inside if inside <= per_copy - inside else per_copy - inside
-        cuts.append(at * grain)
+    size = starts[-1]
+    width = copies * size
+    rows = sum((starts[j + 1] - starts[j]) // step for j, step in enumerate(steps))
+    count = max(1, min(holders, copies * rows))
+    cuts = [0]
+    for k in range(1, count):
+        copy, at = divmod(k * width // count, size)
+        j = bisect_right(starts, at) - 1
+        edge = copy * size + starts[j]  # where the tile's copy starts on the line
+        inside = at - starts[j]
+        inside -= inside % steps[j]
+        rest = starts[j + 1] - starts[j] - inside
+        if inside and (inside < floor or rest < floor):  # too near an edge of its tile: onto the nearer edge
+            inside = 0 if inside <= rest else inside + rest
+        elif inside and cuts[-1] > edge and inside - (cuts[-1] - edge) < floor:  # too near the cut before
+            inside = cuts[-1] - edge if inside - (cuts[-1] - edge) <= rest else inside + rest
+        cuts.append(edge + inside)
+    cuts.append(width)
     return tuple(cuts)
+
+
+class WorkLine(NamedTuple):
+    """One line of a route, over every tile of the route: segment k of ``cuts`` is sent by
+    ``sources[(k + seed) % len(sources)]``, copy i goes to ``needers[i]`` (the relays' line of fan-out has
+    no fixed needers: copy i goes to each tile's relay on the i-th node without holders)."""
+
+    needers: tuple[int, ...]
+    copies: int
+    sources: tuple[int, ...]
+    seed: int
+    cuts: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TileRun:
+    """Every tile of one route, in a fixed order (tensor, box), and the route's work lines cut over them.
+
+    Attributes:
+        routes: The route's local copies and lines.
+        tiles: Its tiles (with fan-out, each box once, whichever destination of its group found it).
+        starts: Where each tile starts in one copy of the run, in bytes; the run's bytes last.
+        lines: One per line of ``routes``, then the relays' line (fan-out).
+    """
+
+    routes: Routes
+    tiles: tuple[Tile, ...]
+    starts: tuple[int, ...]
+    lines: tuple[WorkLine, ...]
+    _at: dict[int, dict[int, int]] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def at(self, ranks: tuple[int, ...], rank: int) -> int:
+        """Where ``rank`` is in ``ranks`` (a line's sources or needers, which may be a thousand ranks long),
+        indexed once per line."""
+        index = self._at.get(id(ranks))
+        if index is None:
+            index = self._at[id(ranks)] = {member: i for i, member in enumerate(ranks)}
+        return index[rank]
+
+    @cached_property
+    def index(self) -> dict[tuple[int, Box], int]:
+        """Where each tile (by tensor and box) lies in the run."""
+        return {(tile.position, tile.box): j for j, tile in enumerate(self.tiles)}
+
+    def shares(self, line: WorkLine) -> Iterator[tuple[int, int, int]]:
+        """(sender, copy, bytes) of every segment's part in each copy of ``line``: what each pair moves."""
+        width, cuts, sources = self.starts[-1], line.cuts, line.sources
+        for k in range(len(cuts) - 1):
+            start, stop = cuts[k], cuts[k + 1]
+            while start < stop:
+                copy = start // width
+                end = min(stop, (copy + 1) * width)
+                yield sources[(k + line.seed) % len(sources)], copy, end - start
+                start = end
+
+    def piece_count(self, line: WorkLine) -> int:
+        """How many pieces ``line`` sends: one per tile's copy, and one more per cut inside a tile's copy."""
+        width, edges = self.starts[-1], set(self.starts)
+        return line.copies * len(self.tiles) + sum(cut % width not in edges for cut in set(line.cuts[1:-1]))
 
 
 @dataclass(frozen=True)
@@ -261,6 +336,8 @@ class RefitPlan:
     fan_out: bool = False
     tensors: frozenset[int] | None = None
     _routes: dict[tuple[Any, ...], Routes] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _runs: dict[tuple[Any, ...], TileRun] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Each route's run of tiles, cut once every tile of the route has been seen (``_cut_runs``)."""
     _last_rank: dict[int, RankRefit] = field(default_factory=dict, init=False, repr=False, compare=False)
     """The rank part ``for_rank`` computed last: a rank asks for its own part to allocate its tensors, then
     ``execute_refit`` asks again, and an RL loop refits with the same plan every step."""
@@ -346,26 +423,77 @@ class RefitPlan:
 
     def _all_tiles(self) -> Iterator[Tile]:
         """Every tile, in the global order: destination, tensor, destination slice, source slice."""
+        if self.fan_out:
+            for shard, placement in enumerate(self.destination_placements):
+                for position in self._positions():
+                    for target in placement.slices(position):
+                        yield from self._tiles_into(position, shard, target)
+            return
+        held = [(position, self.source_placement.slices(position)) for position in self._positions()]
         for shard, placement in enumerate(self.destination_placements):
-            for position in self._positions():
-                for target in placement.slices(position):
-                    yield from self._tiles_into(position, shard, target)
+            found: dict[tuple[int, ...], Any] = {}
+            for position, sources in held:
+                yield from self._tiles_alike(found, position, shard, placement.slices(position), sources)
+
+    def _tiles_alike(
+        self, found: dict[tuple[int, ...], Any], position: int, shard: int, targets: Sequence[Slice], sources: Any
+    ) -> list[Tile]:
+        """The tiles into ``targets`` (slices of tensor ``position`` in destination ``shard``; ``sources`` are
+        the tensor's source slices). A tensor whose slices are the very slices of an earlier one (a shard
+        placement's are, for the same weight of every layer) has that tensor's tiles, moved to it
+        (``_moved``), from ``found``; so most tiles are not found again. ``found`` is keyed by the slices'
+        ids and holds the slices, so no other slice can take their ids while it lives. Not with fan-out,
+        whose groups depend on every destination."""
+        key = (shard, *map(id, targets), -1, *map(id, sources))
+        itemsize = self.manifest.tensors[position].wire_itemsize
+        known = found.get(key)
+        if known is None:
+            tiles = [tile for target in targets for tile in self._tiles_into(position, shard, target)]
+            found[key] = ((targets, sources), [(tile, tile.row_bytes // itemsize) for tile in tiles])
+            return tiles
+        return [self._moved(tile, position, per_row * itemsize) for tile, per_row in known[1]]
+
+    @staticmethod
+    def _moved(tile: Tile, position: int, row_bytes: int) -> Tile:
+        """``tile`` of another tensor with the same slices, for tensor ``position``: the same boxes and holders;
+        the seed (which starts from the position, ``_tile``) and the bytes of a row move."""
+        return Tile(
+            position,
+            tile.shard,
+            tile.box,
+            tile.src_offset,
+            tile.dst_offset,
+            tile.sources,
+            tile.needers,
+            tile.seed - tile.position + position,
+            tile.rows,
+            row_bytes,
+            tile.group,
+            tile.target,
+        )
 
     # -- pieces ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _route_key(tile: Tile) -> tuple[Any, ...]:
+        """What names a tile's route: its holders and its needers (with fan-out, its whole group's)."""
+        if tile.group:
+            return (tile.sources.key, -1, tuple((shard, piece.holders.key) for shard, piece in tile.group))
+        return (tile.sources.key, tile.shard, tile.needers.key)
 
     def _routes_of(self, tile: Tile) -> Routes:
         """Local copies and work lines of a tile's (holders, needers) pair: with ``ranks_per_node``, needers
         on a node that has holders form a line served by those holders; the rest one line over all holders.
         With fan-out the needers are the whole group's, and a node without holders sends one relay to that line."""
-        sources = tile.sources
-        if tile.group:
-            key: tuple[Any, ...] = (sources.key, -1, tuple((shard, piece.holders.key) for shard, piece in tile.group))
-            needers = sorted(rank for _, piece in tile.group for rank in piece.holders.ranks)
-        else:
-            key, needers = (sources.key, tile.shard, tile.needers.key), list(tile.needers.ranks)
+        key = self._route_key(tile)
         found = self._routes.get(key)
         if found is not None:
             return found
+        sources = tile.sources
+        if tile.group:
+            needers = sorted(rank for _, piece in tile.group for rank in piece.holders.ranks)
+        else:
+            needers = list(tile.needers.ranks)
         members = sources.members
         local = tuple(d for d in needers if d in members)
         remote = tuple(d for d in needers if d not in members)
@@ -390,40 +518,86 @@ class RefitPlan:
         found = self._routes[key] = Routes(local, tuple(line for line in lines if line[0]), far_nodes)
         return found
 
-    def _spread(
-        self, tile: Tile, needers: Sequence[int], sources: Sequence[int], seed: int, src: int | None, dst: int | None
-    ) -> list[Piece]:
-        """One work line: ``needers``' copies of the tile cut into segments (``line_cuts``), one per source.
+    def _cut_runs(self, tiles: Iterable[Tile]) -> list[TileRun]:
+        """The runs of the routes of ``tiles``, in the order they first appear; a route not cut yet is cut from
+        its tiles among ``tiles``, which must be all of them (a rank's own tiles hold every tile of its routes)."""
+        found: dict[tuple[Any, ...], list[Tile] | None] = {}
+        for tile in tiles:
+            key = self._route_key(tile)
+            if key not in found:
+                found[key] = None if key in self._runs else []
+            pending = found[key]
+            if pending is not None:
+                pending.append(tile)
+        for key, pending in found.items():
+            if pending is not None:
+                pending.sort(key=_place)  # stable: the first found of a box's tiles stays first
+                if self.fan_out:  # a box's tile once, not once per destination of its group
+                    pending = [t for i, t in enumerate(pending) if not i or _place(pending[i - 1]) != _place(t)]
+                self._runs[key] = self._run(pending)
+        return [self._runs[key] for key in found]
 
-        With ``src`` (or ``dst``) given, only the segments that rank sends (or receives) are cut: one
+    def _run(self, tiles: Sequence[Tile]) -> TileRun:
+        """One route's run of ``tiles`` (in order) and its lines, cut (``line_cuts``)."""
+        routes, floor = self._routes_of(tiles[0]), self.min_piece_bytes
+        starts, steps = [0], []
+        for tile in tiles:
+            steps.append(tile.row_bytes)
+            starts.append(starts[-1] + tile.rows * tile.row_bytes)
+        seed = tiles[0].seed
+        lines = [
+            WorkLine(
+                needers,
+                len(needers),
+                sources,
+                seed + offset,
+                line_cuts(starts, steps, len(needers), len(sources), floor),
+            )
+            for needers, sources, offset in routes.lines
+        ]
+        if routes.far:
+            holders, nodes = tiles[0].sources.ranks, len(routes.far)
+            lines.append(WorkLine((), nodes, holders, seed, line_cuts(starts, steps, nodes, len(holders), floor)))
+        return TileRun(routes, tuple(tiles), tuple(starts), tuple(lines))
+
+    def _spread(
+        self, tile: Tile, run: TileRun, line: WorkLine, needers: Sequence[int], src: int | None, dst: int | None
+    ) -> list[Piece]:
+        """The tile's pieces on one work line: each of its copies (one per needer) cut where the line's segments end.
+
+        With ``src`` (or ``dst``) given, only the pieces that rank sends (or receives) are cut: one
         rank's cost is its own pieces.
         """
-        rows = tile.rows
-        tensor = self.manifest.tensors[tile.position]
-        grain = tensor.unit if tensor.tp_dim == 0 and rows % tensor.unit == 0 else 1
-        cuts = line_cuts(rows, len(needers), len(sources), tile.row_bytes, self.min_piece_bytes, grain)
-        count = len(cuts) - 1
-        segments: Iterable[int] = range(count)
-        if dst is not None:  # the segments overlapping copy i
-            i = needers.index(dst)
-            segments = range(bisect_right(cuts, i * rows) - 1, bisect_left(cuts, (i + 1) * rows))
-        elif src is not None:  # a source takes at most one segment
-            k = (sources.index(src) - seed) % len(sources)
-            segments = (k,) if k < count else ()
+        j = run.index[tile.position, tile.box]
+        first, width, row_bytes = run.starts[j], run.starts[-1], tile.row_bytes
+        size = tile.rows * row_bytes
+        cuts, sources, seed = line.cuts, line.sources, line.seed
+        copies: Iterable[int] = range(len(needers))
+        mine = None
+        if dst is not None:
+            copies = (run.at(needers, dst) if needers is line.needers else needers.index(dst),)
+        elif src is not None:  # a source takes at most one segment: the copies it meets
+            mine = (run.at(sources, src) - seed) % len(sources)
+            if mine >= len(cuts) - 1:
+                return []
+            low, high = cuts[mine], cuts[mine + 1]
+            copies = range(
+                max(0, (low - first - size) // width + 1), min(len(needers), (high - first - 1) // width + 1)
+            )
         pieces: list[Piece] = []
-        for k in segments:
-            start, stop = cuts[k], cuts[k + 1]
-            source = sources[(k + seed) % len(sources)]
-            copy = start // rows
-            while start < stop:
-                end = min(stop, (copy + 1) * rows)
-                if dst is None or needers[copy] == dst:
-                    pieces.append((source, needers[copy], start - copy * rows, end - copy * rows, 0))
-                start, copy = end, copy + 1
+        for i in copies:
+            start = i * width + first
+            end = start + size
+            for k in range(bisect_right(cuts, start) - 1, bisect_left(cuts, end)):
+                low, high = max(start, cuts[k]), min(end, cuts[k + 1])
+                if low < high and (mine is None or k == mine):
+                    source = sources[(k + seed) % len(sources)]
+                    pieces.append((source, needers[i], (low - start) // row_bytes, (high - start) // row_bytes, 0))
         return pieces
 
     def _pieces(self, tile: Tile, src: int | None = None, dst: int | None = None) -> list[Piece]:
-        """Who sends which rows of the tile to the tile's needers: a pure function of the tile.
+        """Who sends which rows of the tile to the tile's needers: a pure function of the tile's route's tiles
+        (its run, cut by ``_cut_runs`` first).
 
         ``src`` / ``dst`` restrict the answer to the pieces that rank sends to others from its source
         tensor / receives (its local copy included), computing only those.
@@ -432,16 +606,16 @@ class RefitPlan:
             return [(dst, dst, 0, tile.rows, 0)]
         if src is not None and src not in tile.sources.members:
             return []
-        routes = self._routes_of(tile)
-        rows, seed = tile.rows, tile.seed
+        run = self._runs[self._route_key(tile)]
+        routes, rows = run.routes, tile.rows
         pieces: list[Piece] = [] if src is not None or dst is not None else [(d, d, 0, rows, 0) for d in routes.local]
-        for needers, sources, offset in routes.lines:
-            if (src is None or src in sources) and (dst is None or dst in needers):
-                pieces += self._spread(tile, needers, sources, seed + offset, src, dst)
+        for line in run.lines[: len(routes.lines)]:
+            if (src is None or src in line.sources) and (dst is None or dst in line.needers):
+                pieces += self._spread(tile, run, line, line.needers, src, dst)
         if routes.far:  # fan-out: the relays' line, then each relay's forwards
-            relays = [group[seed % len(group)] for group in routes.far]
+            relays = [group[tile.seed % len(group)] for group in routes.far]
             if dst is None or dst in relays:
-                pieces += self._spread(tile, relays, tile.sources.ranks, seed, src, dst)
+                pieces += self._spread(tile, run, run.lines[-1], relays, src, dst)
             if src is None:
                 pieces += [
                     (relay, d, 0, rows, 1)
@@ -495,13 +669,19 @@ class RefitPlan:
     def transfers(self) -> Iterator[Transfer]:
         """Every transfer of the plan (local copies included) in the global deterministic order:
         destination, tensor, destination slice, source slice, then the tile's pieces."""
-        for tile in self._all_tiles():
-            yield from self._transfers(tile, self._pieces(tile))
+        for tile, pieces in self.tiles():
+            yield from self._transfers(tile, pieces)
 
     def tiles(self) -> Iterator[tuple[Tile, list[Piece]]]:
         """Every tile with its pieces, in the global order (for cost accounting)."""
-        for tile in self._all_tiles():
+        every = list(self._all_tiles())
+        self._cut_runs(every)
+        for tile in every:
             yield tile, self._pieces(tile)
+
+    def runs(self) -> list[TileRun]:
+        """Every route's run of tiles, cut (for cost accounting: a run's lines give its pieces by arithmetic)."""
+        return self._cut_runs(self._all_tiles())
 
     def fingerprint(self) -> dict[str, str]:
         """What every rank executing this plan must agree on, part by part, as short readable texts:
@@ -592,18 +772,23 @@ class RefitPlan:
 
     def _rank_part(self, rank: int) -> RankRefit:
         tensors = self.manifest.tensors
-        keyed: list[tuple[int, int, int, Box, int, str, Transfer]] = []
+        wanted: list[tuple[Tile, bool]] = []  # each tile, and whether the rank receives (or sends) on it
         destination_shapes: dict[str, tuple[int, ...]] = {}
         chosen = self.tensors
+        found: dict[tuple[int, ...], Any] = {}  # tiles of tensors with the same slices (``_tiles_alike``)
         for shard, placement in enumerate(self.destination_placements):
             for held in placement.held(rank):
-                if chosen is not None and held.position not in chosen:
+                position = held.position
+                if chosen is not None and position not in chosen:
                     continue
-                destination_shapes[held.name or tensors[held.position].name] = held.shape
-                for target in held.slices:
-                    for tile in self._tiles_into(held.position, shard, target):
-                        mine = self._transfers(tile, self._pieces(tile, dst=rank) + self._forwards(tile, rank))
-                        keyed += ((t.src, t.dst, held.position, t.box, t.hop, t.target, t) for t in mine)
+                destination_shapes[held.name or tensors[position].name] = held.shape
+                if self.fan_out:
+                    tiles = [tile for target in held.slices for tile in self._tiles_into(position, shard, target)]
+                else:
+                    tiles = self._tiles_alike(
+                        found, position, shard, held.slices, self.source_placement.slices(position)
+                    )
+                wanted += ((tile, True) for tile in tiles)
         source_shapes: dict[str, tuple[int, ...]] = {}
         for held in self.source_placement.held(rank):
             if chosen is not None and held.position not in chosen:
@@ -612,10 +797,15 @@ class RefitPlan:
                 source_shapes[tensors[held.position].name] = held.shape
             for source in held.slices:
                 for shard in range(len(self.destination_placements)):
-                    for tile in self._tiles_from(held.position, shard, source):
-                        mine = self._transfers(tile, self._pieces(tile, src=rank))
-                        keyed += ((t.src, t.dst, held.position, t.box, t.hop, t.target, t) for t in mine)
-        keyed.sort(key=lambda item: item[:6])
+                    wanted += ((tile, False) for tile in self._tiles_from(held.position, shard, source))
+        self._cut_runs(tile for tile, _ in wanted)
+        keyed: list[tuple[int, int, int, Box, int, str, Transfer]] = []
+        for tile, receiving in wanted:
+            pieces = (
+                self._pieces(tile, dst=rank) + self._forwards(tile, rank) if receiving else self._pieces(tile, src=rank)
+            )
+            keyed += ((t.src, t.dst, tile.position, t.box, t.hop, t.target, t) for t in self._transfers(tile, pieces))
+        keyed.sort(key=lambda item: item[:6])  # by (src, dst, tensor, box, hop, target): no two transfers share them
         ordered = [item[6] for item in keyed]
         return RankRefit(
             rank=rank,
@@ -951,7 +1141,9 @@ __all__ = [
     "RankRefit",
     "RefitPlan",
     "ShardRefitPlan",
+    "TileRun",
     "Transfer",
+    "WorkLine",
     "line_cuts",
     "plan_refit",
     "plan_refit_from",

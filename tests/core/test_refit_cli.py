@@ -30,6 +30,8 @@ def test_summary_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert lines[1].split()[:3] == ["to", "role", "spec"] and "busiest rank" in lines[1]
     assert lines[2].split()[:2] == ["1", "prefill"] and lines[3].split()[:2] == ["2", "decode"]
     assert "busiest sender: rank" in out and "lower bound" in out and "estimate" in out
+    stats = RefitStats.of(plan_refit(plan_layout(16, SPEC), 0, [1, 2], preset("tiny-moe"), 4))
+    assert f"peers per rank (each a connection): max {stats.most_peers}, median {stats.median_peers}" in out
 
 
 def test_rank_transfers_match_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
@@ -55,6 +57,13 @@ def test_json_with_transfers(capsys: pytest.CaptureFixture[str]) -> None:
     )
     assert data["tensors"]["output_layer.weight"] == {"shape": [1024, 128], "dtype": "float32", "itemsize": 4}
     assert [s["shard"] for s in data["shards"]] == [1, 2]
+    peers: dict[int, set[int]] = {}
+    for t in data["transfers"]:
+        if t["src"] != t["dst"]:
+            peers.setdefault(t["src"], set()).add(t["dst"])
+            peers.setdefault(t["dst"], set()).add(t["src"])
+    counts = sorted(len(others) for others in peers.values())
+    assert data["peers_per_rank"] == {"max": counts[-1], "p50": counts[(len(counts) - 1) // 2]}
     assert len(data["rank"]["sends"]) == len(plan.for_rank(3).sends)
 
 

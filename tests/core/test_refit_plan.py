@@ -20,6 +20,7 @@ from shardcore.errors import ManifestError
 from shardcore.plan.layout import Layout, ShardPlan, plan_layout
 from shardcore.plan.spec import ShardSpec
 from shardcore.refit import Manifest, RefitPlan, RefitStats, TensorSpec, Transfer, holdings, local_shape, plan_refit
+from shardcore.refit.cost import _Tally
 
 SIM = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -135,8 +136,24 @@ def check_for_rank(refit: RefitPlan, transfers: list[Transfer]) -> None:
             assert mine.destination_shapes.get(tensor.name) == (need[0] if need and tensor.name in moved else None)
 
 
+def stats_tile_by_tile(refit: RefitPlan) -> RefitStats:
+    """The stats added piece by piece over every tile, as ``RefitStats.of`` added them before it added a
+    route's run by arithmetic: the oracle of every figure it reports."""
+    tally = _Tally.start(refit)
+    for tile, pieces in refit.tiles():
+        tally.add(tile, pieces)
+    return RefitStats.of_tally(refit, tally)
+
+
 def check_stats(refit: RefitPlan, transfers: list[Transfer]) -> None:
     stats = RefitStats.of(refit)
+    assert stats == stats_tile_by_tile(refit)
+    peers: dict[int, set[int]] = {}
+    for t in transfers:
+        if not t.is_local:
+            peers.setdefault(t.src, set()).add(t.dst)
+            peers.setdefault(t.dst, set()).add(t.src)
+    assert stats.peers == {rank: len(others) for rank, others in peers.items()}
     moved = [t for t in transfers if not t.is_local]
     assert stats.total_bytes == sum(t.bytes for t in moved)
     assert stats.local_bytes == sum(t.bytes for t in transfers if t.is_local)

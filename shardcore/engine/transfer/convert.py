@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from ...refit.manifest import SCALE_BLOCK
 from ...refit.scales import AmaxExchange, amax_exchange
 from ...refit.schedule import rank_batches
+from ..agreement import publish_failure
 from .exchange import Exchange
 
 if TYPE_CHECKING:
@@ -188,7 +189,10 @@ class Conversion:
             exchange.fail(error)
         self._exchange_partials(exchange, partials, gathered, bucket_bytes, max_ops, world)
         if exchange.lost:  # some amax never came: no scale is known, so nothing this rank sends would be right
-            exchange.draining = exchange.draining or f"it {exchange.lost_text()} in the partial-amax exchange"
+            why = f"it {exchange.lost_text()} in the partial-amax exchange"
+            if not exchange.draining:  # published: a rank it then sends nothing may have no link to the lost one
+                publish_failure(exchange.party, exchange.epoch, why)
+            exchange.draining = exchange.draining or why
         if exchange.draining:
             return
         try:
