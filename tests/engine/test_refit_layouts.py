@@ -42,11 +42,13 @@ def test_refit_check_through_a_layout(tmp_path: Path, shards: str, nproc: int, f
     config = tmp_path / "config.json"
     config.write_text(json.dumps(workers.hf_config({"model_type": "qwen2"})))
     command = [sys.executable, "-m", "shardcore", "refit", "--check", "--nproc", str(nproc), "--shards", shards]
-    command += ["--from", "0", "--to", "1", "--model", f"hf:{config}", *flags]
+    command += ["--from", "0", "--to", "1", "--model", f"hf:{config}", "--json", *flags]
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=300)
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
-    assert result.stdout.splitlines()[-1].split()[-1] == "ok"
+    document = json.loads(result.stdout)
+    assert document["ok"] and [row["shard"] for row in document["shards"]] == [1]
+    assert all(row["ok"] and not row["mismatches"] for row in document["shards"])
 
 
 @pytest.mark.parametrize("index", range(len(workers.CASES)))
