@@ -24,7 +24,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -123,11 +123,9 @@ class _Ranks:
 
     def end(self, count: int, grace: float = 0.0) -> None:
         """End the first ``count`` processes (asked to stop, then killed after ``grace`` seconds)."""
-        for proc, conn in zip(self.procs[:count], self.conns[:count]):
-            try:
+        for conn in self.conns[:count]:
+            with suppress(OSError):  # one that died has closed its end
                 conn.send(None)
-            except OSError:
-                pass
         deadline = time.monotonic() + grace
         for proc, conn in zip(self.procs[:count], self.conns[:count]):
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -193,8 +191,8 @@ def _clean(conns: list[Connection]) -> bool:
     while waiting and (ready := wait(waiting, max(0.0, finish - time.monotonic()))):
         for conn in ready:
             try:
-                if replaced := conn.recv():
-                    warnings.warn(f"a world's call left {', '.join(replaced)} replaced: its processes are ended")
+                if replaced := ", ".join(conn.recv()):
+                    warnings.warn(f"a world's call left {replaced} replaced: its processes are ended", stacklevel=3)
                     return False
             except EOFError:
                 return False
