@@ -55,8 +55,9 @@ def _code_of_shardcore() -> dict[str, int]:
     return bound
 
 
-def _run_rank(job: tuple, conn: Connection) -> None:
-    """One call's part on this rank: join its process group, run ``fn``, send the outcome, leave the group."""
+def _run_rank(job: tuple, conn: Connection, baseline: dict[str, int]) -> None:
+    """One call's part on this rank: join its process group, run ``fn``, send the outcome with the names of
+    shardcore's functions and classes it left replaced, leave the group and say so."""
     rank, world_size, port, fn, args, pg_timeout, backend = job
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
@@ -67,20 +68,23 @@ def _run_rank(job: tuple, conn: Connection) -> None:
         register_shrinkable_gloo()
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
-        outcome = (rank, True, fn(rank, world_size, *args))
+        ok, value = True, fn(rank, world_size, *args)
     except BaseException:
-        outcome = (rank, False, traceback.format_exc())
+        ok, value = False, traceback.format_exc()
+    now = _code_of_shardcore()
+    replaced = sorted(name for name, bound in baseline.items() if now.get(name) != bound)
     try:
-        conn.send(outcome)
+        conn.send((rank, ok, value, replaced))
     except Exception:  # a result that does not pickle
-        conn.send((rank, False, traceback.format_exc()))
+        conn.send((rank, False, traceback.format_exc(), replaced))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    conn.send("left")
 
 
 def _serve(conn: Connection) -> None:
-    """A kept rank process: run each job that arrives, then say whether shardcore's code is as it was."""
+    """A rank's process: run each job that arrives until told to stop."""
     torch = import_torch()
     torch.set_num_threads(1)  # as torchrun does: many ranks share few cores, extra threads only contend
     import shardcore
@@ -90,9 +94,7 @@ def _serve(conn: Connection) -> None:
             __import__(module.name)  # every module loaded now, so that a patch to any of them is seen
     baseline = _code_of_shardcore()
     while (job := conn.recv()) is not None:
-        _run_rank(job, conn)
-        now = _code_of_shardcore()
-        conn.send(sorted(name for name, value in baseline.items() if now.get(name) != value))
+        _run_rank(job, conn, baseline)
 
 
 class _Ranks:
@@ -167,13 +169,18 @@ def run_world(
     procs, conns = ranks.take(world_size)
     port = free_port()
     outcome: dict[int, tuple[bool, Any]] = {}
+    replaced: set[str] = set()
     keep = False
     deadline = time.monotonic() + timeout
     try:
         for rank, conn in enumerate(conns):
             conn.send((rank, world_size, port, fn, args, pg_timeout, backend))
-        _collect(procs, conns, outcome, deadline, timeout, allow_failures)
-        keep = ranks is _kept and not allow_failures and all(ok for ok, _ in outcome.values()) and _clean(conns)
+        _collect(procs, conns, outcome, replaced, deadline, timeout, allow_failures)
+        keep = ranks is _kept and not allow_failures and all(ok for ok, _ in outcome.values())
+        if keep and replaced:
+            names = ", ".join(sorted(replaced))
+            warnings.warn(f"a world's call left {names} replaced: its processes are ended", stacklevel=2)
+        keep = keep and not replaced and _left(conns)
     finally:
         if not keep:
             ranks.end(world_size, grace=max(0.1, min(_FINISH_SECONDS, deadline - time.monotonic())))
@@ -184,16 +191,14 @@ def run_world(
     return [outcome[rank][1] for rank in range(world_size)]
 
 
-def _clean(conns: list[Connection]) -> bool:
-    """Whether every rank left its process group within ``_FINISH_SECONDS`` and shardcore's code as it was."""
+def _left(conns: list[Connection]) -> bool:
+    """Whether every rank left its process group within ``_FINISH_SECONDS``."""
     finish = time.monotonic() + _FINISH_SECONDS
     waiting = list(conns)
     while waiting and (ready := wait(waiting, max(0.0, finish - time.monotonic()))):
         for conn in ready:
             try:
-                if replaced := ", ".join(conn.recv()):
-                    warnings.warn(f"a world's call left {replaced} replaced: its processes are ended", stacklevel=3)
-                    return False
+                conn.recv()
             except EOFError:
                 return False
             waiting.remove(conn)
@@ -204,11 +209,13 @@ def _collect(
     procs: list[Any],
     conns: list[Connection],
     outcome: dict[int, tuple[bool, Any]],
+    replaced: set[str],
     deadline: float,
     timeout: float,
     allow_failures: bool,
 ) -> None:
-    """Each rank's ``(ok, value)`` into ``outcome`` as it arrives; a rank whose process ends first is dead.
+    """Each rank's ``(ok, value)`` into ``outcome`` as it arrives, and the names of what it left replaced into
+    ``replaced``; a rank whose process ends first is dead.
 
     Raises:
         WorldError: ranks did not finish within ``timeout``, or died (unless ``allow_failures``).
@@ -223,11 +230,12 @@ def _collect(
         dead = []
         for conn in wait(waiting, min(remaining, 1.0)):
             try:
-                rank, ok, value = conn.recv()
+                rank, ok, value, left_replaced = conn.recv()
             except EOFError:
                 dead.append(conns.index(conn))
                 continue
             outcome[rank] = (ok, value)
+            replaced.update(left_replaced)
         for rank in dead:
             procs[rank].join(timeout=5.0)
         if dead and not allow_failures:
