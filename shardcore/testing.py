@@ -195,7 +195,7 @@ def _left(conns: list[Connection]) -> bool:
     """Whether every rank left its process group within ``_FINISH_SECONDS``."""
     finish = time.monotonic() + _FINISH_SECONDS
     waiting = list(conns)
-    while waiting and (ready := wait(waiting, max(0.0, finish - time.monotonic()))):
+    while waiting and (ready := _ready(waiting, finish - time.monotonic())):
         for conn in ready:
             try:
                 conn.recv()
@@ -203,6 +203,12 @@ def _left(conns: list[Connection]) -> bool:
                 return False
             waiting.remove(conn)
     return not waiting
+
+
+def _ready(conns: list[Connection], timeout: float) -> list[Connection]:
+    """Those of ``conns`` with something to read, or closed by their process, within ``timeout`` seconds."""
+    ready = wait(conns, max(0.0, timeout))
+    return [conn for conn in conns if conn in ready]
 
 
 def _collect(
@@ -228,7 +234,7 @@ def _collect(
             raise WorldError(f"ranks {late} of a {world_size}-rank world did not finish within {timeout:g}s")
         waiting = [conn for rank, conn in enumerate(conns) if rank not in outcome]
         dead = []
-        for conn in wait(waiting, min(remaining, 1.0)):
+        for conn in _ready(waiting, min(remaining, 1.0)):
             try:
                 rank, ok, value, left_replaced = conn.recv()
             except EOFError:
