@@ -143,13 +143,13 @@ _kept: _Ranks | None = None
 
 @contextmanager
 def kept_worlds() -> Iterator[None]:
-    """Inside, ``run_world`` keeps its processes for the next call (ended on leaving)."""
+    """Inside, ``run_world`` keeps its processes for the next call (killed on leaving: they are idle)."""
     global _kept
     outer, _kept = _kept, _Ranks()
     try:
         yield
     finally:
-        _kept.end(len(_kept.procs), grace=_FINISH_SECONDS)
+        _kept.end(len(_kept.procs))
         _kept = outer
 
 
