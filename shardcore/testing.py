@@ -10,9 +10,10 @@ NCCL's communicator shrink, so that ``torch.distributed.shrink_group`` runs on C
 Each call gets a process group of its own (a new store on a new port, destroyed after ``fn``),
 but starting processes and importing torch costs seconds per rank: inside ``kept_worlds()``
 (a test session, say) the processes that served one call serve the next, whatever its world
-size. A process is kept only after a call in which every rank returned and that left
-shardcore's code as it found it; after a failure, a death, a timeout or ``allow_failures`` its
-world's processes are ended and the next call starts new ones.
+size, with its environment variables as they were before the call. A process is kept only after
+a call in which every rank returned and that left shardcore's code as it found it; after a failure,
+a death, a timeout or ``allow_failures`` its world's processes are ended and the next call starts
+new ones. A new process joins a call only once it has imported torch, as the kept ones have.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def _run_rank(job: tuple, conn: Connection, baseline: dict[str, int]) -> None:
     """One call's part on this rank: join its process group, run ``fn``, send the outcome with the names of
     shardcore's functions and classes it left replaced, leave the group and say so."""
     rank, world_size, port, fn, args, pg_timeout, backend = job
+    environment = dict(os.environ)  # restored after the call: a variable it sets must not reach the next
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
     )
@@ -80,6 +82,8 @@ def _run_rank(job: tuple, conn: Connection, baseline: dict[str, int]) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environment)
     conn.send("left")
 
 
@@ -93,6 +97,7 @@ def _serve(conn: Connection) -> None:
         if not module.name.endswith("__main__"):
             __import__(module.name)  # every module loaded now, so that a patch to any of them is seen
     baseline = _code_of_shardcore()
+    conn.send("ready")
     while (job := conn.recv()) is not None:
         _run_rank(job, conn, baseline)
 
@@ -104,11 +109,17 @@ class _Ranks:
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
 
-    def take(self, world_size: int) -> tuple[list[Any], list[Connection]]:
-        """The first ``world_size`` processes, alive; new ones started where one is missing or dead."""
+    def take(self, world_size: int, deadline: float) -> tuple[list[Any], list[Connection]]:
+        """The first ``world_size`` processes, alive and ready for a job (so that no rank of a call waits for
+        another's torch import); new ones started where one is missing or dead.
+
+        Raises:
+            WorldError: a new process died or was not ready by ``deadline`` (its process is ended).
+        """
         import torch.multiprocessing as mp
 
         context = mp.get_context("spawn")
+        started = []
         for index in range(world_size):
             if index < len(self.procs) and self.procs[index].is_alive():
                 continue
@@ -121,6 +132,19 @@ class _Ranks:
             else:
                 self.procs.append(proc)
                 self.conns.append(parent)
+            started.append(index)
+        waiting, died = [self.conns[index] for index in started], []
+        while waiting and (ready := _ready(waiting, deadline - time.monotonic())):
+            for conn in ready:
+                waiting.remove(conn)
+                try:
+                    conn.recv()  # "ready"
+                except EOFError:
+                    died.append(conn)
+        if waiting or died:
+            late = sorted(self.conns.index(conn) for conn in waiting + died)
+            self.end(world_size)
+            raise WorldError(f"ranks {late} of a {world_size}-rank world did not start (died, or not by the timeout)")
         return self.procs[:world_size], self.conns[:world_size]
 
     def end(self, count: int, grace: float = 0.0) -> None:
@@ -166,12 +190,12 @@ def run_world(
     ``allow_failures`` a failed rank yields its traceback and a dead one ``"died (exit code N)"``;
     ``backend``: ``gloo`` or ``SHRINKABLE_GLOO``."""
     ranks = _kept if _kept is not None else _Ranks()
-    procs, conns = ranks.take(world_size)
+    deadline = time.monotonic() + timeout
+    procs, conns = ranks.take(world_size, deadline)
     port = free_port()
     outcome: dict[int, tuple[bool, Any]] = {}
     replaced: set[str] = set()
     keep = False
-    deadline = time.monotonic() + timeout
     try:
         for rank, conn in enumerate(conns):
             conn.send((rank, world_size, port, fn, args, pg_timeout, backend))

@@ -51,3 +51,8 @@ def test_allow_failures_reports_each_rank_and_never_keeps_the_world() -> None:
     results = run_world(2, workers.fails_on, 1, "dies", allow_failures=True)
     assert results[0] in before and results[1] == "died (exit code 17)"
     assert before.isdisjoint(pid for pid, _, _ in run_world(2, workers.pid))
+
+
+def test_a_variable_a_call_sets_does_not_reach_the_next() -> None:
+    assert run_world(2, workers.sets_a_variable) == [None, None]
+    assert run_world(2, workers.sets_a_variable) == [None, None]

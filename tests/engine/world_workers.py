@@ -31,3 +31,10 @@ def fails_on(rank: int, world: int, culprit: int, how: str) -> int:
         if how == "patches":
             exchange.Exchange.staging_bytes = lambda self: 0  # type: ignore[method-assign]
     return os.getpid()
+
+
+def sets_a_variable(rank: int, world: int) -> str | None:
+    """Set an environment variable, as a test of torch's TORCH_DIST_INIT_BARRIER does; what it was before."""
+    before = os.environ.get("SHARDCORE_TEST_LEFT_BEHIND")
+    os.environ["SHARDCORE_TEST_LEFT_BEHIND"] = "1"
+    return before
