@@ -6,16 +6,28 @@ module-level function (it is pickled into spawned processes). A rank that raises
 world that outlives ``timeout``, fails the call with a message naming the ranks.
 ``backend=SHRINKABLE_GLOO`` starts the world on gloo that can shrink instead (a stand-in for
 NCCL's communicator shrink, so that ``torch.distributed.shrink_group`` runs on CPU).
+
+Each call gets a process group of its own (a new store on a new port, destroyed after ``fn``),
+but starting processes and importing torch costs seconds per rank: inside ``kept_worlds()``
+(a test session, say) the processes that served one call serve the next, whatever its world
+size, with its environment variables as they were before the call. A process is kept only after
+a call in which every rank returned and that left shardcore's code as it found it; after a failure,
+a death, a timeout or ``allow_failures`` its world's processes are ended and the next call starts
+new ones. A new process joins a call only once it has imported torch, as the kept ones have.
 """
 
 from __future__ import annotations
 
 import os
-import queue
+import pkgutil
+import sys
 import time
 import traceback
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from datetime import timedelta
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from .engine.live.ports import free_port
@@ -23,35 +35,146 @@ from .engine.live.shrinkable import SHRINKABLE_GLOO, register_shrinkable_gloo
 from .engine.torch_state import import_torch
 from .errors import WorldError
 
+_FINISH_SECONDS = 10.0
+"""How long a rank that returned may take to destroy its process group before its process is ended."""
 
-def _bootstrap(
-    rank: int,
-    world_size: int,
-    port: int,
-    fn: Callable[..., Any],
-    args: tuple,
-    results: Any,
-    pg_timeout: float,
-    backend: str,
-) -> None:
+
+def _code_of_shardcore() -> dict[str, int]:
+    """Every function and class bound in a loaded shardcore module or class, by name: what a test that
+    patches code (a failure injected into the exchange, say) changes and must undo."""
+    bound = {}
+    for module_name, module in list(sys.modules.items()):
+        if not module_name.startswith("shardcore") or module is None:
+            continue
+        for name, value in vars(module).items():
+            if callable(value):
+                bound[f"{module_name}.{name}"] = id(value)
+                if isinstance(value, type) and value.__module__ == module_name:
+                    for attribute, member in vars(value).items():
+                        if callable(member) or isinstance(member, (staticmethod, classmethod, property)):
+                            bound[f"{module_name}.{name}.{attribute}"] = id(member)
+    return bound
+
+
+def _run_rank(job: tuple, conn: Connection, baseline: dict[str, int]) -> None:
+    """One call's part on this rank: join its process group, run ``fn``, send the outcome with the names of
+    shardcore's functions and classes it left replaced, leave the group and say so."""
+    rank, world_size, port, fn, args, pg_timeout, backend = job
+    environment = dict(os.environ)  # restored after the call: a variable it sets must not reach the next
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
     )
-    torch = import_torch()
     import torch.distributed as dist
 
-    torch.set_num_threads(1)  # as torchrun does: many ranks share few cores, extra threads only contend
     if backend == SHRINKABLE_GLOO:
         register_shrinkable_gloo()
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
-        value = fn(rank, world_size, *args)
-        results.put((rank, True, value))
+        ok, value = True, fn(rank, world_size, *args)
     except BaseException:
-        results.put((rank, False, traceback.format_exc()))
+        ok, value = False, traceback.format_exc()
+    now = _code_of_shardcore()
+    replaced = sorted(name for name, bound in baseline.items() if now.get(name) != bound)
+    try:
+        conn.send((rank, ok, value, replaced))
+    except Exception:  # a result that does not pickle
+        conn.send((rank, False, traceback.format_exc(), replaced))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environment)
+    conn.send("left")
+
+
+def _serve(conn: Connection) -> None:
+    """A rank's process: run each job that arrives until told to stop."""
+    torch = import_torch()
+    torch.set_num_threads(1)  # as torchrun does: many ranks share few cores, extra threads only contend
+    import shardcore
+
+    for module in pkgutil.walk_packages(shardcore.__path__, "shardcore."):
+        if not module.name.endswith("__main__"):
+            __import__(module.name)  # every module loaded now, so that a patch to any of them is seen
+    baseline = _code_of_shardcore()
+    conn.send("ready")
+    while (job := conn.recv()) is not None:
+        _run_rank(job, conn, baseline)
+
+
+class _Ranks:
+    """The kept processes, by position: a world of N ranks runs on the first N."""
+
+    def __init__(self) -> None:
+        self.procs: list[Any] = []
+        self.conns: list[Connection] = []
+
+    def take(self, world_size: int, deadline: float) -> tuple[list[Any], list[Connection]]:
+        """The first ``world_size`` processes, alive and ready for a job (so that no rank of a call waits for
+        another's torch import); new ones started where one is missing or dead.
+
+        Raises:
+            WorldError: a new process died or was not ready by ``deadline`` (its process is ended).
+        """
+        import torch.multiprocessing as mp
+
+        context = mp.get_context("spawn")
+        started = []
+        for index in range(world_size):
+            if index < len(self.procs) and self.procs[index].is_alive():
+                continue
+            parent, child = context.Pipe()
+            proc = context.Process(target=_serve, args=(child,), daemon=True)
+            proc.start()
+            child.close()
+            if index < len(self.procs):
+                self.procs[index], self.conns[index] = proc, parent
+            else:
+                self.procs.append(proc)
+                self.conns.append(parent)
+            started.append(index)
+        waiting, died = [self.conns[index] for index in started], []
+        while waiting and (ready := _ready(waiting, deadline - time.monotonic())):
+            for conn in ready:
+                waiting.remove(conn)
+                try:
+                    conn.recv()  # "ready"
+                except EOFError:
+                    died.append(conn)
+        if waiting or died:
+            late = sorted(self.conns.index(conn) for conn in waiting + died)
+            self.end(world_size)
+            raise WorldError(f"ranks {late} of a {world_size}-rank world did not start (died, or not by the timeout)")
+        return self.procs[:world_size], self.conns[:world_size]
+
+    def end(self, count: int, grace: float = 0.0) -> None:
+        """End the first ``count`` processes (asked to stop, then killed after ``grace`` seconds)."""
+        for conn in self.conns[:count]:
+            with suppress(OSError):  # one that died has closed its end
+                conn.send(None)
+        deadline = time.monotonic() + grace
+        for proc, conn in zip(self.procs[:count], self.conns[:count]):
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            conn.close()
+        del self.procs[:count], self.conns[:count]
+
+
+_kept: _Ranks | None = None
+
+
+@contextmanager
+def kept_worlds() -> Iterator[None]:
+    """Inside, ``run_world`` keeps its processes for the next call (killed on leaving: they are idle)."""
+    global _kept
+    outer, _kept = _kept, _Ranks()
+    try:
+        yield
+    finally:
+        _kept.end(len(_kept.procs))
+        _kept = outer
 
 
 def run_world(
@@ -63,44 +186,28 @@ def run_world(
     allow_failures: bool = False,
     backend: str = "gloo",
 ) -> list[Any]:
-    """Run ``fn`` on a fresh local gloo world; with ``allow_failures`` a failed rank yields its traceback
-    and a dead one ``"died (exit code N)"``; ``backend``: ``gloo`` or ``SHRINKABLE_GLOO``."""
-    import torch.multiprocessing as mp
-
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    procs = [
-        context.Process(
-            target=_bootstrap, args=(r, world_size, port, fn, args, results, pg_timeout, backend), daemon=True
-        )
-        for r in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    outcome: dict[int, tuple[bool, Any]] = {}
+    """Run ``fn`` on a new local gloo world (processes kept inside ``kept_worlds()``); with
+    ``allow_failures`` a failed rank yields its traceback and a dead one ``"died (exit code N)"``;
+    ``backend``: ``gloo`` or ``SHRINKABLE_GLOO``."""
+    ranks = _kept if _kept is not None else _Ranks()
     deadline = time.monotonic() + timeout
+    procs, conns = ranks.take(world_size, deadline)
+    port = free_port()
+    outcome: dict[int, tuple[bool, Any]] = {}
+    replaced: set[str] = set()
+    keep = False
     try:
-        while len(outcome) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                late = sorted(set(range(world_size)) - set(outcome))
-                raise WorldError(f"ranks {late} of a {world_size}-rank world did not finish within {timeout:g}s")
-            try:
-                rank, ok, value = results.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode not in (None, 0)]
-                if dead and not allow_failures:
-                    raise WorldError(f"ranks {dead} died (exit codes {[procs[r].exitcode for r in dead]})") from None
-                outcome.update({r: (False, f"died (exit code {procs[r].exitcode})") for r in dead})
-                continue
-            outcome[rank] = (ok, value)
+        for rank, conn in enumerate(conns):
+            conn.send((rank, world_size, port, fn, args, pg_timeout, backend))
+        _collect(procs, conns, outcome, replaced, deadline, timeout, allow_failures)
+        keep = ranks is _kept and not allow_failures and all(ok for ok, _ in outcome.values())
+        if keep and replaced:
+            names = ", ".join(sorted(replaced))
+            warnings.warn(f"a world's call left {names} replaced: its processes are ended", stacklevel=2)
+        keep = keep and not replaced and _left(conns)
     finally:
-        for proc in procs:
-            proc.join(timeout=max(0.1, min(10.0, deadline - time.monotonic())))
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        if not keep:
+            ranks.end(world_size, grace=max(0.1, min(_FINISH_SECONDS, deadline - time.monotonic())))
     failed = {rank: value for rank, (ok, value) in outcome.items() if not ok}
     if failed and not allow_failures:
         first = min(failed)
@@ -108,4 +215,62 @@ def run_world(
     return [outcome[rank][1] for rank in range(world_size)]
 
 
-__all__ = ["SHRINKABLE_GLOO", "run_world"]
+def _left(conns: list[Connection]) -> bool:
+    """Whether every rank left its process group within ``_FINISH_SECONDS``."""
+    finish = time.monotonic() + _FINISH_SECONDS
+    waiting = list(conns)
+    while waiting and (ready := _ready(waiting, finish - time.monotonic())):
+        for conn in ready:
+            try:
+                conn.recv()
+            except EOFError:
+                return False
+            waiting.remove(conn)
+    return not waiting
+
+
+def _ready(conns: list[Connection], timeout: float) -> list[Connection]:
+    """Those of ``conns`` with something to read, or closed by their process, within ``timeout`` seconds."""
+    ready = wait(conns, max(0.0, timeout))
+    return [conn for conn in conns if conn in ready]
+
+
+def _collect(
+    procs: list[Any],
+    conns: list[Connection],
+    outcome: dict[int, tuple[bool, Any]],
+    replaced: set[str],
+    deadline: float,
+    timeout: float,
+    allow_failures: bool,
+) -> None:
+    """Each rank's ``(ok, value)`` into ``outcome`` as it arrives, and the names of what it left replaced into
+    ``replaced``; a rank whose process ends first is dead.
+
+    Raises:
+        WorldError: ranks did not finish within ``timeout``, or died (unless ``allow_failures``).
+    """
+    world_size = len(procs)
+    while len(outcome) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            late = sorted(set(range(world_size)) - set(outcome))
+            raise WorldError(f"ranks {late} of a {world_size}-rank world did not finish within {timeout:g}s")
+        waiting = [conn for rank, conn in enumerate(conns) if rank not in outcome]
+        dead = []
+        for conn in _ready(waiting, min(remaining, 1.0)):
+            try:
+                rank, ok, value, left_replaced = conn.recv()
+            except EOFError:
+                dead.append(conns.index(conn))
+                continue
+            outcome[rank] = (ok, value)
+            replaced.update(left_replaced)
+        for rank in dead:
+            procs[rank].join(timeout=5.0)
+        if dead and not allow_failures:
+            raise WorldError(f"ranks {dead} died (exit codes {[procs[r].exitcode for r in dead]})")
+        outcome.update({rank: (False, f"died (exit code {procs[rank].exitcode})") for rank in dead})
+
+
+__all__ = ["SHRINKABLE_GLOO", "kept_worlds", "run_world"]

@@ -134,3 +134,14 @@ def test_relative_imports_resolve_to_absolute_names() -> None:
     assert "shardcore.engine.backends.backend" in [
         name for _, name in _imports(PACKAGE / "engine" / "backends" / "shards.py")
     ]
+
+
+def test_no_check_is_an_assert_that_python_dash_o_removes() -> None:
+    """Neither the package nor a plugin uses ``assert`` or ``__debug__``, so ``python -O`` runs every check
+    (the core env also runs the bad-input tests under ``-O``, as a user's optimised process would)."""
+    found = []
+    for path in [*PACKAGE.rglob("*.py"), *(path for plugin in PLUGINS for path in plugin.rglob("*.py"))]:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Assert) or (isinstance(node, ast.Name) and node.id == "__debug__"):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, found

@@ -191,7 +191,11 @@ def faulty_message(rank: int, world: int, mode: str) -> tuple[str, str, tuple[in
             exchange_module.Exchange._bind = shortening  # type: ignore[method-assign]
     sources, destinations = _tensors(plan, rank)
     verify = "checksum" if mode == "corrupt" else "size"
-    return _outcome(lambda: execute_refit(plan, sources, destinations, timeout=30, verify=verify))
+    try:
+        return _outcome(lambda: execute_refit(plan, sources, destinations, timeout=30, verify=verify))
+    finally:
+        if rank == 0:  # undone, as every patch in a kept world must be
+            exchange_module.Exchange._pack, exchange_module.Exchange._bind = real_pack, real_bind  # type: ignore[method-assign]
 
 
 def failing_with_two_in_flight(rank: int, world: int, timeout: float) -> dict[str, Any]:
