@@ -531,6 +531,8 @@ class RefitPlan:
                 pending.append(tile)
         for key, pending in found.items():
             if pending is not None:
+                # a rank that both sends and receives on a route finds each of its tiles twice: once each
+                pending = list(dict.fromkeys(pending))
                 pending.sort(key=_place)  # stable: the first found of a box's tiles stays first
                 if self.fan_out:  # a box's tile once, not once per destination of its group
                     pending = [t for i, t in enumerate(pending) if not i or _place(pending[i - 1]) != _place(t)]
