@@ -20,18 +20,11 @@ from shardcore.engine.live.refit_check import cut
 from shardcore.plan.layout import plan_layout
 from shardcore.refit.families import HFModel, manifest_from_hf_config
 from shardcore.refit.planner import plan_refit
+from tests.core.test_refit_layouts import BASE as PLANNED
 
 TOKENS = [[3, 17, 42, 9, 77, 5, 61, 20]]
 
-BASE = {
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 100,
-    "torch_dtype": "float32",
-}
+BASE = {**PLANNED, "torch_dtype": "float32"}  # the planning tests' small model, compared in fp32
 
 # (family config, Megatron shard spec, vLLM shard spec): the world is [Megatron (2) | HF (1) | vLLM (2)]
 CASES: list[tuple[dict[str, Any], str, str]] = [

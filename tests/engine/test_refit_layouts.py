@@ -4,6 +4,7 @@ real transformers models: the logits of a model loaded from what each destinatio
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +12,15 @@ from pathlib import Path
 import pytest
 
 from shardcore.testing import run_world
-from tests.engine.test_check import ROOT, _env
 
 from . import layout_workers as workers
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env() -> dict[str, str]:
+    """The environment of a ``shardcore`` command run from the checkout (this env has no DTensor backend)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 
 def test_refit_into_hf_and_vllm_and_back() -> None:
