@@ -18,6 +18,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ..refit.options import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_OPS, ExecuteOptions, Verify
     from .backends.backend import Backend
     from .backends.hookspecs import hookimpl
     from .backends.plugins import (
@@ -39,28 +40,20 @@ if TYPE_CHECKING:
     from .groups.window import Window, window_of
     from .survivors import SurvivorWorld, form_survivor_world
     from .torch_state import TESTED_TORCH, check_torch_internals, import_torch, live_group_count, torch_internal_missing
-    from .transfer.execute import (
-        DEFAULT_BUCKET_BYTES,
-        DEFAULT_MAX_OPS,
-        ExecuteOptions,
-        HeldVersion,
-        TransferStats,
-        Verify,
-        execute_refit,
-        held_version,
-    )
+    from .transfer.execute import HeldVersion, TransferStats, execute_refit, held_version
 
 # Each public name and the module that owns it, imported on first use (PEP 562): ``import shardcore``
-# for plan, spec and layout work loads neither the executor nor the plugin discovery.
+# for plan, spec and layout work loads neither the executor nor the plugin discovery, and the executor's
+# options (torch-free, owned by ``refit.options``) load without the executor.
 _LAZY: dict[str, str] = {
     "BACKEND_ENV": ".backends.plugins",
     "Backend": ".backends.backend",
     "BackendInfo": ".backends.plugins",
     "DEFAULT_BACKEND": ".backends.plugins",
-    "DEFAULT_BUCKET_BYTES": ".transfer.execute",
-    "DEFAULT_MAX_OPS": ".transfer.execute",
+    "DEFAULT_BUCKET_BYTES": "..refit.options",
+    "DEFAULT_MAX_OPS": "..refit.options",
     "ENTRY_POINT_GROUP": ".backends.plugins",
-    "ExecuteOptions": ".transfer.execute",
+    "ExecuteOptions": "..refit.options",
     "HeldVersion": ".transfer.execute",
     "SHIPPED_BACKENDS": ".backends.plugins",
     "Shard": ".backends.shards",
@@ -68,7 +61,7 @@ _LAZY: dict[str, str] = {
     "TESTED_TORCH": ".torch_state",
     "SurvivorWorld": ".survivors",
     "TransferStats": ".transfer.execute",
-    "Verify": ".transfer.execute",
+    "Verify": "..refit.options",
     "Window": ".groups.window",
     "all_gather_objects": ".collectives",
     "build_shards": ".backends.shards",
