@@ -25,7 +25,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -222,6 +222,19 @@ def run_world(
     return [outcome[rank][1] for rank in range(world_size)]
 
 
+def outcomes(calls: Mapping[str, Callable[[], object]], expected: type[BaseException] = Exception) -> dict[str, str]:
+    """Each call's outcome by name, ``"no error"`` or ``"TypeName: message"``: how a rank reports a table of
+    bad calls (one that must fail, one that must not) back to the test as picklable text."""
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "no error"
+        except expected as error:
+            out[name] = f"{type(error).__name__}: {error}"
+    return out
+
+
 def _left(conns: list[Connection]) -> bool:
     """Whether every rank left its process group within ``_FINISH_SECONDS``."""
     finish = time.monotonic() + _FINISH_SECONDS
@@ -280,4 +293,4 @@ def _collect(
         outcome.update({rank: (False, f"died (exit code {procs[rank].exitcode})") for rank in dead})
 
 
-__all__ = ["SHRINKABLE_GLOO", "kept_worlds", "run_world"]
+__all__ = ["SHRINKABLE_GLOO", "kept_worlds", "outcomes", "run_world"]
