@@ -205,6 +205,9 @@ class RefitCheckOptions:
     request: RefitRequest
     execute: ExecuteOptions = field(default_factory=lambda: ExecuteOptions(timeout=LIVE_CHECK_TIMEOUT))
     """Its timeout is also how long a rank waits for the others to join the world."""
+    changes: tuple[float, ...] = ()
+    """One more refit per entry, after an optimizer step changing that fraction of the elements (``check_refit``):
+    what a delta refit checks."""
 
     @property
     def timeout(self) -> float:
@@ -218,7 +221,7 @@ def refit_check_job(options: RefitCheckOptions, on_stage: Callable[[str], None] 
 
     plan = options.request.plan(dist.get_world_size())
     on_stage("planned")
-    report = check_refit(plan, dist.get_rank(), options=options.execute)
+    report = check_refit(plan, dist.get_rank(), changes=options.changes, options=options.execute)
     on_stage("executed")
     return report
 
