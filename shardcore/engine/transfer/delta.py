@@ -55,6 +55,9 @@ UNKNOWN = -2
 """A header entry that never arrived (its sender drained): never a version, a size or a kind."""
 PIECE_HEADER_BYTES = 16
 """Per piece of an encoded message: its kind and its count of changed elements, two int64."""
+SAMPLE = 4096
+"""Elements of a piece sampled (strided) first: when as many changed as make the dense piece the smallest, it is
+sent dense without a full compare."""
 _INDEX_LIMIT = 1 << 31
 """Pieces with more elements than int32 indices reach travel as a bitmap or dense."""
 
@@ -123,29 +126,39 @@ def changed_elements(now: torch.Tensor, before: torch.Tensor, itemsize: int) -> 
     """The indices (int64, ascending) of the elements of width ``itemsize`` whose bytes differ between two
     contiguous byte tensors of one size; None when so many differ that the dense piece is the smallest encoding.
 
-    64-bit words are compared first (one compare per 8 bytes; every changed word holds a changed element, so
-    their count bounds the changes from below and settles a dense piece at that cost alone), then the
-    elements of the changed words only.
+    A strided sample of ``SAMPLE`` elements settles a piece that mostly changed without reading all of it. Else
+    64-bit words are compared first (one compare per 8 bytes) and, when few changed, only their elements
+    are; when many words changed, every element is compared.
     """
     import torch
 
     elements = now.numel() // itemsize
+    now_items, before_items = _words(now, itemsize), _words(before, itemsize)
+    if elements >= 4 * SAMPLE:
+        stride = elements // SAMPLE
+        seen = int(torch.count_nonzero(torch.ne(now_items[::stride][:SAMPLE], before_items[::stride][:SAMPLE])))
+        if cheapest(seen * elements // SAMPLE, elements, itemsize) == DENSE:
+            return None
     aligned_words = now.numel() % 8 == 0 and now.storage_offset() % 8 == 0 and before.storage_offset() % 8 == 0
-    width = 8 if aligned_words else itemsize
-    now_words, before_words = _words(now, width), _words(before, width)
-    differs = torch.ne(now_words, before_words)
+    if itemsize < 8 and aligned_words:
+        now_words, before_words = now.view(torch.int64), before.view(torch.int64)
+        differs = torch.ne(now_words, before_words)
+        changed_words = int(torch.count_nonzero(differs))
+        if changed_words * 4 <= differs.numel():  # few: the elements of the changed words only
+            if cheapest(changed_words, elements, itemsize) == DENSE:
+                return None
+            words = differs.nonzero().view(-1)
+            per = 8 // itemsize
+            inner = torch.ne(
+                _words(torch.index_select(now_words, 0, words), itemsize),
+                _words(torch.index_select(before_words, 0, words), itemsize),
+            )
+            found = inner.view(-1).nonzero().view(-1)
+            return torch.index_select(words, 0, found // per) * per + found % per
+    differs = torch.ne(now_items, before_items)
     if cheapest(int(torch.count_nonzero(differs)), elements, itemsize) == DENSE:
         return None
-    words = differs.nonzero().view(-1)
-    if width == itemsize:
-        return words
-    per = width // itemsize
-    inner = torch.ne(
-        _words(torch.index_select(now_words, 0, words), itemsize),
-        _words(torch.index_select(before_words, 0, words), itemsize),
-    )
-    found = inner.view(-1).nonzero().view(-1)
-    return torch.index_select(words, 0, found // per) * per + found % per
+    return differs.nonzero().view(-1)
 
 
 def piece_bytes(kind: int, count: int, elements: int, itemsize: int) -> int:
@@ -166,10 +179,23 @@ def cheapest(count: int, elements: int, itemsize: int) -> int:
     return min(options)[1]
 
 
+_PACK = 0x0102040810204080
+"""Times a word of eight 0/1 bytes, this gathers byte j's bit into bit 56 + j: eight flags packed in one step."""
+
+
 def _bit_weights(device: Any) -> torch.Tensor:
     import torch
 
     return torch.tensor([1 << bit for bit in range(8)], dtype=torch.uint8, device=device)
+
+
+def _packed_bits(indices: torch.Tensor, elements: int, out: torch.Tensor) -> None:
+    """Write the bitmap of ``indices`` among ``elements`` into ``out`` (element j of each 8 -> bit j)."""
+    import torch
+
+    flags = torch.zeros(-(-elements // 8) * 8, dtype=torch.uint8, device=out.device)
+    flags[indices] = 1
+    out.copy_(((flags.view(torch.int64) * _PACK) >> 56).to(torch.uint8))
 
 
 def itemsize_of(dtype: torch.dtype) -> int:
@@ -191,11 +217,10 @@ def write_piece(out: torch.Tensor, kind: int, indices: torch.Tensor, data: torch
         out[: 4 * count].view(torch.int32).copy_(indices)
     else:
         elements = data.numel() // itemsize
-        mask = torch.zeros(-(-elements // 8) * 8, dtype=torch.uint8, device=data.device)
-        mask[indices] = 1
-        head = aligned(mask.numel() // 8)
-        torch.sum(mask.view(-1, 8) * _bit_weights(data.device), dim=1, dtype=torch.uint8, out=out[: mask.numel() // 8])
-    _words(out[head : head + count * itemsize], itemsize).copy_(_words(data, itemsize)[indices])
+        head = aligned(-(-elements // 8))
+        _packed_bits(indices, elements, out[: -(-elements // 8)])
+    values = _words(out[head : head + count * itemsize], itemsize)
+    torch.index_select(_words(data, itemsize), 0, indices, out=values)
     return head + aligned(count * itemsize)
 
 
