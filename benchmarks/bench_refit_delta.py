@@ -107,9 +107,7 @@ def bench_rank(rank: int, world: int, layers: int, repeat: int) -> dict[str, Any
                     wire, received = stats.wire_bytes_received, stats.bytes_received
                     sent_wire, sent = stats.wire_bytes_sent, stats.bytes_sent
                     out["snapshot_bytes"] = stats.snapshot_bytes
-            equal = equal and all(
-                torch.equal(dense[n].view(torch.int16), delta[n].view(torch.int16)) for n in dense
-            )
+            equal = equal and all(torch.equal(dense[n].view(torch.int16), delta[n].view(torch.int16)) for n in dense)
         out[fraction] = {
             "dense_s": statistics.median(times[False]),
             "delta_s": statistics.median(times[True]),
@@ -143,9 +141,7 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|")
     for fraction, (encode, apply, ratio) in costs.items():
         shown_apply = f"{1 / apply:.2f}" if apply > 0 else "-"
-        print(
-            f"| {fraction:.1%} | {ratio:.3f} | {encode:.3f} | {apply:.3f} | {1 / encode:.2f} | {shown_apply} |"
-        )
+        print(f"| {fraction:.1%} | {ratio:.3f} | {encode:.3f} | {apply:.3f} | {1 / encode:.2f} | {shown_apply} |")
     plan = plan_refit(plan_layout(args.world, SPECS[args.world]), 0, [1], manifest)
     stats = RefitStats.of(plan)
     dense_estimate = stats.estimate_seconds(LINK_GBPS, LINK_GBPS)
@@ -171,7 +167,9 @@ def main() -> None:
             f"| {delta_s / dense_s:.2f} | {'yes' if all(r['equal'] for r in rows) else 'NO'} |"
         )
     snapshots = max(result["snapshot_bytes"] for result in results)
-    print(f"\nsnapshot memory, largest rank: {snapshots / 1e6:.1f} MB (its bytes sent: {stats.busiest_sent / 1e6:.1f} MB)")
+    print(
+        f"\nsnapshot memory, largest rank: {snapshots / 1e6:.1f} MB (its bytes sent: {stats.busiest_sent / 1e6:.1f} MB)"
+    )
     print(f"load average after: {os.getloadavg()[0]:.1f}")
 
 

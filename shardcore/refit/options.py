@@ -83,7 +83,9 @@ class ExecuteOptions:
         if self.version is not None:
             check_count("version", self.version, minimum=0, maximum=MAX_VERSION, error=RefitInputError)
         if not isinstance(self.delta, bool) or not isinstance(self.delta_checksum, bool):
-            raise RefitInputError(f"delta={shown(self.delta)}, delta_checksum={shown(self.delta_checksum)}: expected bools")
+            raise RefitInputError(
+                f"delta={shown(self.delta)}, delta_checksum={shown(self.delta_checksum)}: expected bools"
+            )
         if self.anchor_every is not None:
             check_count("anchor_every", self.anchor_every, minimum=1, maximum=MAX_VERSION, error=RefitInputError)
         if (self.anchor_every is not None or self.delta_checksum) and not self.delta:

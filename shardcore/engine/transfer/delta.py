@@ -12,8 +12,11 @@ completed refit that sends it.
 **Versions decide.** Before a batch's data moves, each receiver tells each of its senders in the batch, piece
 by piece, the version its destination tensor holds (``held_version``; none when it was never written, when a
 failed refit wrote part of it, or when the process is new): a sender sends a piece as a delta only when that
-is the version of its snapshot, else dense. So no rank ever applies a delta to a base it does not hold: a new
-or restarted engine, a failed refit, or a subset that skipped a tensor all get dense pieces. With
+is the version of its snapshot, else dense. A destination tensor whose in-place counter moved since a delta
+refit last completed into it (written by something else, or a new tensor at a freed one's address) holds no
+base either. So no rank ever applies a delta to a base it does not hold: a new or restarted engine, a failed
+refit, or a subset that skipped a tensor all get dense pieces (``delta_checksum`` catches a base changed where
+no counter sees it, through ``.data``). With
 ``anchor_every=K`` every version divisible by K is dense throughout (a full refit).
 
 **Encoding.** A changed piece is its changed elements (compared in the wire dtype's width: bitwise) as int32
@@ -235,9 +238,7 @@ def read_indices(payload: torch.Tensor, kind: int, count: int, elements: int) ->
     return mask.nonzero().view(-1)
 
 
-def apply_piece(
-    target: torch.Tensor, payload: torch.Tensor, kind: int, count: int, wire_dtype: torch.dtype
-) -> None:
+def apply_piece(target: torch.Tensor, payload: torch.Tensor, kind: int, count: int, wire_dtype: torch.dtype) -> None:
     """Write an encoded piece into ``target`` (the destination's box, any strides) in place: the dense bytes,
     or its changed elements (bitwise where the dtypes agree, cast where the refit widens)."""
     import torch
@@ -516,9 +517,7 @@ def _written(slot: torch.Tensor, found: Sequence[tuple[int, torch.Tensor | None,
     position = aligned(PIECE_HEADER_BYTES * len(found))
     empty = torch.empty(0, dtype=torch.int64, device=slot.device)
     for kind, changed, snapshot, itemsize in found:
-        position += write_piece(
-            slot[position:], kind, empty if changed is None else changed, snapshot.data, itemsize
-        )
+        position += write_piece(slot[position:], kind, empty if changed is None else changed, snapshot.data, itemsize)
     return slot[:size]
 
 

@@ -21,7 +21,8 @@ a refit or was replaced cannot shift any later refit. Each refit's messages carr
 
 Versions: ``version=step`` records, per destination tensor, the version it holds
 (``held_version``); a refit that fails keeps the previous version, marked not intact when bytes
-were already written (refit again before serving).
+were already written (refit again before serving). A delta refit (``ExecuteOptions.delta``) sends
+each piece as its changes since the version its destination holds (``transfer.delta``).
 
 CPU worlds: run one intra-op thread per process (torchrun's default, ``OMP_NUM_THREADS=1``) when
 processes outnumber cores; with more, every pack and unpack copy fights the other processes'
