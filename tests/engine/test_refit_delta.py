@@ -186,8 +186,12 @@ def test_a_random_mix_of_changed_fractions_is_bitwise_every_time_with_anchors_an
             assert wire < dense // 100, index
 
 
-def test_relays_forward_a_delta_too() -> None:
-    run = {"fractions": [0.02] * 4, "planner": {"ranks_per_node": 2, "fan_out": True}}
+def test_relays_forward_a_delta_too_and_every_message_matches_its_senders_checksum() -> None:
+    run = {
+        "fractions": [0.02] * 4,
+        "planner": {"ranks_per_node": 2, "fan_out": True},
+        "options": {"verify": "checksum"},
+    }
     results = run_world(4, workers.steps, run, timeout=600)
     _ok_and_equal(results)
     relay = next(rank for rank in (2, 3) if results[rank][0]["sent"])  # the destination that forwards
