@@ -390,10 +390,12 @@ class DeltaSession:
             key = (message.peer, message.hop, piece, str(dtype))
             snapshot = _snapshots.get(key)
             base = bases[index] if index < len(bases) else UNKNOWN
+            if snapshot is not None and snapshot.data.numel() != now.numel():  # never for one key: start afresh
+                snapshot = None
             changed = None
             if snapshot is not None and not self.anchor and base >= 0 and snapshot.version == base:
                 changed = changed_elements(now, snapshot.data, itemsize)
-            if snapshot is None or snapshot.data.numel() != now.numel():
+            if snapshot is None:
                 snapshot = _snapshots[key] = Snapshot(now.clone())
             else:
                 snapshot.data.copy_(now)
