@@ -428,7 +428,8 @@ class RefitPlan:
     def _all_tiles(self) -> Iterator[Tile]:
         """Every tile, in the global order: destination, tensor, destination slice, source slice."""
         held = [
-            (position, self.source_placement.slices(position), self._context(position)) for position in self._positions()
+            (position, self.source_placement.slices(position), self._context(position))
+            for position in self._positions()
         ]
         for shard, placement in enumerate(self.destination_placements):
             found: dict[tuple[int, ...], Any] = {}
@@ -859,10 +860,14 @@ class RefitPlan:
         for tile, receiving in wanted:
             if receiving:
                 pieces = self._pieces(tile, dst=rank) + self._forwards(tile, rank)
-                keyed += ((t.src, t.dst, tile.position, t.box, t.hop, t.target, t) for t in self._transfers(tile, pieces))
+                keyed += (
+                    (t.src, t.dst, tile.position, t.box, t.hop, t.target, t) for t in self._transfers(tile, pieces)
+                )
         for run in self._cut_runs(tile for tile, receiving in wanted if not receiving):
             for tile, piece in self._sends(run, rank):
-                keyed += ((t.src, t.dst, tile.position, t.box, t.hop, t.target, t) for t in self._transfers(tile, (piece,)))
+                keyed += (
+                    (t.src, t.dst, tile.position, t.box, t.hop, t.target, t) for t in self._transfers(tile, (piece,))
+                )
         keyed.sort(key=lambda item: item[:6])  # by (src, dst, tensor, box, hop, target): no two transfers share them
         ordered = [item[6] for item in keyed]
         return RankRefit(
