@@ -254,7 +254,7 @@ def _rss_peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def bench_rank(rank: int, spec: str, layers: int, repeat: int, threads: int) -> dict[str, Any]:
+def bench_rank(rank: int, world: int, spec: str, layers: int, repeat: int, threads: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -263,7 +263,6 @@ def bench_rank(rank: int, spec: str, layers: int, repeat: int, threads: int) -> 
     from shardcore.plan.layout import plan_layout
     from shardcore.refit import plan_refit
 
-    world = dist.get_world_size()
     layout = plan_layout(world, spec)
     started = time.perf_counter()
     plan = plan_refit(layout, 0, [1], bench_manifest(layers))
