@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -112,6 +112,45 @@ class HFModel:
     def to_hf(self) -> WeightMap:
         """Megatron's tensors -> the Hugging Face tensors."""
         return self._hf[1]
+
+    def check_manifest(self, manifest: Manifest) -> None:
+        """That ``manifest`` is this model's Megatron manifest (the one its weight maps read).
+
+        Raises:
+            ManifestError: it is not, naming the first tensor that differs, its shape in both, and the HF
+                tensor(s) it feeds, so that a config whose sizes disagree with the manifest is told which.
+        """
+        ours = self.manifest
+        if manifest is ours or manifest == ours:
+            return
+        theirs = {tensor.name: tensor for tensor in manifest}
+        start = f"manifest {manifest.name!r} is not the Megatron manifest of {self.name!r}"
+        fix = "pass model.manifest, or build both from one config"
+        for tensor in ours:
+            other = theirs.get(tensor.name)
+            if other == tensor:
+                continue
+            feeds = sorted({link.target for link in self.to_hf.out_of(tensor.name)})
+            fed = f" (it feeds {', '.join(feeds[:3])}{', ...' if len(feeds) > 3 else ''})" if feeds else ""
+            given = "has no such tensor" if other is None else f"has {list(other.shape)} {other.dtype}"
+            if other is not None and (other.shape, other.dtype) == (tensor.shape, tensor.dtype):
+                given += "".join(
+                    f", {key}={getattr(other, key)!r} (config: {getattr(tensor, key)!r})"
+                    for key in (f.name for f in fields(TensorSpec))
+                    if getattr(other, key) != getattr(tensor, key)
+                )
+            raise ManifestError(
+                f"{start}: the HF config gives {tensor.name} {list(tensor.shape)} {tensor.dtype}{fed}, the manifest "
+                f"{given}: {fix}"
+            )
+        extra = next((name for name in theirs if name not in {t.name for t in ours}), None)
+        if extra is not None:
+            raise ManifestError(f"{start}: its tensor {extra} is no tensor of the HF config's model: {fix}")
+        facts = ("layers", "first_stage_layers", "last_stage_layers", "experts")
+        differ = [f"{key} {getattr(manifest, key)} (config: {getattr(ours, key)})" for key in facts
+                  if getattr(manifest, key) != getattr(ours, key)]  # fmt: skip
+        if differ:
+            raise ManifestError(f"{start}: {', '.join(differ)}: {fix}")
 
     def layout(self, kind: str) -> ModelLayout:
         """This model in layout ``kind`` (one of ``LAYOUTS``), for ``plan_refit(..., layouts={shard: ...})``.

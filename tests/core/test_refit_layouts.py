@@ -203,6 +203,29 @@ def test_bad_layouts_stop_before_planning() -> None:
         model.layout("sglang")
 
 
+def test_a_manifest_the_config_disagrees_with_names_both_tensors() -> None:
+    model = model_of("qwen2")
+    layout = plan_layout(2 + 2, "tp=2,role=train + tp=2")
+    other = model_of("qwen2", num_key_value_heads=4)  # the manifest of another config: more kv heads
+    with pytest.raises(
+        ManifestError,
+        match=r"HF config gives decoder.layers.0.self_attention.linear_qkv.weight \[128, 64\] bfloat16 \(it feeds "
+        r"model.layers.0.self_attn.k_proj.weight, .*q_proj.weight, .*v_proj.weight\), the manifest has \[192, 64\]",
+    ):
+        plan_refit(layout, 0, [1], other.manifest, layouts={1: model.layout("vllm")})
+    tied = model_of("llama")
+    stage = r"has \[128, 64\] bfloat16, stage=\('first',\) \(config: \('first', 'last'\)"
+    with pytest.raises(ManifestError, match=stage):
+        plan_refit(layout, 0, [1], model_of("llama", tie_word_embeddings=False).manifest,
+                   layouts={1: tied.layout("vllm")})  # fmt: skip
+    with pytest.raises(ManifestError, match=r"output_layer.weight is no tensor of the HF config's model"):
+        untied = manifest_from_hf_config({**BASE, **CONFIGS["llama"], "tie_word_embeddings": False}, vocab_multiple=128)
+        mixed = Manifest((*tied.manifest.tensors, untied.manifest.tensor("output_layer.weight")), layers=2)
+        plan_refit(layout, 0, [1], mixed, layouts={1: tied.layout("vllm")})
+    renamed = Manifest(model.manifest.tensors, layers=model.manifest.layers, name="renamed")
+    assert plan_refit(layout, 0, [1], renamed, layouts={1: model.layout("vllm")}).for_rank(2).recvs
+
+
 def test_vocab_the_engine_pads_differently() -> None:
     model = manifest_from_hf_config(
         {**BASE, "model_type": "llama", "vocab_size": 100, "num_attention_heads": 6, "num_key_value_heads": 6,
