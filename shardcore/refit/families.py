@@ -42,9 +42,14 @@ from .models import TransformerConfig, manifest_from_config
 from .placement import ExplicitPlacement, HeldBox, Placement, ShardPlacement, check_fits
 from .weightmap import Link, MappedPlacement, WeightMap, rows, whole
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 """The Hugging Face ``model_type``s with weight maps: Llama 3 (GQA), Qwen2 (qkv bias), Qwen3 (q/k norm),
-Qwen3-MoE (experts and router)."""
+Qwen3-MoE (experts and router), DeepSeek-V3 (multi-latent attention, shared experts, dense first layers)."""
+
+UNMAPPED = ("mlp.gate.e_score_correction_bias",)
+"""HF tensors (by the end of their names) no refit moves: DeepSeek-V3's router bias is Megatron-Core's
+``router.expert_bias``, a buffer updated outside the optimizer (not a parameter, so not in the manifest);
+the engine keeps its own."""
 
 LAYOUTS = ("megatron", "hf", "hf-stacked", "vllm")
 """The layouts a side of a refit may hold a model in (see the module doc)."""
@@ -190,7 +195,9 @@ class HFModel:
             m, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
             at: dict[str, Any] = {"layer": layer}
             add(f"{h}input_layernorm.weight", (hidden,), f"{m}input_layernorm.weight", **at)
-            for kind in ("weight", "bias") if c.qkv_bias else ("weight",):
+            if c.kv_lora_rank is not None:
+                self._mla(add, m, h, at)
+            for kind in () if c.kv_lora_rank is not None else ("weight", "bias") if c.qkv_bias else ("weight",):
                 tail = (hidden,) if kind == "weight" else ()
                 fused = f"{m}self_attention.linear_qkv.{kind}"
                 full = (groups * span, *tail)
@@ -207,11 +214,15 @@ class HFModel:
             if c.qk_norm:
                 for part in "qk":
                     add(f"{h}self_attn.{part}_norm.weight", (d,), f"{m}self_attention.{part}_layernorm.weight", **at)
-            add(f"{h}self_attn.o_proj.weight", (hidden, c.heads * d), f"{m}self_attention.linear_proj.weight", **at)
+            heads_out = c.heads * (c.v_head_dim if c.kv_lora_rank is not None else d)
+            add(f"{h}self_attn.o_proj.weight", (hidden, heads_out), f"{m}self_attention.linear_proj.weight", **at)
             add(f"{h}post_attention_layernorm.weight", (hidden,), f"{m}pre_mlp_layernorm.weight", **at)
             if c.experts and layer >= c.dense_layers:
                 add(f"{h}mlp.gate.weight", (c.experts, hidden), f"{m}mlp.router.weight", **at)
                 self._experts(tensors, links, layer, stacked)
+                if c.shared_experts:
+                    shared = c.shared_experts * (c.moe_ffn or 0)
+                    self._mlp(tensors, links, f"{m}mlp.shared_experts.", f"{h}mlp.shared_experts.", shared, at)
             else:
                 self._mlp(tensors, links, f"{m}mlp.", f"{h}mlp.", c.ffn, at)
         add("model.norm.weight", (hidden,), "decoder.final_layernorm.weight", stage=("last",))
@@ -224,6 +235,24 @@ class HFModel:
         kind = "hf-stacked" if stacked else "hf"
         targets = Manifest(tuple(tensors), layers=c.layers, name=f"{self.name} ({kind})")
         return targets, WeightMap(source, targets, tuple(links), name=f"megatron -> {kind}")
+
+    def _mla(self, add: Any, m: str, h: str, at: dict[str, Any]) -> None:
+        """DeepSeek's multi-latent attention: each Megatron projection is one HF tensor whole (both put a head's
+        no-rope part before its rope part, and the kv down projection's latent before its rope key)."""
+        c = self.config
+        hidden, rope, latent = c.hidden, c.qk_pos_emb_head_dim, c.kv_lora_rank or 0
+        qk = c.qk_head_dim + rope
+        a = f"{m}self_attention."
+        if c.q_lora_rank is None:
+            add(f"{h}self_attn.q_proj.weight", (c.heads * qk, hidden), f"{a}linear_q_proj.weight", **at)
+        else:
+            add(f"{h}self_attn.q_a_proj.weight", (c.q_lora_rank, hidden), f"{a}linear_q_down_proj.weight", **at)
+            add(f"{h}self_attn.q_a_layernorm.weight", (c.q_lora_rank,), f"{a}q_layernorm.weight", **at)
+            add(f"{h}self_attn.q_b_proj.weight", (c.heads * qk, c.q_lora_rank), f"{a}linear_q_up_proj.weight", **at)
+        add(f"{h}self_attn.kv_a_proj_with_mqa.weight", (latent + rope, hidden), f"{a}linear_kv_down_proj.weight", **at)
+        add(f"{h}self_attn.kv_a_layernorm.weight", (latent,), f"{a}kv_layernorm.weight", **at)
+        kv_up = c.heads * (c.qk_head_dim + c.v_head_dim)
+        add(f"{h}self_attn.kv_b_proj.weight", (kv_up, latent), f"{a}linear_kv_up_proj.weight", **at)
 
     def _mlp(
         self,
@@ -314,7 +343,10 @@ class _VllmPacking:
             h = f"model.layers.{layer}."
             at: dict[str, Any] = {"layer": layer}
             self.same(f"{h}input_layernorm.weight", **at)
-            self._qkv(h, "weight", **at)
+            if c.kv_lora_rank is not None:
+                self._mla(h, **at)
+            else:
+                self._qkv(h, "weight", **at)
             if c.qkv_bias:
                 self._qkv(h, "bias", **at)
             if c.qk_norm:
@@ -326,6 +358,10 @@ class _VllmPacking:
             if c.experts and layer >= c.dense_layers:
                 self.same(f"{h}mlp.gate.weight", **at)
                 self._experts(h, **at)
+                if c.shared_experts:
+                    shared, m = c.shared_experts * (c.moe_ffn or 0), f"{h}mlp.shared_experts."
+                    self._gate_up(m, m, "gate_up_proj.weight", shared, tp, **at)
+                    self.same(f"{m}down_proj.weight", **at)
             else:
                 self._gate_up(f"{h}mlp.", f"{h}mlp.", "gate_up_proj.weight", c.ffn, tp, **at)
                 self.same(f"{h}mlp.down_proj.weight", **at)
@@ -349,6 +385,32 @@ class _VllmPacking:
         self.links.append(Link(name, rows(shape, 0, vocab), name, whole((vocab, hidden))))
         if padded > vocab:
             self.padding[name] = (rows(shape, vocab, padded),)
+
+    def _mla(self, h: str, **at: Any) -> None:
+        """``DeepseekV2MLAAttention``: with q compression, ``fused_qkv_a_proj`` = [q_a_proj; kv_a_proj_with_mqa]
+        whole on every rank (a ``MergedColumnParallelLinear`` with tp disabled); ``q_b_proj`` / ``kv_b_proj``
+        (``ColumnParallelLinear``: whole heads per rank) and ``o_proj`` split over tp; norms whole."""
+        c, a = self.model.config, f"{h}self_attn."
+        self._check("attention heads", c.heads, self.tp)
+        if c.q_lora_rank is None:
+            self.same(f"{a}q_proj.weight", **at)
+            self.same(f"{a}kv_a_proj_with_mqa.weight", **at)
+        else:
+            hf = self.model.hf_manifest
+            parts = [hf.tensor(f"{a}{part}.weight").shape for part in ("q_a_proj", "kv_a_proj_with_mqa")]
+            shape = (parts[0][0] + parts[1][0], c.hidden)
+            self.tensors.append(TensorSpec(f"{a}fused_qkv_a_proj.weight", shape, c.dtype, **at))
+            start = 0
+            for part, size in zip(("q_a_proj", "kv_a_proj_with_mqa"), parts):
+                self.links.append(
+                    Link(f"{a}fused_qkv_a_proj.weight", rows(shape, start, start + size[0]), f"{a}{part}.weight",
+                         whole(size))
+                )  # fmt: skip
+                start += size[0]
+            self.same(f"{a}q_a_layernorm.weight", **at)
+            self.same(f"{a}q_b_proj.weight", **at)
+        self.same(f"{a}kv_a_layernorm.weight", **at)
+        self.same(f"{a}kv_b_proj.weight", **at)
 
     def _qkv(self, h: str, kind: str, **at: Any) -> None:
         """``QKVParallelLinear``: tp rank r holds [its q heads; its k heads; its v heads]; with more ranks than kv
@@ -423,6 +485,9 @@ class _VllmPacking:
 _SPLITS: dict[str, tuple[tuple[str, int], ...]] = {
     "qkv_proj.weight": (("tp", 0),),
     "qkv_proj.bias": (("tp", 0),),
+    "q_proj.weight": (("tp", 0),),
+    "q_b_proj.weight": (("tp", 0),),
+    "kv_b_proj.weight": (("tp", 0),),
     "gate_up_proj.weight": (("tp", 0),),
     "o_proj.weight": (("tp", 1),),
     "down_proj.weight": (("tp", 1),),
@@ -633,6 +698,8 @@ def manifest_from_hf_config(
     for key, unsupported in (("attention_bias", family != "qwen2"), ("mlp_bias", True)):
         if data.get(key) and unsupported:
             raise ManifestError(f"HF config {key}=true ({family}): biases outside q/k/v have no weight map yet")
+    if family == "deepseek_v3":
+        return _deepseek(data, vocab, layers, dtype, vocab_multiple, name)
     experts = int(data.get("num_experts", 0) or 0) if family == "qwen3_moe" else 0
     dense_layers = 0
     if experts:
@@ -662,6 +729,39 @@ def manifest_from_hf_config(
     )
     label = name or f"{family}-{layers}x{transformer.hidden}"
     return HFModel(family, transformer, vocab, label)
+
+
+def _deepseek(
+    data: Mapping[str, Any], vocab: int, layers: int, dtype: str, vocab_multiple: int, name: str | None
+) -> HFModel:
+    """DeepSeek-V3's config (``deepseek_v3``): MLA sizes, routed and shared experts, the first layers dense."""
+    if _key(data, "moe_layer_freq", 1) != 1:
+        raise ManifestError(
+            f"HF config (deepseek_v3): moe_layer_freq={data.get('moe_layer_freq')}: only the first "
+            f"first_k_dense_replace layers may be dense (moe_layer_freq 1)"
+        )
+    check = check_multiple(vocab_multiple)
+    experts = int(_key(data, "n_routed_experts", 0) or 0)
+    transformer = TransformerConfig(
+        layers=layers,
+        hidden=_key(data, "hidden_size"),
+        ffn=_key(data, "intermediate_size"),
+        heads=_key(data, "num_attention_heads"),
+        vocab=-(-vocab // check) * check,
+        experts=experts,
+        moe_ffn=_key(data, "moe_intermediate_size") if experts else None,
+        shared_experts=int(_key(data, "n_shared_experts", 0) or 0) if experts else 0,
+        dense_layers=min(int(_key(data, "first_k_dense_replace", 0)), layers) if experts else 0,
+        tied_embeddings=bool(data.get("tie_word_embeddings", False)),
+        q_lora_rank=_key(data, "q_lora_rank", None),
+        kv_lora_rank=_key(data, "kv_lora_rank"),
+        qk_head_dim=_key(data, "qk_nope_head_dim"),
+        qk_pos_emb_head_dim=_key(data, "qk_rope_head_dim"),
+        v_head_dim=_key(data, "v_head_dim"),
+        dtype=dtype,
+    )
+    label = name or f"deepseek_v3-{layers}x{transformer.hidden}"
+    return HFModel("deepseek_v3", transformer, vocab, label)
 
 
 def check_multiple(value: object) -> int:

@@ -148,3 +148,20 @@ def test_megatron_gpt_into_transformers_and_vllm_and_back() -> None:
         assert (workers.logits(fresh) - megatron[0]).abs().max().item() <= 1e-5, family
         original = torch.from_numpy(hf["original"])
         assert all((logits - original).abs().max().item() <= 1e-5 for logits in back), family
+
+
+def test_deepseek_v3_hf_layout_is_the_installed_model_class() -> None:
+    """DeepSeek-V3's hf layout (MLA, shared experts, a dense first layer) has the names, shapes and dtypes of
+    the installed transformers' ``model.state_dict()``, less the router bias no refit moves (``UNMAPPED``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardcore.refit.families import UNMAPPED, manifest_from_hf_config
+    from tests.core.test_refit_layouts import CONFIGS
+
+    config = {**workers.BASE, **CONFIGS["deepseek_v3"], "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2}
+    model = manifest_from_hf_config(config, vocab_multiple=128)
+    settings = {k: v for k, v in config.items() if k not in ("model_type", "torch_dtype")}
+    state = AutoModelForCausalLM.from_config(AutoConfig.for_model("deepseek_v3", **settings)).state_dict()
+    kept = {name: (tuple(t.shape), str(t.dtype)) for name, t in state.items() if not name.endswith(UNMAPPED)}
+    assert kept == {t.name: (t.shape, f"torch.{t.dtype}") for t in model.hf_manifest}
+    assert any(name.endswith(UNMAPPED) for name in state)
