@@ -94,6 +94,9 @@ class HFModel:
     _vllm: dict[tuple[int, int], tuple[Manifest, WeightMap]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    _from_megatron: dict[tuple[int, int], WeightMap] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @cached_property
     def manifest(self) -> Manifest:
@@ -308,6 +311,17 @@ class HFModel:
         if key not in self._vllm:
             self._vllm[key] = _VllmPacking(self, tp, expt_tp).build()
         return self._vllm[key]
+
+    def vllm_from_megatron(self, tp: int, expt_tp: int) -> WeightMap:
+        """Megatron's tensors -> a vLLM engine's (``to_hf`` then ``vllm``), made once per (tp, expt_tp).
+
+        Raises:
+            ManifestError: as ``vllm``.
+        """
+        key = (tp, expt_tp)
+        if key not in self._from_megatron:
+            self._from_megatron[key] = self.to_hf.then(self.vllm(tp, expt_tp)[1])
+        return self._from_megatron[key]
 
 
 @dataclass
@@ -613,7 +627,10 @@ def sides(
         elif kind == "vllm":
             targets, packing = model.vllm(plan.spec.tp, plan.spec.expt_tp)
             held = engine_placement(targets, plan, split=True, label=f"shard {plan.index} '{plan.spec}' (vllm)")
-            weights = model.to_hf.then(packing) if from_megatron is None else _hf_to(model, start, packing)
+            if from_megatron is None:
+                weights = model.vllm_from_megatron(plan.spec.tp, plan.spec.expt_tp)
+            else:
+                weights = _hf_to(model, start, packing)
         else:
             held, into = _hf_placement(model, kind, plan)
             weights = into if from_megatron is None else None if kind == start else from_megatron.reversed().then(into)
