@@ -1078,11 +1078,7 @@ def _through_layouts(
             f"manifest {manifest.name!r} converts dtypes: a refit through a layout keeps them (convert in a second "
             f"refit, between Megatron shards)"
         )
-    if manifest is not model.manifest and manifest != model.manifest:
-        raise ManifestError(
-            f"manifest {manifest.name!r} is not the Megatron manifest of {model.name!r}, whose layouts are given: "
-            f"pass model.manifest"
-        )
+    model.check_manifest(manifest)
     origin, targets = sides(source, destinations, layouts)
     _check_covered(origin, targets)
     return ShardRefitPlan(
