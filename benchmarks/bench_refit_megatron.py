@@ -186,6 +186,7 @@ def _gpt(shard: Any, layers: int, hidden: int) -> Any:
 def _fill_source(gpt: Any, shard: Any) -> None:
     """Each local tensor from a seed of its global name and tp rank: the dp replicas hold the same values."""
     import torch
+
     from shardcore_megatron.refit import refit_tensors
 
     tp = shard.handle.tp.rank()
@@ -279,6 +280,7 @@ def _megatron_side(src: Any, dst: Any, rank: int, repeat: int) -> dict[str, Any]
 
 def _shardcore_side(src: Any, dst: Any, shards: Any, source: Any, target: Any, repeat: int) -> dict[str, Any]:
     import torch.distributed as dist
+
     from shardcore.refit import plan_refit
     from shardcore_megatron import refit as plugin
 
@@ -332,7 +334,9 @@ def bench_rank(rank: int, world: int, layer_counts: list[int], repeat: int, hidd
     for layers in layer_counts:
         for kind, source_spec, target_spec in CASES:
             if kind == "collocated":
-                src_shards, dst_shards = (build_shards(world, spec, backend="megatron") for spec in (source_spec, target_spec))
+                src_shards, dst_shards = (
+                    build_shards(world, spec, backend="megatron") for spec in (source_spec, target_spec)
+                )
                 source, target, shards = src_shards[0], dst_shards[0], src_shards
             else:
                 src_shards = dst_shards = build_shards(world, f"{source_spec} + {target_spec}", backend="megatron")
@@ -344,8 +348,17 @@ def bench_rank(rank: int, world: int, layer_counts: list[int], repeat: int, hidd
             megatron = _megatron_side(src, dst, rank, repeat)
             shardcore = _shardcore_side(src, dst, shards, source, target, repeat)
             if megatron.pop("digests") != shardcore.pop("digests"):
-                raise RuntimeError(f"rank {rank}: Megatron's and shardcore's destinations differ ({source_spec} -> {target_spec})")
-            rows.append({"layers": layers, "case": (kind, source_spec, target_spec), "megatron": megatron, "shardcore": shardcore})
+                raise RuntimeError(
+                    f"rank {rank}: Megatron's and shardcore's destinations differ ({source_spec} -> {target_spec})"
+                )
+            rows.append(
+                {
+                    "layers": layers,
+                    "case": (kind, source_spec, target_spec),
+                    "megatron": megatron,
+                    "shardcore": shardcore,
+                }
+            )
             del src, dst
             for built in {id(src_shards): src_shards, id(dst_shards): dst_shards}.values():
                 destroy_shards(built)

@@ -37,9 +37,9 @@ if TYPE_CHECKING:
     from .backends.shards import Shard, build_shards, destroy_shards, my_shard
     from .collectives import all_gather_objects
     from .device import comm_backend, device_type, npu_status
-    from .kept_plans import KeptPlans
     from .groups.strategy import Strategy
     from .groups.window import Window, window_of
+    from .kept_plans import KeptPlans
     from .survivors import SurvivorWorld, form_survivor_world
     from .torch_state import TESTED_TORCH, check_torch_internals, import_torch, live_group_count, torch_internal_missing
     from .transfer.execute import HeldVersion, TransferStats, execute_refit, held_version

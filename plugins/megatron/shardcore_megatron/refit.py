@@ -34,6 +34,7 @@ a call whose key changed on any rank plans again, on every rank.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -429,6 +430,22 @@ def _plan(layout: Layout, source: ShardPlan, target: ShardPlan, mine: dict[str, 
         return plan_refit(layout, source, [target], manifest)
     except ShardcoreError as error:
         raise RefitInputError(f"the models do not fit their shards: {error}") from error
+
+
+_RENAMED = {"parameters": "refit_tensors", "Parameter": "RefitTensor"}
+"""Names renamed in 0.1.x (they yield persistent buffers too now): served with a DeprecationWarning for one release."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        warnings.warn(
+            f"shardcore_megatron.refit.{name} is now {_RENAMED[name]} (persistent buffers too); {name} goes in the "
+            f"next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[_RENAMED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["RefitTensor", "kept_plans", "manifest_from_records", "read_manifest", "refit", "refit_tensors"]
