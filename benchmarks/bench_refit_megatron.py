@@ -228,97 +228,122 @@ def _timed(call: Any) -> float:
     return time.perf_counter() - started
 
 
-def _megatron_wire_bytes(plan: Any, src: Any, rank: int) -> int:
-    """Tensor bytes this rank sends to other ranks under Megatron's plan."""
-    from megatron.core.resharding.utils import get_refit_tensor_dict
+class _Megatron:
+    """Megatron-Core's side: ``swap_model_weights(src, dst, "gloo")``, its plan cached after the first call."""
 
-    params = get_refit_tensor_dict(src) if src is not None else {}
-    return sum(
-        params[op.param_name][op.my_slice].numel() * params[op.param_name].element_size()
-        for op in plan.send_ops
-        if op.peer_rank != rank and op.param_name in params
-    )
+    def __init__(self, src: Any, dst: Any, rank: int) -> None:
+        self.src, self.dst, self.rank = src, dst, rank
 
+    def planning(self) -> dict[str, Any]:
+        """Its planning call timed on this rank, the metadata this rank all-gathers, its wire bytes."""
+        import torch.distributed as dist
+        from megatron.core.resharding import build_local_reshard_plan, planner
 
-def _megatron_side(src: Any, dst: Any, rank: int, repeat: int) -> dict[str, Any]:
-    import torch
-    import torch.distributed as dist
-    from megatron.core.resharding import build_local_reshard_plan, planner, refit, swap_model_weights
+        metadata = tuple(
+            planner._extract_module_metadata(model, self.rank, None, 0, {}) if model is not None else []
+            for model in (self.src, self.dst)
+        )
+        dist.barrier()
+        started = time.perf_counter()
+        plan = build_local_reshard_plan(self.src, self.dst, num_experts=None)
+        seconds = time.perf_counter() - started
+        return {"plan_s": seconds, "metadata_bytes": len(pickle.dumps(metadata)), "wire": self._wire(plan)}
 
-    out: dict[str, Any] = {}
-    num_experts = None
-    metadata = (
-        planner._extract_module_metadata(src, rank, num_experts, 0, {}) if src is not None else [],
-        planner._extract_module_metadata(dst, rank, num_experts, 0, {}) if dst is not None else [],
-    )
-    out["metadata_bytes"] = len(pickle.dumps(metadata))
-    dist.barrier()
-    started = time.perf_counter()
-    plan = build_local_reshard_plan(src, dst, num_experts=num_experts)
-    out["plan_s"] = time.perf_counter() - started
-    out["wire"] = _megatron_wire_bytes(plan, src, rank)
+    def _wire(self, plan: Any) -> int:
+        """Tensor bytes this rank sends to other ranks under Megatron's plan."""
+        from megatron.core.resharding.utils import get_refit_tensor_dict
 
-    def swap() -> None:
+        params = get_refit_tensor_dict(self.src) if self.src is not None else {}
+        return sum(
+            params[op.param_name][op.my_slice].numel() * params[op.param_name].element_size()
+            for op in plan.send_ops
+            if op.peer_rank != self.rank and op.param_name in params
+        )
+
+    def forget(self) -> None:
+        from megatron.core.resharding import refit
+
+        refit.clear_plan_cache()
+
+    def call(self) -> None:
+        import torch
+        from megatron.core.resharding import swap_model_weights
+
         with torch.no_grad():
-            swap_model_weights(src, dst, "gloo")
+            swap_model_weights(self.src, self.dst, "gloo")
 
-    refit.clear_plan_cache()
+
+class _Shardcore:
+    """shardcore's side: the Megatron plugin's one-call ``refit``, its plan kept across calls."""
+
+    def __init__(self, src: Any, dst: Any, shards: Any, source: Any, target: Any) -> None:
+        self.src, self.dst, self.shards, self.source, self.target = src, dst, shards, source, target
+        self.wire = 0
+
+    def planning(self) -> dict[str, Any]:
+        """Its planning (records, the all-gather, the manifest, ``plan_refit``) timed on this rank."""
+        import torch.distributed as dist
+
+        from shardcore.refit import plan_refit
+        from shardcore_megatron import refit as plugin
+
+        layout = plugin._layout(self.shards)
+        plans = (plugin._shard_plan(layout, self.source), plugin._shard_plan(layout, self.target))
+        records = plugin._local_records(self.src, self.dst, *plans, dist.get_rank())
+        dist.barrier()
+        started = time.perf_counter()
+        plan_refit(layout, plans[0], [plans[1]], plugin.read_manifest(self.src, self.dst, *plans))
+        return {"plan_s": time.perf_counter() - started, "metadata_bytes": len(pickle.dumps(records))}
+
+    def forget(self) -> None:
+        from shardcore_megatron import refit as plugin
+
+        plugin.kept_plans.clear()
+
+    def call(self) -> None:
+        from shardcore_megatron import refit as plugin
+
+        stats = plugin.refit(self.src, self.dst, self.shards, src=self.source, dst=self.target, timeout=600)
+        self.wire = stats.bytes_sent
+
+
+def _measure(side: Any, dst: Any, forget: bool = False) -> tuple[float, int]:
+    """One call of ``side`` (its plans forgotten first where ``forget``): seconds, barrier to barrier, and the
+    largest growth of this rank's resident set during it; the destination marked before, checked after."""
+    if forget:
+        side.forget()
     if dst is not None:
         _mark(dst)
-    out["first"] = _timed(swap)
-    kept = []
+    with _PeakRss() as rss:
+        seconds = _timed(side.call)
+    return seconds, rss.growth
+
+
+def _compare(src: Any, dst: Any, shards: Any, source: Any, target: Any, rank: int, repeat: int) -> dict[str, Any]:
+    """Both sides on one layout: planning, a first call each (plans forgotten), then ``repeat`` rounds that
+    alternate Megatron kept, shardcore kept, shardcore replanning (so a change of load hits all three)."""
+    megatron, shardcore = _Megatron(src, dst, rank), _Shardcore(src, dst, shards, source, target)
+    out: dict[str, Any] = {"megatron": megatron.planning(), "shardcore": shardcore.planning()}
+    digests = {}
+    for name, side in (("megatron", megatron), ("shardcore", shardcore)):
+        out[name]["first"] = _measure(side, dst, forget=True)[0]
+        digests[name] = _digests(dst) if dst is not None else {}
+    if digests["megatron"] != digests["shardcore"]:
+        raise RuntimeError(f"rank {rank}: Megatron's and shardcore's destinations differ")
+    rounds: dict[str, list[tuple[float, int]]] = {"megatron": [], "shardcore": [], "replan": []}
     for _ in range(repeat):
-        if dst is not None:
-            _mark(dst)
-        with _PeakRss() as rss:
-            kept.append(_timed(swap))
-    out["kept"], out["rss"] = statistics.median(kept), rss.growth
-    out["digests"] = _digests(dst) if dst is not None else {}
-    refit.clear_plan_cache()
-    return out
-
-
-def _shardcore_side(src: Any, dst: Any, shards: Any, source: Any, target: Any, repeat: int) -> dict[str, Any]:
-    import torch.distributed as dist
-
-    from shardcore.refit import plan_refit
-    from shardcore_megatron import refit as plugin
-
-    rank = dist.get_rank()
-    out: dict[str, Any] = {}
-    layout = plugin._layout(shards)
-    plans = (plugin._shard_plan(layout, source), plugin._shard_plan(layout, target))
-    out["metadata_bytes"] = len(pickle.dumps(plugin._local_records(src, dst, *plans, rank)))
-    dist.barrier()
-    started = time.perf_counter()
-    plan = plan_refit(layout, plans[0], [plans[1]], plugin.read_manifest(src, dst, *plans))
-    out["plan_s"] = time.perf_counter() - started
-    del plan
-
-    def call() -> None:
-        stats = plugin.refit(src, dst, shards, src=source, dst=target, timeout=600)
-        out["wire"] = stats.bytes_sent
-
-    def times(keep: bool) -> list[float]:
-        seconds = []
-        for _ in range(repeat):
-            if not keep:
-                plugin.kept_plans.clear()
-            if dst is not None:
-                _mark(dst)
-            with _PeakRss() as rss:
-                seconds.append(_timed(call))
-            out["rss" if keep else "rss_replan"] = rss.growth
-        return seconds
-
-    plugin.kept_plans.clear()
-    if dst is not None:
-        _mark(dst)
-    out["first"] = _timed(call)
-    out["kept"] = statistics.median(times(keep=True))
-    out["digests"] = _digests(dst) if dst is not None else {}
-    out["replan"] = statistics.median(times(keep=False))
-    plugin.kept_plans.clear()
+        rounds["megatron"].append(_measure(megatron, dst))
+        rounds["shardcore"].append(_measure(shardcore, dst))
+        rounds["replan"].append(_measure(shardcore, dst, forget=True))
+    if dst is not None and _digests(dst) != digests["shardcore"]:
+        raise RuntimeError(f"rank {rank}: a replanning call left other destinations")
+    for name in ("megatron", "shardcore"):
+        out[name]["kept"] = statistics.median(seconds for seconds, _ in rounds[name])
+        out[name]["rss"] = max(growth for _, growth in rounds[name])
+    out["shardcore"]["replan"] = statistics.median(seconds for seconds, _ in rounds["replan"])
+    out["shardcore"]["wire"] = shardcore.wire
+    megatron.forget()
+    shardcore.forget()
     return out
 
 
@@ -345,20 +370,8 @@ def bench_rank(rank: int, world: int, layer_counts: list[int], repeat: int, hidd
             dst = _gpt(target, layers, hidden) if target.is_member else None
             if src is not None:
                 _fill_source(src, source)
-            megatron = _megatron_side(src, dst, rank, repeat)
-            shardcore = _shardcore_side(src, dst, shards, source, target, repeat)
-            if megatron.pop("digests") != shardcore.pop("digests"):
-                raise RuntimeError(
-                    f"rank {rank}: Megatron's and shardcore's destinations differ ({source_spec} -> {target_spec})"
-                )
-            rows.append(
-                {
-                    "layers": layers,
-                    "case": (kind, source_spec, target_spec),
-                    "megatron": megatron,
-                    "shardcore": shardcore,
-                }
-            )
+            row = _compare(src, dst, shards, source, target, rank, repeat)
+            rows.append({"layers": layers, "case": (kind, source_spec, target_spec)} | row)
             del src, dst
             for built in {id(src_shards): src_shards, id(dst_shards): dst_shards}.values():
                 destroy_shards(built)
