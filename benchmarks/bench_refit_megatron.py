@@ -1,7 +1,7 @@
 """Megatron-Core's own refit against shardcore's Megatron plugin, side by side on one live gloo world.
 
 Both sides refit the same megatron-core ``GPTModel``s (bf16, hidden 1024, ffn 4096 SwiGLU, 16 heads,
-vocab 32768: the benchmarks' transformer, ~0.18 GB at 4 layers and ~0.50 GB at 12) over the same
+vocab 32768: the benchmarks' transformer, ~0.28 GB at 4 layers and ~0.55 GB at 12) over the same
 shardcore-built ProcessGroupCollections, on 8 ranks, one intra-op thread each:
 
 * Megatron: ``megatron.core.resharding.swap_model_weights(src, dst, "gloo")`` (megatron-core 0.19.x),
@@ -416,7 +416,7 @@ def main() -> None:
         f"hidden {args.hidden}, median of {args.repeat} kept calls"
     )
     print(
-        "| layers | ranks | layout | Megatron first s | Megatron kept s | shardcore first s | shardcore one-call s | "
+        "| layers | ranks | layouts | Megatron first s | Megatron kept s | shardcore first s | shardcore one-call s | "
         "shardcore replanning s | Megatron kept / shardcore one-call | first / first | Megatron plan ms/rank | "
         "shardcore plan ms/rank | Megatron metadata KiB/rank | shardcore metadata KiB/rank | Megatron wire GB | "
         "shardcore wire GB | Megatron peak RSS MiB | shardcore peak RSS MiB | bitwise equal |"
