@@ -14,12 +14,15 @@ implies: the busiest rank's bytes (sent or received) divided by that bandwidth (
 bound, which assumes every pair has its own link); and two machine-wide floors for the shared
 cores: "1:1" = bytes moved / the aggregate throughput while every rank r < world/2 sends to
 r + world/2 at once, and "matrix" = the time to move this plan's own traffic matrix as raw
-bytes (one message per pair, all pairs at once, nothing else).
+bytes (one message per pair, all pairs at once, nothing else); and the fair floor for an executor,
+"matrix + unpack": the same, then one copy of every received byte that cannot land in place (its
+destination slice is not contiguous: row-parallel pieces), measured in the same world, alternating.
 
 Every rank runs ``--threads`` intra-op threads (default 1, torchrun's ``OMP_NUM_THREADS`` default):
 with 8-16 processes on a few cores, more threads make every copy fight the others' OpenMP threads.
 
 Usage: python benchmarks/bench_refit.py [--world 8 16] [--layers 12] [--repeat 3] [--threads 1]
+[--layout split in-place]
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ import time
 from typing import Any
 
 SPECS = {8: "tp=4,role=train + tp=2,dp=2", 16: "tp=8,role=train + tp=4,dp=2"}
+IN_PLACE = {8: "tp=4,role=train + tp=4", 16: "tp=8,role=train + tp=8"}
+"""Layouts where every receive lands in place: the same split on both sides, so each piece is a rank's whole
+local tensor (``--layout in-place``)."""
+LAYOUTS = {"split": SPECS, "in-place": IN_PLACE}
 
 
 def bench_manifest(layers: int, dtype: str = "bfloat16") -> Any:
@@ -87,9 +94,13 @@ def _aggregate_bandwidth(rank: int, world: int, nbytes: int = 64 << 20) -> float
     return half * nbytes / best / 1e9
 
 
-def _matrix_floor(plan: Any, rank: int) -> float:
+def _matrix_floors(plan: Any, rank: int, destinations: dict[str, Any]) -> tuple[float, float, int]:
     """Seconds to move the plan's traffic matrix as raw bytes: one message per ordered pair, every
-    pair at once, no packing, no order, no checks (best of 3). What the shared cores allow this plan."""
+    pair at once, no packing, no order, no checks (best of 3). What the shared cores allow this plan.
+    Then the same, plus one copy of every received byte that cannot land in place (a transfer whose slice of
+    its destination tensor is not contiguous, such as a row-parallel piece), from the pair's buffer into the
+    destination: what any executor must do at least (best of 3, alternating with the first).
+    Returns both, and the bytes this rank copies in the second."""
     import torch
     import torch.distributed as dist
 
@@ -98,21 +109,36 @@ def _matrix_floor(plan: Any, rank: int) -> float:
     recvs: dict[int, int] = {}
     for transfer in mine.sends:
         sends[transfer.dst] = sends.get(transfer.dst, 0) + transfer.bytes
+    copies: list[tuple[Any, int, int, int]] = []  # (destination view, peer, start in the pair's buffer, bytes)
     for transfer in mine.recvs:
-        recvs[transfer.src] = recvs.get(transfer.src, 0) + transfer.bytes
+        start = recvs.get(transfer.src, 0)
+        recvs[transfer.src] = start + transfer.bytes
+        view = destinations[transfer.destination][
+            tuple(slice(o, o + n) for o, n in zip(transfer.dst_offset, transfer.shape))
+        ]
+        if not view.is_contiguous():
+            copies.append((view, transfer.src, start, transfer.bytes))
     outgoing = torch.empty(max(sends.values(), default=0), dtype=torch.uint8)  # read-only: shared by all sends
     incoming = {peer: torch.empty(n, dtype=torch.uint8) for peer, n in recvs.items()}
     ops = [dist.P2POp(dist.isend, outgoing[:n], peer) for peer, n in sorted(sends.items())]
     ops += [dist.P2POp(dist.irecv, buffer, peer) for peer, buffer in sorted(incoming.items())]
-    best = float("inf")
+    unpack = [
+        (view, incoming[peer][start : start + size].view(view.dtype).view(view.shape))
+        for view, peer, start, size in copies
+    ]
+    best = [float("inf"), float("inf")]
     for _ in range(3):
-        dist.barrier()
-        started = time.perf_counter()
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
-        dist.barrier()
-        best = min(best, time.perf_counter() - started)
-    return best
+        for which in (0, 1):
+            dist.barrier()
+            started = time.perf_counter()
+            for work in dist.batch_isend_irecv(ops) if ops else []:
+                work.wait()
+            if which:
+                for view, wire in unpack:
+                    view.copy_(wire)
+            dist.barrier()
+            best[which] = min(best[which], time.perf_counter() - started)
+    return best[0], best[1], sum(size for *_, size in copies)
 
 
 def known_sources(plan: Any, rank: int, shard: Any = None) -> dict[str, Any]:
@@ -228,7 +254,7 @@ def _rss_peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def bench_rank(rank: int, world: int, layers: int, repeat: int, threads: int) -> dict[str, Any]:
+def bench_rank(rank: int, world: int, spec: str, layers: int, repeat: int, threads: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -237,13 +263,13 @@ def bench_rank(rank: int, world: int, layers: int, repeat: int, threads: int) ->
     from shardcore.plan.layout import plan_layout
     from shardcore.refit import plan_refit
 
-    layout = plan_layout(world, SPECS[world])
+    layout = plan_layout(world, spec)
     started = time.perf_counter()
     plan = plan_refit(layout, 0, [1], bench_manifest(layers))
     plan_seconds = time.perf_counter() - started
     bandwidth = _loopback_bandwidth(rank)
     aggregate = _aggregate_bandwidth(rank, world)
-    floor = _matrix_floor(plan, rank)
+    floor, unpack_floor, unpacked = _matrix_floors(plan, rank, empty_destinations(plan, rank))
     sources = known_sources(plan, rank)
     expected = None
     out: dict[str, Any] = {
@@ -252,6 +278,8 @@ def bench_rank(rank: int, world: int, layers: int, repeat: int, threads: int) ->
         "bw": bandwidth,
         "aggregate": aggregate,
         "floor": floor,
+        "unpack_floor": unpack_floor,
+        "unpacked": unpacked,
     }
     source, target = plan.source, plan.destinations[0]
     bcast_group = dist.new_group([0, *target.ranks])
@@ -286,12 +314,13 @@ def bench_rank(rank: int, world: int, layers: int, repeat: int, threads: int) ->
 
 def main() -> None:
     from shardcore.engine import DEFAULT_BUCKET_BYTES
-    from shardcore.plan.layout import plan_layout
-    from shardcore.refit import plan_refit
     from shardcore.testing import run_world
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_world_arguments(parser)
+    parser.add_argument(
+        "--layout", nargs="+", default=["split"], choices=sorted(LAYOUTS), help="split: SPECS; in-place: IN_PLACE"
+    )
     args = parser.parse_args()
     manifest = bench_manifest(args.layers)
     print(
@@ -300,32 +329,35 @@ def main() -> None:
     )
     print(
         "| world | shards | moved GB | busiest rank GB | p2p GB/s | bound s | 1:1 pairs GB/s | 1:1 floor s | "
-        "matrix floor s | shardcore s | gather+bcast s | full_tensor s | shardcore GB/s | vs gather+bcast | "
-        "vs full_tensor | shardcore / bound | shardcore / 1:1 floor | shardcore / matrix floor | staging MiB | "
-        "bucket + largest transfer MiB |"
+        "matrix floor s | unpacked MB | matrix + unpack floor s | shardcore s | gather+bcast s | full_tensor s | "
+        "shardcore GB/s | vs gather+bcast | vs full_tensor | shardcore / bound | shardcore / 1:1 floor | "
+        "shardcore / matrix floor | shardcore / matrix + unpack floor | staging MiB | bucket + largest transfer MiB |"
     )
-    print("|" + "---:|" * 20)
-    for world in args.world:
-        plan = plan_refit(plan_layout(world, SPECS[world]), 0, [1], manifest)
-        results = run_world(world, bench_rank, args.layers, args.repeat, args.threads, timeout=3600, pg_timeout=1200)
-        moved = sum(r["received"] for r in results)
-        busiest = max(max(r["sent"], r["received"]) for r in results)
-        bandwidth, aggregate = results[0]["bw"], results[0]["aggregate"]
-        bound, floor = busiest / (bandwidth * 1e9), moved / (aggregate * 1e9)
-        matrix = max(r["floor"] for r in results)
-        times = {m: max(r[m] for r in results) for m in ("shardcore", "gather+bcast", "full_tensor")}
-        allowed = DEFAULT_BUCKET_BYTES + max(r["largest_piece"] for r in results)
-        print(
-            f"| {world} | `{SPECS[world]}` | {moved / 1e9:.3f} | {busiest / 1e9:.3f} | {bandwidth:.2f} | "
-            f"{bound:.3f} | {aggregate:.2f} | {floor:.3f} | {matrix:.3f} | {times['shardcore']:.3f} | "
-            f"{times['gather+bcast']:.2f} | "
-            f"{times['full_tensor']:.2f} | {moved / times['shardcore'] / 1e9:.2f} | "
-            f"{times['gather+bcast'] / times['shardcore']:.1f}x | {times['full_tensor'] / times['shardcore']:.1f}x | "
-            f"{times['shardcore'] / bound:.2f}x | {times['shardcore'] / floor:.2f}x | "
-            f"{times['shardcore'] / matrix:.2f}x | "
-            f"{max(r['peak_buffer'] for r in results) / 2**20:.1f} | {allowed / 2**20:.0f} |"
-        )
-        del plan
+    print("|" + "---:|" * 23)
+    for name in args.layout:
+        for world in args.world:
+            spec = LAYOUTS[name][world]
+            results = run_world(
+                world, bench_rank, spec, args.layers, args.repeat, args.threads, timeout=3600, pg_timeout=1200
+            )
+            moved = sum(r["received"] for r in results)
+            busiest = max(max(r["sent"], r["received"]) for r in results)
+            bandwidth, aggregate = results[0]["bw"], results[0]["aggregate"]
+            bound, floor = busiest / (bandwidth * 1e9), moved / (aggregate * 1e9)
+            matrix, unpack = max(r["floor"] for r in results), max(r["unpack_floor"] for r in results)
+            times = {m: max(r[m] for r in results) for m in ("shardcore", "gather+bcast", "full_tensor")}
+            ours = times["shardcore"]
+            allowed = DEFAULT_BUCKET_BYTES + max(r["largest_piece"] for r in results)
+            print(
+                f"| {world} | `{spec}` | {moved / 1e9:.3f} | {busiest / 1e9:.3f} | {bandwidth:.2f} | "
+                f"{bound:.3f} | {aggregate:.2f} | {floor:.3f} | {matrix:.3f} | "
+                f"{sum(r['unpacked'] for r in results) / 1e6:.0f} | {unpack:.3f} | {ours:.3f} | "
+                f"{times['gather+bcast']:.2f} | {times['full_tensor']:.2f} | {moved / ours / 1e9:.2f} | "
+                f"{times['gather+bcast'] / ours:.1f}x | {times['full_tensor'] / ours:.1f}x | "
+                f"{ours / bound:.2f}x | {ours / floor:.2f}x | {ours / matrix:.2f}x | {ours / unpack:.2f}x | "
+                f"{max(r['peak_buffer'] for r in results) / 2**20:.1f} | {allowed / 2**20:.0f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

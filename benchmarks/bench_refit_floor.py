@@ -5,10 +5,10 @@
 per (sender, receiver) pair and per rank's peers (the distinct ranks it sends to or receives from),
 decode rank 1088 (the issue's) on its own, the busiest sender against the lower bound, and the CPU
 time (``time.process_time``: the machine's cores are shared) of ``plan_refit`` + ``RefitStats.of`` over
-the whole plan, and of one cold ``for_rank`` (on a fresh plan) of ranks 1100, 1088 and 1024, the least
-of three.
+the whole plan, and of one cold ``for_rank`` (on a fresh plan) of decode ranks 1100, 1088 and 1024 and
+training ranks 0 and 236, the least of three. With ``--fan-out``, every floor again with fan-out.
 
-Run: ``python benchmarks/bench_refit_floor.py [--floor BYTES ...]`` (default 0, 1 MiB, 4 MiB). It uses
+Run: ``python benchmarks/bench_refit_floor.py [--floor BYTES ...] [--fan-out]`` (default 0, 1 MiB, 4 MiB). It uses
 only what the planner had before the floor, so the same command with ``PYTHONPATH`` pointing at an
 older checkout gives the "before" rows.
 """
@@ -23,21 +23,22 @@ from shardcore.plan.layout import plan_layout
 from shardcore.refit import RefitStats, plan_refit, preset
 
 SPEC = "tp=8,dp=128,ep=64,expt_tp=1,role=train + tp=8,dp=8,ep=64,expt_tp=1 + tp=4,dp=32,ep=128,expt_tp=1"
-WORLD, PER_NODE, RANK, COLD = 1216, 8, 1088, (1100, 1088, 1024)
+WORLD, PER_NODE, RANK, COLD = 1216, 8, 1088, (1100, 1088, 1024, 0, 236)
 MB = 1e6
 
 
-def row(floor: int) -> str:
+def row(floor: int, fan_out: bool) -> str:
     layout, manifest = plan_layout(WORLD, SPEC), preset("deepseek-v3")
+    options: dict[str, bool] = {"fan_out": True} if fan_out else {}  # older checkouts may lack the flag
     started = time.process_time()
-    plan = plan_refit(layout, 0, [1, 2], manifest, PER_NODE, min_piece_bytes=floor)
+    plan = plan_refit(layout, 0, [1, 2], manifest, PER_NODE, min_piece_bytes=floor, **options)
     stats = RefitStats.of(plan)
     stats_s = time.process_time() - started
     cold = []
     for rank in COLD:
         best = float("inf")
         for _ in range(3):
-            fresh = plan_refit(layout, 0, [1, 2], manifest, PER_NODE, min_piece_bytes=floor)
+            fresh = plan_refit(layout, 0, [1, 2], manifest, PER_NODE, min_piece_bytes=floor, **options)
             started = time.process_time()
             fresh.for_rank(rank)
             best = min(best, time.process_time() - started)
@@ -61,7 +62,8 @@ def row(floor: int) -> str:
     mine = plan.for_rank(RANK)
     rank_small = sum(t.bytes < MB for t in mine.recvs)
     return (
-        f"| {floor:,} | {stats.transfers:,} | {small:,} | {most:,} (rank {busiest}) | {pairs.most_common(1)[0][1]:,} | "
+        f"| {floor:,}{' fan-out' if fan_out else ''} | {stats.transfers:,} | {small:,} | {most:,} (rank {busiest}) | "
+        f"{pairs.most_common(1)[0][1]:,} | "
         f"{len(mine.recvs):,} from {len({t.src for t in mine.recvs})} peers, {rank_small:,} < 1 MB | "
         f"{counts[-1]} / {counts[(len(counts) - 1) // 2]} | {stats.busiest_sent / 1e9:.3f} / "
         f"{stats.lower_bound / 1e9:.3f} GB (x{stats.balance:.4f}) | {stats.estimate_seconds():.3f} | "
@@ -72,15 +74,17 @@ def row(floor: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--floor", type=int, nargs="+", default=[0, 1 << 20, 4 << 20], help="floors, in bytes")
+    parser.add_argument("--fan-out", action="store_true", help="also each floor with fan_out=True")
     args = parser.parse_args()
     print(
         "| floor B | transfers | pieces < 1 MB | most into one rank | most in one pair | rank 1088 receives | "
         "peers per rank, max / median | busiest sender / bound | estimate s | plan + RefitStats CPU s | "
-        "cold for_rank(1100 / 1088 / 1024) CPU ms |"
+        "cold for_rank(1100 / 1088 / 1024 / 0 / 236) CPU ms |"
     )
     print("|" + "---:|" * 11)
-    for floor in args.floor:
-        print(row(floor), flush=True)
+    for fan_out in (False, True) if args.fan_out else (False,):
+        for floor in args.floor:
+            print(row(floor, fan_out), flush=True)
 
 
 if __name__ == "__main__":

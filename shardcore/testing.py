@@ -11,7 +11,8 @@ Each call gets a process group of its own (a new store on a new port, destroyed 
 but starting processes and importing torch costs seconds per rank: inside ``kept_worlds()``
 (a test session, say) the processes that served one call serve the next, whatever its world
 size, with its environment variables as they were before the call. A process is kept only after
-a call in which every rank returned and that left shardcore's code as it found it; after a failure,
+a call in which every rank returned and that left shardcore's code as it found it and the default
+group its own (not a survivors' world formed in the call, whose store another world must not meet); after a failure,
 a death, a timeout or ``allow_failures`` its world's processes are ended and the next call starts
 new ones. A new process joins a call only once it has imported torch, as the kept ones have.
 """
@@ -24,7 +25,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -37,6 +38,8 @@ from .errors import WorldError
 
 _FINISH_SECONDS = 10.0
 """How long a rank that returned may take to destroy its process group before its process is ended."""
+_REFORMED = "the default process group (a new world was formed in the call)"
+"""What a call that replaced the default group left replaced: its process cannot serve another world cleanly."""
 
 
 def _code_of_shardcore() -> dict[str, int]:
@@ -68,13 +71,17 @@ def _run_rank(job: tuple, conn: Connection, baseline: dict[str, int]) -> None:
 
     if backend == SHRINKABLE_GLOO:
         register_shrinkable_gloo()
+    ours = None
     try:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+        ours = dist.group.WORLD
         ok, value = True, fn(rank, world_size, *args)
     except BaseException:
         ok, value = False, traceback.format_exc()
     now = _code_of_shardcore()
     replaced = sorted(name for name, bound in baseline.items() if now.get(name) != bound)
+    if dist.is_initialized() and dist.group.WORLD is not ours:
+        replaced.append(_REFORMED)  # a survivors' world: its store and store thread are not this call's to keep
     try:
         conn.send((rank, ok, value, replaced))
     except Exception:  # a result that does not pickle
@@ -201,8 +208,8 @@ def run_world(
             conn.send((rank, world_size, port, fn, args, pg_timeout, backend))
         _collect(procs, conns, outcome, replaced, deadline, timeout, allow_failures)
         keep = ranks is _kept and not allow_failures and all(ok for ok, _ in outcome.values())
-        if keep and replaced:
-            names = ", ".join(sorted(replaced))
+        if keep and replaced - {_REFORMED}:
+            names = ", ".join(sorted(replaced - {_REFORMED}))
             warnings.warn(f"a world's call left {names} replaced: its processes are ended", stacklevel=2)
         keep = keep and not replaced and _left(conns)
     finally:
@@ -213,6 +220,19 @@ def run_world(
         first = min(failed)
         raise WorldError(f"ranks {sorted(failed)} failed; rank {first}:\n{failed[first]}")
     return [outcome[rank][1] for rank in range(world_size)]
+
+
+def outcomes(calls: Mapping[str, Callable[[], object]], expected: type[BaseException] = Exception) -> dict[str, str]:
+    """Each call's outcome by name, ``"no error"`` or ``"TypeName: message"``: how a rank reports a table of
+    bad calls (one that must fail, one that must not) back to the test as picklable text."""
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "no error"
+        except expected as error:
+            out[name] = f"{type(error).__name__}: {error}"
+    return out
 
 
 def _left(conns: list[Connection]) -> bool:
@@ -273,4 +293,4 @@ def _collect(
         outcome.update({rank: (False, f"died (exit code {procs[rank].exitcode})") for rank in dead})
 
 
-__all__ = ["SHRINKABLE_GLOO", "kept_worlds", "run_world"]
+__all__ = ["SHRINKABLE_GLOO", "kept_worlds", "outcomes", "run_world"]

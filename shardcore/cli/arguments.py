@@ -61,6 +61,17 @@ POSITIVE_INT = _number(int, 1, "a positive integer")
 NON_NEGATIVE_INT = _number(int, 0, "a non-negative integer")
 
 
+def FRACTION(text: str) -> float:
+    """argparse type of a fraction: a number from 0 to 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{_short(text)} is not a fraction from 0 to 1")
+    return value
+
+
 def POSITIVE_SECONDS(text: str) -> float:
     """argparse type of --timeout: seconds as build_shards takes them (above 0, finite, at most MAX_TIMEOUT)."""
     try:

@@ -20,6 +20,7 @@ from ..refit.planner import DEFAULT_MIN_PIECE_BYTES, RankRefit, ShardRefitPlan
 from ..refit.request import RefitRequest
 from ..views.tables import format_table
 from .arguments import (
+    FRACTION,
     NON_NEGATIVE_INT,
     POSITIVE_INT,
     add_allow_idle_flag,
@@ -196,14 +197,22 @@ def _execute_options(args: argparse.Namespace) -> ExecuteOptions:
     Raises:
         RefitInputError: a value the executor cannot run, naming the flag.
     """
-    flags = {"bucket_bytes": "--bucket-bytes", "max_ops": "--max-ops", "version": "--refit-version"}
+    flags = {
+        "bucket_bytes": "--bucket-bytes",
+        "max_ops": "--max-ops",
+        "version": "--refit-version",
+        "anchor_every": "--anchor-every",
+    }
     try:
         return ExecuteOptions.merged(  # a flag not given (None) keeps the executor's default
             timeout=args.timeout,
             bucket_bytes=args.bucket_bytes,
             max_ops=args.max_ops,
             verify=args.verify,
-            version=args.refit_version,
+            version=1 if args.delta and args.refit_version is None else args.refit_version,
+            delta=args.delta or None,
+            anchor_every=args.anchor_every,
+            delta_checksum=args.delta_checksum or None,
         )
     except RefitInputError as error:
         text = str(error)
@@ -228,7 +237,8 @@ def _check(args: argparse.Namespace) -> int:
     request, plan = _plan(args)
     from ..engine.live import refit_check
 
-    options = refit_check.RefitCheckOptions(request, execute)
+    changes = (0.02 if args.changed is None else args.changed,) if args.delta else ()
+    options = refit_check.RefitCheckOptions(request, execute, changes)
     speaks = not args.quiet and (not joined or os.environ["RANK"] == "0")
     if speaks and not args.json:
         print(_check_header(plan, execute, args.world, joined), flush=True)
@@ -262,6 +272,7 @@ def _check_header(plan: ShardRefitPlan, execute: ExecuteOptions, world: int, joi
         f"shardcore refit --check: {where}, {plan.manifest.name}{subset} from shard {plan.source.index} to "
         f"{targets}, bucket {format_bytes(execute.bucket_bytes)}, {execute.max_ops} ops per batch, "
         f"verify {execute.verify}, timeout {execute.wait.total_seconds():g}s"
+        + ("" if not execute.delta else f", delta {execute.delta_terms} (a second refit after a step)")
     )
 
 
@@ -278,6 +289,7 @@ def _check_rows(reports: list[RefitReport], plan: ShardRefitPlan) -> list[dict[s
                 "spec": str(target.spec),
                 "ranks": [target.rank_offset, target.ranks.stop],
                 "bytes": sum(r.bytes_received + r.bytes_copied for r in mine),
+                "wire_bytes": sum(r.wire_bytes_received for r in mine),
                 "local_bytes": sum(r.bytes_copied for r in mine),
                 "seconds": max((r.seconds for r in mine), default=0.0),
                 "tensors_checked": sum(r.checked for r in mine),
@@ -314,10 +326,13 @@ def _check_line(plan: ShardRefitPlan, rows: list[dict[str, Any]]) -> str:
     """The last line: whether every destination rank holds its slices of the source's tensors, bitwise."""
     ranks = sum(target.size for target in plan.destinations)
     moved = format_bytes(sum(row["bytes"] for row in rows))
+    wire = sum(row["wire_bytes"] for row in rows)
     slowest = max((row["seconds"] for row in rows), default=0.0)
     if all(row["ok"] for row in rows):
+        received = sum(row["bytes"] - row["local_bytes"] for row in rows)
+        delta = f" ({format_bytes(wire)} on the wire)" if wire != received else ""
         return (
-            f"all {counted(ranks, 'destination rank')} hold the source's tensors bitwise: {moved} moved, "
+            f"all {counted(ranks, 'destination rank')} hold the source's tensors bitwise: {moved} moved{delta}, "
             f"the slowest rank in {slowest:.3f} s"
         )
     failed = [str(row["shard"]) for row in rows if not row["ok"]]
@@ -337,6 +352,7 @@ def _check_document(plan: ShardRefitPlan, execute: ExecuteOptions, rows: list[di
             "max_ops": execute.max_ops,
             "verify": execute.verify,
             "version": execute.version,
+            "delta": execute.delta_terms,
         },
         "shards": rows,
         "ok": all(row["ok"] for row in rows),
@@ -396,6 +412,7 @@ def _refuse_lone_flags(args: argparse.Namespace) -> None:
         raise RefitError("--transfers lists the plan's transfers, not the live run's: drop it with --check")
     lone = lone_flags(args, {"--transfers": "transfers"}, "--json") if not args.json else None
     lone = lone or (None if args.check else lone_flags(args, _CHECK_ONLY, "--check"))
+    lone = lone or (None if args.delta else lone_flags(args, _DELTA_ONLY, "--delta"))
     if lone:
         raise RefitError(lone)
 
@@ -405,8 +422,11 @@ _CHECK_ONLY = {
     "--max-ops": "max_ops",
     "--verify": "verify",
     "--refit-version": "refit_version",
+    "--delta": "delta",
 }
 """The executor's flags (their defaults None, so a given one is seen)."""
+_DELTA_ONLY = {"--anchor-every": "anchor_every", "--delta-checksum": "delta_checksum", "--changed": "changed"}
+"""The flags that shape a delta check."""
 
 
 def _tensor_entry(tensor: TensorSpec) -> dict[str, Any]:
@@ -562,6 +582,29 @@ def _add_check_flags(parser: argparse.ArgumentParser) -> None:
         type=NON_NEGATIVE_INT,
         metavar="STEP",
         help="with --check: the refit's version (e.g. the training step), recorded with the destinations",
+    )
+    parser.add_argument(
+        "--delta",
+        action="store_true",
+        help="with --check: a delta refit: a first refit, a simulated optimizer step, then a second refit that "
+        "sends only what changed (versions --refit-version, default 1, and the next)",
+    )
+    parser.add_argument(
+        "--changed",
+        type=FRACTION,
+        metavar="F",
+        help="with --delta: the fraction of elements the optimizer step changes (default 0.02)",
+    )
+    parser.add_argument(
+        "--anchor-every",
+        type=POSITIVE_INT,
+        metavar="K",
+        help="with --delta: every version divisible by K is a full refit",
+    )
+    parser.add_argument(
+        "--delta-checksum",
+        action="store_true",
+        help="with --delta: checksum every destination piece once written, against its sender's",
     )
 
 

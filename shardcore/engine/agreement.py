@@ -21,7 +21,10 @@ process can drift.
 **Cheap.** A refit meets twice, so its meetings cost what a refit's fixed cost is: a first meeting
 takes five store round trips per rank (epoch, reference, value, count, outcome) and a later one three
 (a later meeting compares nothing, so it has no reference), all in one call on shardcore's store
-thread; deleting old keys is queued behind it, off the caller's path.
+thread. The last to arrive, on whom everyone waits, makes no more: the count tells it whether values
+differ (a differing rank counts for more), and it learns the outcome from its own write instead of
+reading it back. Deleting old keys, and counting a rank off at a lingering meeting (the store's host
+waits for it), are queued behind the call, off the caller's path.
 
 **Failures reach everyone at once.** A rank that fails on its own still arrives, with its error
 instead of a value (``arrive_failed``): the others stop at once and name it. During a session, a rank
@@ -71,6 +74,9 @@ _ARRIVED = "arrived"
 """What a rank brings to a later meeting, where nothing is compared: also its reference, never stored."""
 _DIFFER, _ALIKE = "~", "="
 """After ``complete`` in a meeting's result: whether some rank brought another value than the reference."""
+_DIFFERING = 1 << 32
+"""What a rank that brings another value than the reference adds to a meeting's arrival count (one more than
+any party's size), so that the last to arrive learns from the count alone whether values differ."""
 _SHOWN_ERROR = 500
 """Characters of one rank's error kept for the others."""
 
@@ -256,7 +262,7 @@ def arrive_failed(
         else:
             rank = dist().get_rank()
             meeting = store_call(
-                lambda store: _join(store, party, epoch, phase, text, rank, None), GRACE, _where(party, epoch, phase)
+                lambda store: _join(store, party, epoch, phase, text, rank, None)[0], GRACE, _where(party, epoch, phase)
             )
             _remember(meeting)
     except ShardcoreError:
@@ -341,9 +347,9 @@ def _meet(
     deadline = time.monotonic() + seconds
 
     def attend(store: Store) -> tuple[Meeting, tuple[str, list[tuple[list[int], str]] | None, str]]:
-        meeting = _join(store, party, epoch, phase, value, rank, decide)
+        meeting, known = _join(store, party, epoch, phase, value, rank, decide)
         _remember(meeting)
-        return meeting, _outcome(store, meeting, rank, max(0.001, deadline - time.monotonic()), linger)
+        return meeting, _outcome(store, meeting, rank, max(0.001, deadline - time.monotonic()), linger, known)
 
     meeting, (outcome, groups, payload) = store_call(attend, seconds + GRACE, _where(party, epoch, phase), lost)
     where = f"at '{phase}' of {purpose.noun} {meeting.epoch}"
@@ -377,8 +383,13 @@ def _join(
     value: str,
     rank: int,
     decide: Callable[[Store], str] | None,
-) -> Meeting:
-    """Arrive (for ``rank``): read the epoch if needed, leave the value, count in; the last to arrive decides."""
+) -> tuple[Meeting, str | None]:
+    """Arrive (for ``rank``): read the epoch if needed, leave the value, count in; the last to arrive decides.
+
+    Returns:
+        The meeting, and its outcome when this call decided it (or found it decided): the decider learns it
+        from its own write and need not read it back.
+    """
     base = f"shardcore/{party.scope}/"
     if epoch is None:  # a first meeting's outcome is written after the epoch moves on: none is decided at it
         epoch = store.add(f"{base}epoch", 0)
@@ -387,15 +398,18 @@ def _join(
     reference = store.compare_set(f"{prefix}reference", "", value).decode() if phase == OPEN else _ARRIVED
     stored = _SAME if reference == value else value
     if store.compare_set(f"{prefix}value/{rank}", "", stored).decode() != stored:
-        return meeting  # already there: declared absent before it came (it reads the outcome and fails)
+        return meeting, None  # already there: declared absent before it came (it reads the outcome and fails)
     if reference != value:
         store.append(f"{prefix}differ", f"{rank}:{_digest(value)},")  # type: ignore[attr-defined]  # not in stubs
-    if store.add(f"{prefix}arrived", 1) == party.size:
-        differ = store.check([f"{prefix}differ"])
+    # one count for both: arrivals in the low digits, ranks that brought another value in the high ones
+    count = store.add(f"{prefix}arrived", 1 if reference == value else 1 + _DIFFERING)
+    if count % _DIFFERING == party.size:
+        differ = count >= _DIFFERING
         payload = decide(store) if decide is not None and not differ else ""
         result = COMPLETE + (_DIFFER if differ else _ALIKE) + payload
-        return replace(meeting, decided=_decide(store, meeting, result) == result)
-    return meeting
+        outcome = _decide(store, meeting, result)
+        return replace(meeting, decided=outcome == result), outcome
+    return meeting, None
 
 
 def _decide(store: Store, meeting: Meeting, outcome: str) -> str:
@@ -412,16 +426,19 @@ def _digest(value: str) -> str:
 
 
 def _outcome(
-    store: Store, meeting: Meeting, rank: int, seconds: float, linger: bool
+    store: Store, meeting: Meeting, rank: int, seconds: float, linger: bool, known: str | None = None
 ) -> tuple[str, list[tuple[list[int], str]] | None, str]:
-    """Wait for the meeting's outcome (deciding ``timeout`` if none came in time); on ``complete``, delete the
-    keys of the party's earlier meetings and read the groups of ranks by value if they differ."""
+    """Wait for the meeting's outcome (deciding ``timeout`` if none came in time), unless it is ``known`` (this
+    rank decided it); on ``complete``, delete the keys of the party's earlier meetings and read the groups of
+    ranks by value if they differ."""
     prefix = meeting.prefix
-    try:  # this client is shardcore's own: its timeout bounds the get's wait for the key
-        store.set_timeout(timedelta(seconds=seconds))
-        outcome = store.get(f"{prefix}result").decode()
-    except dist().DistStoreError:  # a wait timeout: the store answers, a rank did not
-        outcome = _decide(store, meeting, f"timeout:{rank}")
+    outcome = known
+    if outcome is None:
+        try:  # this client is shardcore's own: its timeout bounds the get's wait for the key
+            store.set_timeout(timedelta(seconds=seconds))
+            outcome = store.get(f"{prefix}result").decode()
+        except dist().DistStoreError:  # a wait timeout: the store answers, a rank did not
+            outcome = _decide(store, meeting, f"timeout:{rank}")
     if not outcome.startswith(COMPLETE):
         return outcome, None, ""
     pending = _pending.get((world_token(), meeting.party.scope), [])
@@ -443,12 +460,19 @@ def _outcome(
 
 
 def _linger(store: Store, meeting: Meeting, rank: int) -> None:
-    """Count this rank as having read the outcome; the store's host waits (up to GRACE) for everyone to."""
-    if store.add(f"{meeting.prefix}read", 1) == meeting.party.size:
-        store.set(f"{meeting.prefix}all-read", "1")
-    if rank == meeting.party.host:
-        with contextlib.suppress(dist().DistStoreError):  # a rank gone before it read: it will not
-            store.wait([f"{meeting.prefix}all-read"], timedelta(seconds=GRACE))
+    """Count this rank as having read the outcome; the store's host waits (up to GRACE) for everyone to. Another
+    rank counts itself off the caller's path: its store thread does it next (at exit too: ``store_in_background``)."""
+
+    def count(later: Store) -> None:
+        if later.add(f"{meeting.prefix}read", 1) == meeting.party.size:
+            later.set(f"{meeting.prefix}all-read", "1")
+
+    if rank != meeting.party.host:
+        store_in_background(count)
+        return
+    count(store)
+    with contextlib.suppress(dist().DistStoreError):  # a rank gone before it read: it will not
+        store.wait([f"{meeting.prefix}all-read"], timedelta(seconds=GRACE))
 
 
 def _forget(store: Store, meeting: Meeting, rank: int) -> None:

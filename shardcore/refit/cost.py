@@ -167,25 +167,69 @@ class _Tally:
                 self._add_transfer(tile.shard, src, dst, size, hop)
 
     def add_run(self, run: TileRun) -> None:
-        """Add every piece of a route's run at once (no fan-out): each line's segments by arithmetic
-        (``TileRun.shares``), each local copy as a whole run."""
+        """Add every piece of a route's run at once: each fixed line's segments by arithmetic
+        (``TileRun.shares``), each local copy as a whole run; with fan-out, the relays' line and the forwards
+        (``_add_relayed``). A needer's bytes count for its own destination (with fan-out a route's needers
+        are those of several destinations)."""
         first = run.tiles[0]
-        shard, key, width = first.shard, first.sources.key, run.starts[-1]
+        key, width, routes = first.sources.key, run.starts[-1], run.routes
+        shard_of = {rank: shard for shard, piece in first.group for rank in piece.holders.ranks}
+        shard = first.shard
         self.holder_sets[key] = first.sources.members
-        local = len(run.routes.local)
-        self.count += local * len(run.tiles)
-        self.local += local * width
-        self.shard_local[shard] += local * width
+        self.count += len(routes.local) * len(run.tiles)
+        for needer in routes.local:
+            self.local += width
+            self.shard_local[shard_of.get(needer, shard)] += width
         scaled = sum(
             stop - start
             for tile, start, stop in zip(run.tiles, run.starts, run.starts[1:])
             if tile.position in self.scales
         )
-        for line in run.lines:
+        for line in run.lines[: len(routes.lines)]:
             self.count += run.piece_count(line)
-            self._add_moved(shard, key, line.copies * scaled, line.copies * width, 0)
+            self.must_move[key] += line.copies * width
+            self.scale_bytes += line.copies * scaled
+            for needer in line.needers:
+                self.shard_bytes[shard_of.get(needer, shard)] += width
             for src, copy, size in run.shares(line):
-                self._add_transfer(shard, src, line.needers[copy], size, 0)
+                needer = line.needers[copy]
+                self._add_transfer(shard_of.get(needer, shard), src, needer, size, 0)
+        if routes.far:
+            self._add_relayed(run, shard_of)
+
+    def _add_relayed(self, run: TileRun, shard_of: Mapping[int, int]) -> None:
+        """Fan-out: the relays' line (copy i to each tile's relay on the i-th node without holders) and each
+        relay's forwards to its node's other needers. The relay changes from tile to tile, so the line is walked
+        tile by tile, but its bytes are added per (sender, receiver) pair."""
+        line, far = run.lines[-1], run.routes.far
+        starts, cuts, sources, seed = run.starts, line.cuts, line.sources, line.seed
+        key, width = run.tiles[0].sources.key, starts[-1]
+        moved: defaultdict[tuple[int, int, int], int] = defaultdict(int)  # (sender, receiver, hop) -> bytes
+        k, pieces = 0, 0
+        for i, group in enumerate(far):
+            base = i * width
+            for j, tile in enumerate(run.tiles):
+                relay = group[tile.seed % len(group)]
+                low, high = base + starts[j], base + starts[j + 1]
+                size = high - low
+                while low < high:
+                    while cuts[k + 1] <= low:
+                        k += 1
+                    end = min(high, cuts[k + 1])
+                    moved[sources[(k + seed) % len(sources)], relay, 0] += end - low
+                    pieces += 1
+                    low = end
+                for needer in group:
+                    self.shard_bytes[shard_of[needer]] += size
+                    if needer != relay:
+                        moved[relay, needer, 1] += size
+                        pieces += 1
+                if tile.position in self.scales:
+                    self.scale_bytes += size * len(group)
+        self.count += pieces
+        self.must_move[key] += len(far) * width
+        for (src, dst, hop), size in moved.items():
+            self._add_transfer(shard_of[dst], src, dst, size, hop)
 
     def _add_moved(self, shard: int, key: int, scale_bytes: int, size: int, hop: int) -> None:
         """Count ``size`` bytes (``scale_bytes`` of them of scale tensors) moved into ``shard`` from holder set
@@ -248,7 +292,9 @@ class RefitStats:
         local_bytes: Bytes copied inside a rank.
         transfers: Number of transfers, local copies included.
         sent / received: Bytes per rank (ranks with none are absent).
-        busiest_sender: The rank sending most (None when nothing moves) and ``busiest_sent`` its bytes.
+        busiest_sender: The rank sending most from its source tensors (None when nothing moves) and
+            ``busiest_sent`` those bytes: what the lower bound is on. With fan-out, the relays' forwards (a
+            second hop, inside a node) are not among them: they are in ``relay_loads``.
         lower_bound: Bytes the busiest sender must send at least, in any plan (``lower_bound``).
         intra_node_bytes / inter_node_bytes: Split by node when the plan has ``ranks_per_node``;
             without it every byte counts as inter-node.
@@ -281,15 +327,10 @@ class RefitStats:
 
     @classmethod
     def of(cls, plan: RefitPlan) -> RefitStats:
-        """Add up every piece of ``plan``: a route's run at once by arithmetic, or (fan-out, whose relays
-        change from tile to tile) tile by tile."""
+        """Add up every piece of ``plan``, a route's run at once (``_Tally.add_run``)."""
         tally = _Tally.start(plan)
-        if plan.fan_out:
-            for tile, pieces in plan.tiles():
-                tally.add(tile, pieces)
-        else:
-            for run in plan.runs():
-                tally.add_run(run)
+        for run in plan.runs():
+            tally.add_run(run)
         return cls.of_tally(plan, tally)
 
     @classmethod
@@ -298,7 +339,9 @@ class RefitStats:
         loads, relayed = tally.loads, tally.relayed
         sent = {rank: load[0] + load[1] for rank, load in sorted(loads.items()) if load[0] + load[1]}
         received = {rank: load[2] + load[3] for rank, load in sorted(loads.items()) if load[2] + load[3]}
-        busiest = max(sent, key=lambda rank: (sent[rank], -rank), default=None)
+        forwarded = {rank: load[0] + load[1] for rank, load in relayed.items()}
+        first_hop = {rank: size - forwarded.get(rank, 0) for rank, size in sent.items()}
+        busiest = max(first_hop, key=lambda rank: (first_hop[rank], -rank), default=None)
         return cls(
             model_bytes=plan.manifest.nbytes,
             total_bytes=sum(sent.values()),
@@ -307,7 +350,7 @@ class RefitStats:
             sent=sent,
             received=received,
             busiest_sender=busiest,
-            busiest_sent=sent.get(busiest, 0) if busiest is not None else 0,
+            busiest_sent=first_hop[busiest] if busiest is not None else 0,
             lower_bound=lower_bound(tally.must_move_by_holders()),
             intra_node_bytes=sum(load[0] for load in loads.values()),
             inter_node_bytes=sum(load[1] for load in loads.values()),

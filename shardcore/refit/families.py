@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -42,9 +42,14 @@ from .models import TransformerConfig, manifest_from_config
 from .placement import ExplicitPlacement, HeldBox, Placement, ShardPlacement, check_fits
 from .weightmap import Link, MappedPlacement, WeightMap, rows, whole
 
-FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3")
 """The Hugging Face ``model_type``s with weight maps: Llama 3 (GQA), Qwen2 (qkv bias), Qwen3 (q/k norm),
-Qwen3-MoE (experts and router)."""
+Qwen3-MoE (experts and router), DeepSeek-V3 (multi-latent attention, shared experts, dense first layers)."""
+
+UNMAPPED = ("mlp.gate.e_score_correction_bias",)
+"""HF tensors (by the end of their names) no refit moves: DeepSeek-V3's router bias is Megatron-Core's
+``router.expert_bias``, a buffer updated outside the optimizer (not a parameter, so not in the manifest);
+the engine keeps its own."""
 
 LAYOUTS = ("megatron", "hf", "hf-stacked", "vllm")
 """The layouts a side of a refit may hold a model in (see the module doc)."""
@@ -89,6 +94,9 @@ class HFModel:
     _vllm: dict[tuple[int, int], tuple[Manifest, WeightMap]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    _from_megatron: dict[tuple[int, int], WeightMap] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @cached_property
     def manifest(self) -> Manifest:
@@ -112,6 +120,45 @@ class HFModel:
     def to_hf(self) -> WeightMap:
         """Megatron's tensors -> the Hugging Face tensors."""
         return self._hf[1]
+
+    def check_manifest(self, manifest: Manifest) -> None:
+        """That ``manifest`` is this model's Megatron manifest (the one its weight maps read).
+
+        Raises:
+            ManifestError: it is not, naming the first tensor that differs, its shape in both, and the HF
+                tensor(s) it feeds, so that a config whose sizes disagree with the manifest is told which.
+        """
+        ours = self.manifest
+        if manifest is ours or manifest == ours:
+            return
+        theirs = {tensor.name: tensor for tensor in manifest}
+        start = f"manifest {manifest.name!r} is not the Megatron manifest of {self.name!r}"
+        fix = "pass model.manifest, or build both from one config"
+        for tensor in ours:
+            other = theirs.get(tensor.name)
+            if other == tensor:
+                continue
+            feeds = sorted({link.target for link in self.to_hf.out_of(tensor.name)})
+            fed = f" (it feeds {', '.join(feeds[:3])}{', ...' if len(feeds) > 3 else ''})" if feeds else ""
+            given = "has no such tensor" if other is None else f"has {list(other.shape)} {other.dtype}"
+            if other is not None and (other.shape, other.dtype) == (tensor.shape, tensor.dtype):
+                given += "".join(
+                    f", {key}={getattr(other, key)!r} (config: {getattr(tensor, key)!r})"
+                    for key in (f.name for f in fields(TensorSpec))
+                    if getattr(other, key) != getattr(tensor, key)
+                )
+            raise ManifestError(
+                f"{start}: the HF config gives {tensor.name} {list(tensor.shape)} {tensor.dtype}{fed}, the manifest "
+                f"{given}: {fix}"
+            )
+        extra = next((name for name in theirs if name not in {t.name for t in ours}), None)
+        if extra is not None:
+            raise ManifestError(f"{start}: its tensor {extra} is no tensor of the HF config's model: {fix}")
+        facts = ("layers", "first_stage_layers", "last_stage_layers", "experts")
+        differ = [f"{key} {getattr(manifest, key)} (config: {getattr(ours, key)})" for key in facts
+                  if getattr(manifest, key) != getattr(ours, key)]  # fmt: skip
+        if differ:
+            raise ManifestError(f"{start}: {', '.join(differ)}: {fix}")
 
     def layout(self, kind: str) -> ModelLayout:
         """This model in layout ``kind`` (one of ``LAYOUTS``), for ``plan_refit(..., layouts={shard: ...})``.
@@ -151,7 +198,9 @@ class HFModel:
             m, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
             at: dict[str, Any] = {"layer": layer}
             add(f"{h}input_layernorm.weight", (hidden,), f"{m}input_layernorm.weight", **at)
-            for kind in ("weight", "bias") if c.qkv_bias else ("weight",):
+            if c.kv_lora_rank is not None:
+                self._mla(add, m, h, at)
+            for kind in () if c.kv_lora_rank is not None else ("weight", "bias") if c.qkv_bias else ("weight",):
                 tail = (hidden,) if kind == "weight" else ()
                 fused = f"{m}self_attention.linear_qkv.{kind}"
                 full = (groups * span, *tail)
@@ -168,11 +217,15 @@ class HFModel:
             if c.qk_norm:
                 for part in "qk":
                     add(f"{h}self_attn.{part}_norm.weight", (d,), f"{m}self_attention.{part}_layernorm.weight", **at)
-            add(f"{h}self_attn.o_proj.weight", (hidden, c.heads * d), f"{m}self_attention.linear_proj.weight", **at)
+            heads_out = c.heads * (c.v_head_dim if c.kv_lora_rank is not None else d)
+            add(f"{h}self_attn.o_proj.weight", (hidden, heads_out), f"{m}self_attention.linear_proj.weight", **at)
             add(f"{h}post_attention_layernorm.weight", (hidden,), f"{m}pre_mlp_layernorm.weight", **at)
             if c.experts and layer >= c.dense_layers:
                 add(f"{h}mlp.gate.weight", (c.experts, hidden), f"{m}mlp.router.weight", **at)
                 self._experts(tensors, links, layer, stacked)
+                if c.shared_experts:
+                    shared = c.shared_experts * (c.moe_ffn or 0)
+                    self._mlp(tensors, links, f"{m}mlp.shared_experts.", f"{h}mlp.shared_experts.", shared, at)
             else:
                 self._mlp(tensors, links, f"{m}mlp.", f"{h}mlp.", c.ffn, at)
         add("model.norm.weight", (hidden,), "decoder.final_layernorm.weight", stage=("last",))
@@ -185,6 +238,24 @@ class HFModel:
         kind = "hf-stacked" if stacked else "hf"
         targets = Manifest(tuple(tensors), layers=c.layers, name=f"{self.name} ({kind})")
         return targets, WeightMap(source, targets, tuple(links), name=f"megatron -> {kind}")
+
+    def _mla(self, add: Any, m: str, h: str, at: dict[str, Any]) -> None:
+        """DeepSeek's multi-latent attention: each Megatron projection is one HF tensor whole (both put a head's
+        no-rope part before its rope part, and the kv down projection's latent before its rope key)."""
+        c = self.config
+        hidden, rope, latent = c.hidden, c.qk_pos_emb_head_dim, c.kv_lora_rank or 0
+        qk = c.qk_head_dim + rope
+        a = f"{m}self_attention."
+        if c.q_lora_rank is None:
+            add(f"{h}self_attn.q_proj.weight", (c.heads * qk, hidden), f"{a}linear_q_proj.weight", **at)
+        else:
+            add(f"{h}self_attn.q_a_proj.weight", (c.q_lora_rank, hidden), f"{a}linear_q_down_proj.weight", **at)
+            add(f"{h}self_attn.q_a_layernorm.weight", (c.q_lora_rank,), f"{a}q_layernorm.weight", **at)
+            add(f"{h}self_attn.q_b_proj.weight", (c.heads * qk, c.q_lora_rank), f"{a}linear_q_up_proj.weight", **at)
+        add(f"{h}self_attn.kv_a_proj_with_mqa.weight", (latent + rope, hidden), f"{a}linear_kv_down_proj.weight", **at)
+        add(f"{h}self_attn.kv_a_layernorm.weight", (latent,), f"{a}kv_layernorm.weight", **at)
+        kv_up = c.heads * (c.qk_head_dim + c.v_head_dim)
+        add(f"{h}self_attn.kv_b_proj.weight", (kv_up, latent), f"{a}linear_kv_up_proj.weight", **at)
 
     def _mlp(
         self,
@@ -241,6 +312,17 @@ class HFModel:
             self._vllm[key] = _VllmPacking(self, tp, expt_tp).build()
         return self._vllm[key]
 
+    def vllm_from_megatron(self, tp: int, expt_tp: int) -> WeightMap:
+        """Megatron's tensors -> a vLLM engine's (``to_hf`` then ``vllm``), made once per (tp, expt_tp).
+
+        Raises:
+            ManifestError: as ``vllm``.
+        """
+        key = (tp, expt_tp)
+        if key not in self._from_megatron:
+            self._from_megatron[key] = self.to_hf.then(self.vllm(tp, expt_tp)[1])
+        return self._from_megatron[key]
+
 
 @dataclass
 class _VllmPacking:
@@ -275,7 +357,10 @@ class _VllmPacking:
             h = f"model.layers.{layer}."
             at: dict[str, Any] = {"layer": layer}
             self.same(f"{h}input_layernorm.weight", **at)
-            self._qkv(h, "weight", **at)
+            if c.kv_lora_rank is not None:
+                self._mla(h, **at)
+            else:
+                self._qkv(h, "weight", **at)
             if c.qkv_bias:
                 self._qkv(h, "bias", **at)
             if c.qk_norm:
@@ -287,6 +372,10 @@ class _VllmPacking:
             if c.experts and layer >= c.dense_layers:
                 self.same(f"{h}mlp.gate.weight", **at)
                 self._experts(h, **at)
+                if c.shared_experts:
+                    shared, m = c.shared_experts * (c.moe_ffn or 0), f"{h}mlp.shared_experts."
+                    self._gate_up(m, m, "gate_up_proj.weight", shared, tp, **at)
+                    self.same(f"{m}down_proj.weight", **at)
             else:
                 self._gate_up(f"{h}mlp.", f"{h}mlp.", "gate_up_proj.weight", c.ffn, tp, **at)
                 self.same(f"{h}mlp.down_proj.weight", **at)
@@ -310,6 +399,32 @@ class _VllmPacking:
         self.links.append(Link(name, rows(shape, 0, vocab), name, whole((vocab, hidden))))
         if padded > vocab:
             self.padding[name] = (rows(shape, vocab, padded),)
+
+    def _mla(self, h: str, **at: Any) -> None:
+        """``DeepseekV2MLAAttention``: with q compression, ``fused_qkv_a_proj`` = [q_a_proj; kv_a_proj_with_mqa]
+        whole on every rank (a ``MergedColumnParallelLinear`` with tp disabled); ``q_b_proj`` / ``kv_b_proj``
+        (``ColumnParallelLinear``: whole heads per rank) and ``o_proj`` split over tp; norms whole."""
+        c, a = self.model.config, f"{h}self_attn."
+        self._check("attention heads", c.heads, self.tp)
+        if c.q_lora_rank is None:
+            self.same(f"{a}q_proj.weight", **at)
+            self.same(f"{a}kv_a_proj_with_mqa.weight", **at)
+        else:
+            hf = self.model.hf_manifest
+            parts = [hf.tensor(f"{a}{part}.weight").shape for part in ("q_a_proj", "kv_a_proj_with_mqa")]
+            shape = (parts[0][0] + parts[1][0], c.hidden)
+            self.tensors.append(TensorSpec(f"{a}fused_qkv_a_proj.weight", shape, c.dtype, **at))
+            start = 0
+            for part, size in zip(("q_a_proj", "kv_a_proj_with_mqa"), parts):
+                self.links.append(
+                    Link(f"{a}fused_qkv_a_proj.weight", rows(shape, start, start + size[0]), f"{a}{part}.weight",
+                         whole(size))
+                )  # fmt: skip
+                start += size[0]
+            self.same(f"{a}q_a_layernorm.weight", **at)
+            self.same(f"{a}q_b_proj.weight", **at)
+        self.same(f"{a}kv_a_layernorm.weight", **at)
+        self.same(f"{a}kv_b_proj.weight", **at)
 
     def _qkv(self, h: str, kind: str, **at: Any) -> None:
         """``QKVParallelLinear``: tp rank r holds [its q heads; its k heads; its v heads]; with more ranks than kv
@@ -384,6 +499,9 @@ class _VllmPacking:
 _SPLITS: dict[str, tuple[tuple[str, int], ...]] = {
     "qkv_proj.weight": (("tp", 0),),
     "qkv_proj.bias": (("tp", 0),),
+    "q_proj.weight": (("tp", 0),),
+    "q_b_proj.weight": (("tp", 0),),
+    "kv_b_proj.weight": (("tp", 0),),
     "gate_up_proj.weight": (("tp", 0),),
     "o_proj.weight": (("tp", 1),),
     "down_proj.weight": (("tp", 1),),
@@ -509,7 +627,10 @@ def sides(
         elif kind == "vllm":
             targets, packing = model.vllm(plan.spec.tp, plan.spec.expt_tp)
             held = engine_placement(targets, plan, split=True, label=f"shard {plan.index} '{plan.spec}' (vllm)")
-            weights = model.to_hf.then(packing) if from_megatron is None else _hf_to(model, start, packing)
+            if from_megatron is None:
+                weights = model.vllm_from_megatron(plan.spec.tp, plan.spec.expt_tp)
+            else:
+                weights = _hf_to(model, start, packing)
         else:
             held, into = _hf_placement(model, kind, plan)
             weights = into if from_megatron is None else None if kind == start else from_megatron.reversed().then(into)
@@ -594,6 +715,8 @@ def manifest_from_hf_config(
     for key, unsupported in (("attention_bias", family != "qwen2"), ("mlp_bias", True)):
         if data.get(key) and unsupported:
             raise ManifestError(f"HF config {key}=true ({family}): biases outside q/k/v have no weight map yet")
+    if family == "deepseek_v3":
+        return _deepseek(data, vocab, layers, dtype, vocab_multiple, name)
     experts = int(data.get("num_experts", 0) or 0) if family == "qwen3_moe" else 0
     dense_layers = 0
     if experts:
@@ -623,6 +746,39 @@ def manifest_from_hf_config(
     )
     label = name or f"{family}-{layers}x{transformer.hidden}"
     return HFModel(family, transformer, vocab, label)
+
+
+def _deepseek(
+    data: Mapping[str, Any], vocab: int, layers: int, dtype: str, vocab_multiple: int, name: str | None
+) -> HFModel:
+    """DeepSeek-V3's config (``deepseek_v3``): MLA sizes, routed and shared experts, the first layers dense."""
+    if _key(data, "moe_layer_freq", 1) != 1:
+        raise ManifestError(
+            f"HF config (deepseek_v3): moe_layer_freq={data.get('moe_layer_freq')}: only the first "
+            f"first_k_dense_replace layers may be dense (moe_layer_freq 1)"
+        )
+    check = check_multiple(vocab_multiple)
+    experts = int(_key(data, "n_routed_experts", 0) or 0)
+    transformer = TransformerConfig(
+        layers=layers,
+        hidden=_key(data, "hidden_size"),
+        ffn=_key(data, "intermediate_size"),
+        heads=_key(data, "num_attention_heads"),
+        vocab=-(-vocab // check) * check,
+        experts=experts,
+        moe_ffn=_key(data, "moe_intermediate_size") if experts else None,
+        shared_experts=int(_key(data, "n_shared_experts", 0) or 0) if experts else 0,
+        dense_layers=min(int(_key(data, "first_k_dense_replace", 0)), layers) if experts else 0,
+        tied_embeddings=bool(data.get("tie_word_embeddings", False)),
+        q_lora_rank=_key(data, "q_lora_rank", None),
+        kv_lora_rank=_key(data, "kv_lora_rank"),
+        qk_head_dim=_key(data, "qk_nope_head_dim"),
+        qk_pos_emb_head_dim=_key(data, "qk_rope_head_dim"),
+        v_head_dim=_key(data, "v_head_dim"),
+        dtype=dtype,
+    )
+    label = name or f"deepseek_v3-{layers}x{transformer.hidden}"
+    return HFModel("deepseek_v3", transformer, vocab, label)
 
 
 def check_multiple(value: object) -> int:

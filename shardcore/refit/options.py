@@ -51,6 +51,12 @@ class ExecuteOptions:
         verify: ``size`` checks every received message's size against its sender's ledger; ``checksum`` also
             a checksum of its bytes.
         version: This refit's version (e.g. the training step), recorded for ``held_version``; None: none.
+        delta: Send each piece as its changes since the version its destination holds (a delta refit, needs
+            ``version``): a destination that holds another version gets it dense. Each sender keeps one copy of
+            the bytes it sends (``engine.transfer.delta``).
+        anchor_every: With ``delta``, every version divisible by it is a full (dense) refit; None: never.
+        delta_checksum: With ``delta``, every destination piece is checksummed once written, against its
+            sender's bytes: a mismatch is a ``RefitIntegrityError`` naming the tensor.
 
     Raises:
         RefitInputError: naming the field, its value and what is accepted.
@@ -61,6 +67,9 @@ class ExecuteOptions:
     max_ops: int = DEFAULT_MAX_OPS
     verify: str = Verify.SIZE.value
     version: int | None = None
+    delta: bool = False
+    anchor_every: int | None = None
+    delta_checksum: bool = False
 
     def __post_init__(self) -> None:
         _checked_timeout(self.timeout)
@@ -73,6 +82,27 @@ class ExecuteOptions:
         object.__setattr__(self, "verify", str(Verify(self.verify)))
         if self.version is not None:
             check_count("version", self.version, minimum=0, maximum=MAX_VERSION, error=RefitInputError)
+        if not isinstance(self.delta, bool) or not isinstance(self.delta_checksum, bool):
+            raise RefitInputError(
+                f"delta={shown(self.delta)}, delta_checksum={shown(self.delta_checksum)}: expected bools"
+            )
+        if self.anchor_every is not None:
+            check_count("anchor_every", self.anchor_every, minimum=1, maximum=MAX_VERSION, error=RefitInputError)
+        if (self.anchor_every is not None or self.delta_checksum) and not self.delta:
+            raise RefitInputError("anchor_every and delta_checksum shape a delta refit: pass delta=True too")
+
+    @property
+    def delta_terms(self) -> str:
+        """The delta settings as every rank must bring them alike (``off`` for a dense refit)."""
+        if not self.delta:
+            return "off"
+        anchor = "" if self.anchor_every is None else f", anchor every {self.anchor_every}"
+        return f"on{anchor}" + (", checksum after applying" if self.delta_checksum else "")
+
+    @property
+    def anchor(self) -> bool:
+        """Whether this refit sends every piece dense: a delta refit whose version ``anchor_every`` divides."""
+        return self.anchor_every is not None and self.version is not None and self.version % self.anchor_every == 0
 
     @property
     def wait(self) -> timedelta:

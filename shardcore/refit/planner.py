@@ -283,10 +283,14 @@ class TileRun:
     def at(self, ranks: tuple[int, ...], rank: int) -> int:
         """Where ``rank`` is in ``ranks`` (a line's sources or needers, which may be a thousand ranks long),
         indexed once per line."""
+        return self.members(ranks)[rank]
+
+    def members(self, ranks: tuple[int, ...]) -> dict[int, int]:
+        """``ranks`` (a line's sources or needers) as a rank -> place index, made once per line: a set to test."""
         index = self._at.get(id(ranks))
         if index is None:
             index = self._at[id(ranks)] = {member: i for i, member in enumerate(ranks)}
-        return index[rank]
+        return index
 
     @cached_property
     def index(self) -> dict[tuple[int, Box], int]:
@@ -423,33 +427,71 @@ class RefitPlan:
 
     def _all_tiles(self) -> Iterator[Tile]:
         """Every tile, in the global order: destination, tensor, destination slice, source slice."""
-        if self.fan_out:
-            for shard, placement in enumerate(self.destination_placements):
-                for position in self._positions():
-                    for target in placement.slices(position):
-                        yield from self._tiles_into(position, shard, target)
-            return
-        held = [(position, self.source_placement.slices(position)) for position in self._positions()]
+        held = [
+            (position, self.source_placement.slices(position), self._context(position))
+            for position in self._positions()
+        ]
         for shard, placement in enumerate(self.destination_placements):
             found: dict[tuple[int, ...], Any] = {}
-            for position, sources in held:
-                yield from self._tiles_alike(found, position, shard, placement.slices(position), sources)
+            for position, sources, context in held:
+                yield from self._tiles_alike(found, position, shard, placement.slices(position), sources, context)
+
+    def _context(self, position: int) -> tuple[Slice, ...]:
+        """What the tiles of tensor ``position`` depend on beyond their two slices: with fan-out every
+        destination's slices of it (its tiles' groups are made of them); without, nothing."""
+        if not self.fan_out:
+            return ()
+        return tuple(piece for placement in self.destination_placements for piece in placement.slices(position))
 
     def _tiles_alike(
-        self, found: dict[tuple[int, ...], Any], position: int, shard: int, targets: Sequence[Slice], sources: Any
+        self,
+        found: dict[tuple[int, ...], Any],
+        position: int,
+        shard: int,
+        targets: Sequence[Slice],
+        sources: Sequence[Slice],
+        context: tuple[Slice, ...] = (),
     ) -> list[Tile]:
         """The tiles into ``targets`` (slices of tensor ``position`` in destination ``shard``; ``sources`` are
-        the tensor's source slices). A tensor whose slices are the very slices of an earlier one (a shard
-        placement's are, for the same weight of every layer) has that tensor's tiles, moved to it
-        (``_moved``), from ``found``; so most tiles are not found again. ``found`` is keyed by the slices'
-        ids and holds the slices, so no other slice can take their ids while it lives. Not with fan-out,
-        whose groups depend on every destination."""
-        key = (shard, *map(id, targets), -1, *map(id, sources))
+        the tensor's source slices, ``context`` its ``_context``). A tensor whose slices are the very slices of
+        an earlier one (a shard placement's are, for the same weight of every layer) has that tensor's tiles,
+        moved to it (``_moved``), from ``found``; so most tiles are not found again."""
+        key = (shard, *map(id, targets), -1, *map(id, sources), -2, *map(id, context))
+        return self._alike(
+            found,
+            key,
+            (targets, sources, context),
+            position,
+            lambda: [tile for target in targets for tile in self._tiles_into(position, shard, target)],
+        )
+
+    def _tiles_out(
+        self, found: dict[tuple[int, ...], Any], position: int, shard: int, source: Slice, context: tuple[Slice, ...]
+    ) -> list[Tile]:
+        """The tiles of source slice ``source`` toward destination ``shard`` (``_tiles_from``), found once per
+        distinct (source slice, destination's slices, ``context``) as ``_tiles_alike`` finds them."""
+        targets = self.destination_placements[shard].slices(position)
+        key = (shard, id(source), -1, *map(id, targets), -2, *map(id, context))
+        return self._alike(
+            found, key, (source, targets, context), position, lambda: list(self._tiles_from(position, shard, source))
+        )
+
+    def _alike(
+        self,
+        found: dict[tuple[int, ...], Any],
+        key: tuple[int, ...],
+        kept: object,
+        position: int,
+        make: Callable[[], list[Tile]],
+    ) -> list[Tile]:
+        """``make()``'s tiles for tensor ``position``, or those found under ``key`` before (for another tensor with
+        the same slices), moved to it. ``key`` is made of the ids of the slices the tiles depend on, and ``found``
+        keeps those slices (``kept``), so no other slice can take their ids while it lives."""
         itemsize = self.manifest.tensors[position].wire_itemsize
         known = found.get(key)
         if known is None:
-            tiles = [tile for target in targets for tile in self._tiles_into(position, shard, target)]
-            found[key] = ((targets, sources), [(tile, tile.row_bytes // itemsize) for tile in tiles])
+            tiles = make()
+            found[key] = (kept, [(tile, tile.row_bytes // itemsize) for tile in tiles])
             return tiles
         return [self._moved(tile, position, per_row * itemsize) for tile, per_row in known[1]]
 
@@ -531,11 +573,10 @@ class RefitPlan:
                 pending.append(tile)
         for key, pending in found.items():
             if pending is not None:
-                # a rank that both sends and receives on a route finds each of its tiles twice: once each
-                pending = list(dict.fromkeys(pending))
+                # a box's tile once: a rank that both sends and receives on a route finds each of its tiles twice,
+                # and with fan-out a box has a tile per destination of its group
                 pending.sort(key=_place)  # stable: the first found of a box's tiles stays first
-                if self.fan_out:  # a box's tile once, not once per destination of its group
-                    pending = [t for i, t in enumerate(pending) if not i or _place(pending[i - 1]) != _place(t)]
+                pending = [t for i, t in enumerate(pending) if not i or _place(pending[i - 1]) != _place(t)]
                 self._runs[key] = self._run(pending)
         return [self._runs[key] for key in found]
 
@@ -562,69 +603,82 @@ class RefitPlan:
             lines.append(WorkLine((), nodes, holders, seed, line_cuts(starts, steps, nodes, len(holders), floor)))
         return TileRun(routes, tuple(tiles), tuple(starts), tuple(lines))
 
-    def _spread(
-        self, tile: Tile, run: TileRun, line: WorkLine, needers: Sequence[int], src: int | None, dst: int | None
-    ) -> list[Piece]:
+    def _spread(self, tile: Tile, run: TileRun, line: WorkLine, needers: Sequence[int], dst: int | None) -> list[Piece]:
         """The tile's pieces on one work line: each of its copies (one per needer) cut where the line's segments end.
 
-        With ``src`` (or ``dst``) given, only the pieces that rank sends (or receives) are cut: one
-        rank's cost is its own pieces.
+        With ``dst`` given, only the pieces that rank receives are cut: one rank's cost is its own pieces.
         """
         j = run.index[tile.position, tile.box]
         first, width, row_bytes = run.starts[j], run.starts[-1], tile.row_bytes
         size = tile.rows * row_bytes
         cuts, sources, seed = line.cuts, line.sources, line.seed
         copies: Iterable[int] = range(len(needers))
-        mine = None
         if dst is not None:
             copies = (run.at(needers, dst) if needers is line.needers else needers.index(dst),)
-        elif src is not None:  # a source takes at most one segment: the copies it meets
-            mine = (run.at(sources, src) - seed) % len(sources)
-            if mine >= len(cuts) - 1:
-                return []
-            low, high = cuts[mine], cuts[mine + 1]
-            copies = range(
-                max(0, (low - first - size) // width + 1), min(len(needers), (high - first - 1) // width + 1)
-            )
         pieces: list[Piece] = []
         for i in copies:
             start = i * width + first
             end = start + size
             for k in range(bisect_right(cuts, start) - 1, bisect_left(cuts, end)):
                 low, high = max(start, cuts[k]), min(end, cuts[k + 1])
-                if low < high and (mine is None or k == mine):
+                if low < high:
                     source = sources[(k + seed) % len(sources)]
                     pieces.append((source, needers[i], (low - start) // row_bytes, (high - start) // row_bytes, 0))
         return pieces
 
-    def _pieces(self, tile: Tile, src: int | None = None, dst: int | None = None) -> list[Piece]:
+    @staticmethod
+    def _sends(run: TileRun, rank: int) -> Iterator[tuple[Tile, Piece]]:
+        """What ``rank`` sends on ``run`` from its source tensors (hop 0), with the tile of each piece: on each line
+        it serves, its one segment, walked copy by copy and tile by tile (its cost is its own pieces, not the
+        route's tiles). With fan-out, a copy of the relays' line goes to each tile's relay on its node."""
+        starts, tiles, width = run.starts, run.tiles, run.starts[-1]
+        for n, line in enumerate(run.lines):
+            sources = line.sources
+            if rank not in run.members(sources):
+                continue
+            k = (run.at(sources, rank) - line.seed) % len(sources)
+            if k >= len(line.cuts) - 1:
+                continue
+            at, high = line.cuts[k], line.cuts[k + 1]
+            far = run.routes.far if n == len(run.routes.lines) else None
+            while at < high:
+                copy, inside = divmod(at, width)
+                j = bisect_right(starts, inside) - 1
+                tile, edge = tiles[j], copy * width + starts[j]
+                end = min(high, edge + starts[j + 1] - starts[j])
+                if far is None:
+                    dst = line.needers[copy]
+                else:
+                    group = far[copy]
+                    dst = group[tile.seed % len(group)]
+                yield tile, (rank, dst, (at - edge) // tile.row_bytes, (end - edge) // tile.row_bytes, 0)
+                at = end
+
+    def _pieces(self, tile: Tile, dst: int | None = None) -> list[Piece]:
         """Who sends which rows of the tile to the tile's needers: a pure function of the tile's route's tiles
         (its run, cut by ``_cut_runs`` first).
 
-        ``src`` / ``dst`` restrict the answer to the pieces that rank sends to others from its source
-        tensor / receives (its local copy included), computing only those.
+        ``dst`` restricts the answer to the pieces that rank receives (its local copy included), computing only
+        those (what a rank sends: ``_sends``).
         """
         if dst is not None and dst in tile.sources.members:
             return [(dst, dst, 0, tile.rows, 0)]
-        if src is not None and src not in tile.sources.members:
-            return []
         run = self._runs[self._route_key(tile)]
         routes, rows = run.routes, tile.rows
-        pieces: list[Piece] = [] if src is not None or dst is not None else [(d, d, 0, rows, 0) for d in routes.local]
+        pieces: list[Piece] = [] if dst is not None else [(d, d, 0, rows, 0) for d in routes.local]
         for line in run.lines[: len(routes.lines)]:
-            if (src is None or src in line.sources) and (dst is None or dst in line.needers):
-                pieces += self._spread(tile, run, line, line.needers, src, dst)
+            if dst is None or dst in run.members(line.needers):
+                pieces += self._spread(tile, run, line, line.needers, dst)
         if routes.far:  # fan-out: the relays' line, then each relay's forwards
             relays = [group[tile.seed % len(group)] for group in routes.far]
             if dst is None or dst in relays:
-                pieces += self._spread(tile, run, run.lines[-1], relays, src, dst)
-            if src is None:
-                pieces += [
-                    (relay, d, 0, rows, 1)
-                    for relay, group in zip(relays, routes.far)
-                    for d in group
-                    if d != relay and (dst is None or d == dst)
-                ]
+                pieces += self._spread(tile, run, run.lines[-1], relays, dst)
+            pieces += [
+                (relay, d, 0, rows, 1)
+                for relay, group in zip(relays, routes.far)
+                for d in group
+                if d != relay and (dst is None or d == dst)
+            ]
         if tile.group:
             own = tile.needers.members
             pieces = [piece for piece in pieces if piece[1] in own]
@@ -777,36 +831,43 @@ class RefitPlan:
         wanted: list[tuple[Tile, bool]] = []  # each tile, and whether the rank receives (or sends) on it
         destination_shapes: dict[str, tuple[int, ...]] = {}
         chosen = self.tensors
-        found: dict[tuple[int, ...], Any] = {}  # tiles of tensors with the same slices (``_tiles_alike``)
+        found: dict[tuple[int, ...], Any] = {}  # tiles of tensors with the same slices (``_alike``): received,
+        sent: dict[tuple[int, ...], Any] = {}  # and sent
         for shard, placement in enumerate(self.destination_placements):
             for held in placement.held(rank):
                 position = held.position
                 if chosen is not None and position not in chosen:
                     continue
                 destination_shapes[held.name or tensors[position].name] = held.shape
-                if self.fan_out:
-                    tiles = [tile for target in held.slices for tile in self._tiles_into(position, shard, target)]
-                else:
-                    tiles = self._tiles_alike(
-                        found, position, shard, held.slices, self.source_placement.slices(position)
-                    )
+                tiles = self._tiles_alike(
+                    found, position, shard, held.slices, self.source_placement.slices(position), self._context(position)
+                )
                 wanted += ((tile, True) for tile in tiles)
         source_shapes: dict[str, tuple[int, ...]] = {}
+        shards = range(len(self.destination_placements))
         for held in self.source_placement.held(rank):
-            if chosen is not None and held.position not in chosen:
+            position = held.position
+            if chosen is not None and position not in chosen:
                 continue
-            if tensors[held.position].scale_of is None:  # scale tensors are derived where the weight is
-                source_shapes[tensors[held.position].name] = held.shape
+            if tensors[position].scale_of is None:  # scale tensors are derived where the weight is
+                source_shapes[tensors[position].name] = held.shape
+            context = self._context(position)
             for source in held.slices:
-                for shard in range(len(self.destination_placements)):
-                    wanted += ((tile, False) for tile in self._tiles_from(held.position, shard, source))
+                for shard in shards:
+                    wanted += ((tile, False) for tile in self._tiles_out(sent, position, shard, source, context))
         self._cut_runs(tile for tile, _ in wanted)
         keyed: list[tuple[int, int, int, Box, int, str, Transfer]] = []
         for tile, receiving in wanted:
-            pieces = (
-                self._pieces(tile, dst=rank) + self._forwards(tile, rank) if receiving else self._pieces(tile, src=rank)
-            )
-            keyed += ((t.src, t.dst, tile.position, t.box, t.hop, t.target, t) for t in self._transfers(tile, pieces))
+            if receiving:
+                pieces = self._pieces(tile, dst=rank) + self._forwards(tile, rank)
+                keyed += (
+                    (t.src, t.dst, tile.position, t.box, t.hop, t.target, t) for t in self._transfers(tile, pieces)
+                )
+        for run in self._cut_runs(tile for tile, receiving in wanted if not receiving):
+            for tile, piece in self._sends(run, rank):
+                keyed += (
+                    (t.src, t.dst, tile.position, t.box, t.hop, t.target, t) for t in self._transfers(tile, (piece,))
+                )
         keyed.sort(key=lambda item: item[:6])  # by (src, dst, tensor, box, hop, target): no two transfers share them
         ordered = [item[6] for item in keyed]
         return RankRefit(
@@ -1017,11 +1078,7 @@ def _through_layouts(
             f"manifest {manifest.name!r} converts dtypes: a refit through a layout keeps them (convert in a second "
             f"refit, between Megatron shards)"
         )
-    if manifest is not model.manifest and manifest != model.manifest:
-        raise ManifestError(
-            f"manifest {manifest.name!r} is not the Megatron manifest of {model.name!r}, whose layouts are given: "
-            f"pass model.manifest"
-        )
+    model.check_manifest(manifest)
     origin, targets = sides(source, destinations, layouts)
     _check_covered(origin, targets)
     return ShardRefitPlan(

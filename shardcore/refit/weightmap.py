@@ -132,22 +132,20 @@ class WeightMap:
 
     def _check_tiled(self, name: str, numel: int, links: list[Link]) -> None:
         """The links and padding of one destination tensor cover it, each element once."""
-        boxes = sorted([(link.box, link.source) for link in links] + [(box, "") for box in self.padding.get(name, ())])
+        boxes = [(link.box, link.source) for link in links] + [(box, "") for box in self.padding.get(name, ())]
         if not links:
             raise ManifestError(
                 f"{self.name}: destination tensor {tensor_label(name)} is fed by no source tensor of "
                 f"{self.sources.name!r}: the model's families disagree (check the config's family and sizes)"
             )
-        for i, (first, feeds) in enumerate(boxes):
-            for second, other in boxes[i + 1 :]:
-                if second[0][0] >= first[0][1]:
-                    break
-                if meets(first, second):
-                    raise ManifestError(
-                        f"{self.name}: destination tensor {tensor_label(name)}: box {_shown(first)} (from "
-                        f"{tensor_label(feeds or 'padding')}) and box {_shown(second)} (from "
-                        f"{tensor_label(other or 'padding')}) overlap: each element has one source"
-                    )
+        pair = _overlapping(boxes, 0)
+        if pair is not None:
+            (first, feeds), (second, other) = sorted(pair)
+            raise ManifestError(
+                f"{self.name}: destination tensor {tensor_label(name)}: box {_shown(first)} (from "
+                f"{tensor_label(feeds or 'padding')}) and box {_shown(second)} (from "
+                f"{tensor_label(other or 'padding')}) overlap: each element has one source"
+            )
         covered = sum(volume(box) for box, _ in boxes)
         if covered != numel:
             sources = sorted({link.source for link in links})
@@ -228,6 +226,35 @@ class WeightMap:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def _overlapping(boxes: list[tuple[Box, str]], dim: int) -> tuple[tuple[Box, str], tuple[Box, str]] | None:
+    """Two of ``boxes`` (which agree on the dims before ``dim``) that share an element, or None.
+
+    Boxes with the very same extent along ``dim`` overlap where their later dims do (a stacked tensor's
+    experts each hold many boxes of one slot): those are compared on the next dim, so the check stays near
+    linear; boxes with different but meeting extents are compared pairwise, a sweep along ``dim``."""
+    if len(boxes) < 2:
+        return None
+    if dim == len(boxes[0][0]):
+        return boxes[0], boxes[1]  # equal along every dim: the same box twice
+    by_extent: dict[tuple[int, int], list[tuple[Box, str]]] = {}
+    for item in boxes:
+        by_extent.setdefault(item[0][dim], []).append(item)
+    for group in by_extent.values():
+        found = _overlapping(group, dim + 1)
+        if found is not None:
+            return found
+    extents = sorted(by_extent)
+    for i, (start, stop) in enumerate(extents):
+        for later in extents[i + 1 :]:
+            if later[0] >= stop:
+                break
+            for first in by_extent[(start, stop)]:
+                for second in by_extent[later]:
+                    if meets(first[0], second[0]):
+                        return first, second
+    return None
+
+
 def _shown(box: Box) -> str:
     return str([list(pair) for pair in box])
 
@@ -256,6 +283,7 @@ class MappedPlacement(Placement):
         self.engine, self.weights, self.manifest = engine, weights, weights.sources
         self.index, self.label = engine.index, engine.label
         self._mapped: dict[int, tuple[tuple[int, Slice], ...]] = {}
+        self._by_source: dict[int, dict[int, list[Slice]]] = {}
         self._slices: dict[int, tuple[Slice, ...]] = {}
 
     @property
@@ -280,6 +308,9 @@ class MappedPlacement(Placement):
                 offset = tuple(o + lo - a for o, (lo, _), (a, _) in zip(piece.offset, shared, piece.box))
                 out.append((source, Slice(box, offset, piece.holders, piece.block, len(out), name)))
         found = self._mapped[position] = tuple(out)
+        by_source = self._by_source[position] = {}
+        for source, piece in found:
+            by_source.setdefault(source, []).append(piece)
         return found
 
     def slices(self, position: int) -> tuple[Slice, ...]:
@@ -287,7 +318,9 @@ class MappedPlacement(Placement):
         if found is None:
             name = self.manifest.tensors[position].name
             targets = sorted({self.weights.targets.index(link.target) for link in self.weights.out_of(name)})
-            found = tuple(piece for t in targets for source, piece in self._of_target(t) if source == position)
+            for target in targets:
+                self._of_target(target)
+            found = tuple(piece for t in targets for piece in self._by_source[t].get(position, ()))
             self._slices[position] = found
         return found
 

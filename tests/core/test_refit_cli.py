@@ -218,6 +218,9 @@ def test_check_refuses_more_processes_than_the_machine_holds(capsys: pytest.Capt
         (("--bucket-bytes", "4096"), "--bucket-bytes needs --check"),
         (("--max-ops", "8", "--verify", "checksum"), "--max-ops, --verify need --check"),
         (("--refit-version", "3"), "--refit-version needs --check"),
+        (("--delta",), "--delta needs --check"),
+        (("--check", "--anchor-every", "3", "--delta-checksum"), "--anchor-every, --delta-checksum need --delta"),
+        (("--check", "--changed", "0.1"), "--changed needs --delta"),
     ],
 )
 def test_flags_that_act_with_another_are_refused_without_it(

@@ -37,7 +37,12 @@ CONFIGS = {
     "qwen2": {"model_type": "qwen2"},
     "qwen3": {"model_type": "qwen3", "head_dim": 32},
     "qwen3_moe": {"model_type": "qwen3_moe", "head_dim": 16, "num_experts": 4, "moe_intermediate_size": 32},
-}
+    "deepseek_v3": {
+        "model_type": "deepseek_v3", "num_hidden_layers": 3, "first_k_dense_replace": 1, "n_routed_experts": 4,
+        "n_shared_experts": 1, "moe_intermediate_size": 32, "q_lora_rank": 48, "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+    },
+}  # fmt: skip
 
 
 def model_of(family: str, **more: Any) -> HFModel:
@@ -84,7 +89,7 @@ def padding_rows(model: HFModel, name: str, shape: tuple[int, ...], tp_rank: int
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_destination_element_once_from_a_holder(family: str) -> None:
     model = model_of(family)
-    moe = family == "qwen3_moe"
+    moe = family in ("qwen3_moe", "deepseek_v3")
     source_spec = "tp=2,dp=2,ep=2,expt_tp=1,role=train" if moe else "tp=2,dp=2,role=train"
     engine = "tp=4,ep=2,expt_tp=2" if moe else "tp=4"  # tp=4 over 2 kv heads: each kv head on two ranks
     layout = plan_layout(4 + 1 + 4 + 2, f"{source_spec} + dp=1 + {engine} + dp=2")
@@ -124,6 +129,30 @@ def test_hf_shapes_and_names_follow_the_model_classes() -> None:
     assert stacked["model.layers.0.self_attn.qkv_proj.weight"] == (2 * (2 + 2) * 16, 64)
     assert stacked["model.embed_tokens.weight"] == (128, 64)  # 100 padded to a multiple of 64
     assert "lm_head.weight" not in {t.name for t in model_of("llama").hf_manifest}  # tied: the embedding
+
+
+def test_deepseek_v3_names_shapes_and_vllm_packing() -> None:
+    """MLA's projections map whole; vLLM fuses [q_a_proj; kv_a_proj_with_mqa] on every rank and splits the
+    heads of q_b_proj / kv_b_proj; the shared experts pack like a dense MLP; the first layer stays dense."""
+    model = model_of("deepseek_v3")
+    hf = {t.name: t.shape for t in model.hf_manifest}
+    assert hf["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"] == (32 + 8, 64)
+    assert hf["model.layers.1.self_attn.kv_b_proj.weight"] == (4 * (16 + 16), 32)
+    assert hf["model.layers.1.self_attn.o_proj.weight"] == (64, 4 * 16)
+    assert hf["model.layers.2.mlp.shared_experts.up_proj.weight"] == (32, 64)
+    assert "model.layers.0.mlp.gate_proj.weight" in hf and "model.layers.0.mlp.gate.weight" not in hf
+    layout = plan_layout(2 + 2, "tp=2,role=train + tp=2,expt_tp=2")
+    plan = plan_refit(layout, 0, [1], model.manifest, layouts={1: model.layout("vllm")}, min_piece_bytes=0)
+    shapes = plan.for_rank(3).destination_shapes
+    assert shapes["model.layers.1.self_attn.fused_qkv_a_proj.weight"] == (48 + 40, 64)
+    assert shapes["model.layers.1.self_attn.q_b_proj.weight"] == (2 * 24, 48)
+    assert shapes["model.layers.2.mlp.shared_experts.gate_up_proj.weight"] == (32, 64)
+    assert shapes["model.layers.2.mlp.experts.w13_weight"] == (4, 32, 64)
+    fused = [t for t in plan.for_rank(3).recvs + plan.for_rank(3).copies if "fused_qkv_a" in t.destination]
+    layer1 = {(t.tensor.rsplit(".", 2)[-2], t.dst_offset[0]) for t in fused if t.tensor.startswith("decoder.layers.1.")}
+    assert layer1 == {("linear_q_down_proj", 0), ("linear_kv_down_proj", 48)}
+    with pytest.raises(ManifestError, match="moe_layer_freq"):
+        model_of("deepseek_v3", moe_layer_freq=2)
 
 
 def test_vllm_packing_of_one_rank() -> None:
@@ -172,7 +201,7 @@ def test_hf_config_file_and_dict_agree(tmp_path: Any) -> None:
 @pytest.mark.parametrize(
     ("config", "words"),
     [
-        ({**BASE, "model_type": "gpt2"}, ["gpt2", "llama, qwen2, qwen3, qwen3_moe"]),
+        ({**BASE, "model_type": "gpt2"}, ["gpt2", "llama, qwen2, qwen3, qwen3_moe, deepseek_v3"]),
         ({**{k: v for k, v in BASE.items() if k != "hidden_size"}, "model_type": "llama"}, ["hidden_size"]),
         ({**BASE, "model_type": "llama", "mlp_bias": True}, ["mlp_bias"]),
         ({**BASE, "model_type": "qwen3_moe", "num_experts": 4, "moe_intermediate_size": 8, "mlp_only_layers": [1]},
@@ -201,6 +230,29 @@ def test_bad_layouts_stop_before_planning() -> None:
         plan_refit(layout, 0, [1], model.manifest, layouts={2: model.layout("vllm")})
     with pytest.raises(ManifestError, match="unknown layout 'sglang'"):
         model.layout("sglang")
+
+
+def test_a_manifest_the_config_disagrees_with_names_both_tensors() -> None:
+    model = model_of("qwen2")
+    layout = plan_layout(2 + 2, "tp=2,role=train + tp=2")
+    other = model_of("qwen2", num_key_value_heads=4)  # the manifest of another config: more kv heads
+    with pytest.raises(
+        ManifestError,
+        match=r"HF config gives decoder.layers.0.self_attention.linear_qkv.weight \[128, 64\] bfloat16 \(it feeds "
+        r"model.layers.0.self_attn.k_proj.weight, .*q_proj.weight, .*v_proj.weight\), the manifest has \[192, 64\]",
+    ):
+        plan_refit(layout, 0, [1], other.manifest, layouts={1: model.layout("vllm")})
+    tied = model_of("llama")
+    stage = r"has \[128, 64\] bfloat16, stage=\('first',\) \(config: \('first', 'last'\)"
+    with pytest.raises(ManifestError, match=stage):
+        plan_refit(layout, 0, [1], model_of("llama", tie_word_embeddings=False).manifest,
+                   layouts={1: tied.layout("vllm")})  # fmt: skip
+    with pytest.raises(ManifestError, match=r"output_layer.weight is no tensor of the HF config's model"):
+        untied = manifest_from_hf_config({**BASE, **CONFIGS["llama"], "tie_word_embeddings": False}, vocab_multiple=128)
+        mixed = Manifest((*tied.manifest.tensors, untied.manifest.tensor("output_layer.weight")), layers=2)
+        plan_refit(layout, 0, [1], mixed, layouts={1: tied.layout("vllm")})
+    renamed = Manifest(model.manifest.tensors, layers=model.manifest.layers, name="renamed")
+    assert plan_refit(layout, 0, [1], renamed, layouts={1: model.layout("vllm")}).for_rank(2).recvs
 
 
 def test_vocab_the_engine_pads_differently() -> None:

@@ -11,6 +11,7 @@ from shardcore import build_shards, destroy_shards, form_survivor_world
 from shardcore.engine.agreement import Party, Purpose, barrier
 from shardcore.engine.torch_state import group_counter, world_token
 from shardcore.errors import GroupCreationError, ShardcoreError
+from shardcore.testing import outcomes
 
 READY = Purpose("elastic test", "the elastic test's worker", GroupCreationError)
 WAIT = timedelta(seconds=60)
@@ -71,13 +72,7 @@ def bad_inputs(rank: int, world: int) -> dict[str, str]:
         "no rendezvous": lambda: form_survivor_world([0], shards=shards),
         "timeout": lambda: form_survivor_world(other, shards=shards, timeout=-1),
     }
-    out = {}
-    for name, call in calls.items():
-        try:
-            call()
-            out[name] = "no error"
-        except ShardcoreError as error:
-            out[name] = f"{type(error).__name__}: {error}"
+    out = outcomes(calls, ShardcoreError)
     out["members"] = str(_sum_of_old_ranks(rank))
     destroy_shards(shards)
     return out

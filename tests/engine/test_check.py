@@ -60,21 +60,37 @@ FAILING_PLUGIN = textwrap.dedent(
     """
 )
 
-SLOW_STORE_CONNECT = textwrap.dedent(
+
+def _in_check_workers(action: str) -> str:
+    """A ``sitecustomize.py`` that runs ``action`` (indented code) in the workers of ``shardcore check`` only."""
+    return textwrap.dedent(
+        """
+        import os
+
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as parent, open("/proc/self/cmdline", "rb") as me:
+            worker = b"shardcore\\0check" in parent.read() and b"spawn_main" in me.read()  # not its resource tracker
+        if worker:
+        """
+    ) + textwrap.indent(textwrap.dedent(action), "    ")
+
+
+SLOW_STORE_CONNECT = _in_check_workers(  # a store connection that times out, as on a busy machine
     """
-    import os
+    from datetime import timedelta
 
-    with open(f"/proc/{os.getppid()}/cmdline", "rb") as parent:
-        worker = b"shardcore\\0check" in parent.read()
-    if worker:  # a worker of the check: a store connection that times out, as on a busy machine
-        from datetime import timedelta
+    import torch.distributed as dist
 
-        import torch.distributed as dist
+    try:
+        dist.TCPStore("127.0.0.1", 1, is_master=False, timeout=timedelta(seconds=0.5))
+    except Exception:
+        pass
+    """
+)
+WORKERS_STAY = _in_check_workers(  # workers still busy when Ctrl-C comes, however fast the machine
+    """
+    import time
 
-        try:
-            dist.TCPStore("127.0.0.1", 1, is_master=False, timeout=timedelta(seconds=0.5))
-        except Exception:
-            pass
+    time.sleep(120)
     """
 )
 
@@ -234,9 +250,11 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads process children from /proc")
-def test_ctrl_c_ends_quietly_with_no_stray_process() -> None:
+def test_ctrl_c_ends_quietly_with_no_stray_process(tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text(WORKERS_STAY)
     argv = [sys.executable, "-m", "shardcore", "check", "--nproc", "3", "--shards", "tp=3", "--timeout", "60"]
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT)
+    env = _env(tmp_path)
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     children: list[int] = []
     deadline = time.monotonic() + 120
     while len(children) < 3 and time.monotonic() < deadline and process.poll() is None:

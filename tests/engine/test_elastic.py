@@ -4,8 +4,6 @@ restore every weight from what they hold, verified bitwise."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 pytest.importorskip("torch")
@@ -14,17 +12,8 @@ from shardcore.engine.live.ports import free_port
 from shardcore.engine.live.restore_check import RestoreCheckOptions, RestoreReport, choose_option, run_local
 from shardcore.refit import RefitStats
 from shardcore.replan import ReplanRequest, restore_plan
-from shardcore.testing import SHRINKABLE_GLOO, kept_worlds, run_world
+from shardcore.testing import SHRINKABLE_GLOO, run_world
 from tests.engine import elastic_workers as workers
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _own_processes() -> Iterator[None]:
-    """This module's worlds form survivor worlds (a new default group and store) inside the rank processes;
-    a process kept after that is not clean for another module's world (a later world's ranks once waited on a
-    store that a kept process still held), so these processes are ended with the module."""
-    with kept_worlds():
-        yield
 
 
 @pytest.mark.parametrize(

@@ -81,3 +81,20 @@ def test_bad_refit_check_input_is_one_line_before_any_start(argv: list[str], mes
     assert result.returncode == 2
     assert result.stderr.startswith("shardcore: error:") and message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_local_refit_check_of_a_delta_refit_counts_the_wire_bytes() -> None:
+    """``--delta``: a refit, an optimizer step changing 2 % of the elements, then a delta refit, checked bitwise;
+    the summary and ``--json`` show the encoded bytes beside the tensor bytes."""
+    delta = ["--delta", "--delta-checksum", "--anchor-every", "5"]
+    argv = [sys.executable, "-m", "shardcore", "refit", "--check", "--nproc", "4", *ARGS, *delta]
+    result = subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stdout.splitlines()
+    assert "delta on, anchor every 5, checksum after applying" in lines[0], lines[0]
+    assert lines[-1].startswith("all 2 destination ranks hold the source's tensors bitwise: 9.45 MB moved ("), lines
+    result = subprocess.run([*argv, "--json"], capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+    _assert_refit_checked(result)
+    document = json.loads(result.stdout)
+    assert document["execute"]["delta"] == "on, anchor every 5, checksum after applying"
+    assert all(0 < row["wire_bytes"] < row["bytes"] // 10 for row in document["shards"]), document["shards"]

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -102,3 +103,65 @@ def test_hf_layout_is_the_installed_model_class(index: int) -> None:
     fresh = workers.reference_model(config, seed=2)
     fresh.load_state_dict(received, strict=not tied)
     assert (workers.logits(fresh) - workers.logits(original)).abs().max().item() <= 1e-5
+
+
+ORACLE_CASES: list[tuple[dict[str, Any], str]] = [
+    (workers.hf_config({"model_type": "llama"}), "tp=2,pp=2"),
+    (workers.hf_config({"model_type": "llama", "tie_word_embeddings": True}), "tp=2,pp=2"),
+    (workers.hf_config({"model_type": "qwen2"}), "tp=2,pp=2"),
+    (workers.hf_config({"model_type": "qwen3", "head_dim": 32}), "tp=2,pp=2"),
+    (workers.hf_config(workers.CASES[-1][0]), "tp=2,pp=2,ep=2,expt_tp=1"),
+]
+"""(HF config, Megatron spec): every family at tp=2, pp=2 (ep=2 for the experts), fp32, 2 layers."""
+
+
+def test_megatron_gpt_into_transformers_and_vllm_and_back() -> None:
+    """The real oracle: megatron-core's own GPTModel (tp=2, pp=2) refit into transformers' model class and
+    into the vLLM tp=2 layout gives Megatron's logits; a transformers model refit into the Megatron shards
+    gives its own (``megatron_layout_workers``)."""
+    import torch
+
+    from shardcore.refit.families import manifest_from_hf_config
+
+    from . import megatron_layout_workers as oracle
+
+    results = run_world(oracle.WORLD, oracle.run_cases, ORACLE_CASES, timeout=600)
+    for index, (config, _) in enumerate(ORACLE_CASES):
+        family = f"{config['model_type']}{' tied' if config.get('tie_word_embeddings') else ''}"
+        per_rank = [rank_results[index] for rank_results in results]
+        hf = per_rank[oracle.HF_RANK]
+        vocab = config["vocab_size"]
+        megatron, back = (
+            [torch.from_numpy(r[key])[..., :vocab] for r in per_rank if r.get(key) is not None]
+            for key in ("megatron", "megatron_back")
+        )
+        assert len(megatron) == len(back) == 2, family  # the last stage's two tp ranks
+        tied = ["lm_head.weight"] if config.get("tie_word_embeddings") else []
+        assert hf["unexpected"] == [] and hf["missing"] == tied, (family, hf["missing"], hf["unexpected"])
+        assert (torch.from_numpy(hf["hf"]) - megatron[0]).abs().max().item() <= 1e-5, family
+        model = manifest_from_hf_config(config, vocab_multiple=128)
+        vllm = [{n: torch.from_numpy(a) for n, a in per_rank[r]["vllm"].items()} for r in oracle.VLLM_RANKS]
+        state = workers.vllm_to_hf(vllm, model, expt_tp=2 if model.config.experts else 1)
+        fresh = workers.reference_model(config, seed=4)
+        missing, unexpected = fresh.load_state_dict(state, strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (family, missing, unexpected)
+        assert (workers.logits(fresh) - megatron[0]).abs().max().item() <= 1e-5, family
+        original = torch.from_numpy(hf["original"])
+        assert all((logits - original).abs().max().item() <= 1e-5 for logits in back), family
+
+
+def test_deepseek_v3_hf_layout_is_the_installed_model_class() -> None:
+    """DeepSeek-V3's hf layout (MLA, shared experts, a dense first layer) has the names, shapes and dtypes of
+    the installed transformers' ``model.state_dict()``, less the router bias no refit moves (``UNMAPPED``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardcore.refit.families import UNMAPPED, manifest_from_hf_config
+    from tests.core.test_refit_layouts import CONFIGS
+
+    config = {**workers.BASE, **CONFIGS["deepseek_v3"], "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2}
+    model = manifest_from_hf_config(config, vocab_multiple=128)
+    settings = {k: v for k, v in config.items() if k not in ("model_type", "torch_dtype")}
+    state = AutoModelForCausalLM.from_config(AutoConfig.for_model("deepseek_v3", **settings)).state_dict()
+    kept = {name: (tuple(t.shape), str(t.dtype)) for name, t in state.items() if not name.endswith(UNMAPPED)}
+    assert kept == {t.name: (t.shape, f"torch.{t.dtype}") for t in model.hf_manifest}
+    assert any(name.endswith(UNMAPPED) for name in state)

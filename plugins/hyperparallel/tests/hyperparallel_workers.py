@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from shardcore import build_shards, destroy_shards, my_shard
+from shardcore.testing import outcomes
 
 STAND_IN = Path(__file__).resolve().parent / "standin"
 """The directory holding the Hyper-Parallel stand-in package (see standin/README.md)."""
@@ -214,13 +215,7 @@ def dp_cp_made_apart(world: int, staged: str) -> dict[str, Any]:
         "concatenate": lambda: DeviceMesh.concatenate([mesh["dp_cp"], mesh["tp"]]),
         "upstream_property": lambda: context.dp_cp_mesh,
     }
-    out: dict[str, Any] = {"root_mesh": apart.root_mesh}
-    for name, call in calls.items():
-        try:
-            call()
-            out[name] = "no error"
-        except Exception as error:
-            out[name] = f"{type(error).__name__}: {error}"
+    out: dict[str, Any] = {"root_mesh": apart.root_mesh, **outcomes(calls)}
     destroy_shards(built)
     return out
 

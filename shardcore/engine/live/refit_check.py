@@ -10,7 +10,7 @@ pieces (``known_tensor``, ``cut``, ``reference``, ``check_refit``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +35,7 @@ class RefitReport:
     bytes_received: int = 0
     bytes_copied: int = 0
     bytes_sent: int = 0
+    wire_bytes_received: int = 0
     seconds: float = 0.0
     checked: int = 0
     mismatches: list[str] = field(default_factory=list)
@@ -46,6 +47,48 @@ def known_tensor(tensor: TensorSpec, position: int) -> torch.Tensor:
 
     generator = torch.Generator().manual_seed(7919 + position)
     return torch.randn(tensor.shape, generator=generator).to(getattr(torch, tensor.dtype))
+
+
+def changed_step(values: torch.Tensor, position: int, step: int, fraction: float) -> torch.Tensor:
+    """``values`` after one step of a simulated optimizer: about ``fraction`` of its elements (chosen by a
+    generator seeded by the tensor's position and the step, alike on every rank) move by up to half their
+    magnitude, enough to change them in any float dtype; the others keep their bits."""
+    import torch
+
+    if fraction <= 0:
+        return values
+    generator = torch.Generator().manual_seed(104729 * (step + 1) + position)
+    chosen = torch.rand(values.shape, generator=generator) < fraction
+    update = torch.randn(values.shape, generator=generator)
+    moved = values.float() * (1 + 0.5 * update.clamp(-1, 1)) + 0.01 * update.sign()
+    return torch.where(chosen, moved.to(values.dtype), values)
+
+
+class KnownWeights:
+    """The global tensors every rank agrees on (``known_tensor``), after the steps of a simulated optimizer
+    every rank applies alike (``changed_step``): what a delta refit's sources hold step after step. A tensor is
+    made when first asked for, with every step so far."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self.steps: list[float] = []
+        self._made: dict[str, torch.Tensor] = {}
+
+    def full(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` now."""
+        if name not in self._made:
+            spec, position = self.manifest.tensor(name), self.manifest.index(name)
+            values = known_tensor(spec, position)
+            for step, fraction in enumerate(self.steps):
+                values = changed_step(values, position, step, fraction)
+            self._made[name] = values
+        return self._made[name]
+
+    def step(self, fraction: float) -> None:
+        """One optimizer step changing about ``fraction`` of every tensor's elements."""
+        for name, values in self._made.items():
+            self._made[name] = changed_step(values, self.manifest.index(name), len(self.steps), fraction)
+        self.steps.append(fraction)
 
 
 def cut(full: torch.Tensor, tensor: TensorSpec, plan: ShardPlan, rank: int, manifest: Manifest) -> torch.Tensor:
@@ -84,9 +127,14 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
-def check_refit(plan: Any, rank: int, **execute_options: Any) -> RefitReport:
+def check_refit(plan: Any, rank: int, *, changes: Sequence[float] = (), **execute_options: Any) -> RefitReport:
     """Fill this rank's sources, execute ``plan`` (with ``execute_options`` for ``execute_refit``), and compare
-    its destinations bitwise with the slices of the same known global tensors."""
+    its destinations bitwise with the slices of the same known global tensors.
+
+    With ``changes``, one more refit follows per entry, each after a simulated optimizer step that changes
+    about that fraction of the elements (``KnownWeights``), at the next version: what a delta refit checks.
+    The report counts every refit's mismatches and the last refit's bytes and time.
+    """
     import torch
 
     from ..transfer.execute import execute_refit
@@ -94,42 +142,59 @@ def check_refit(plan: Any, rank: int, **execute_options: Any) -> RefitReport:
     manifest = plan.manifest
     mine = plan.for_rank(rank)
     target_plan = next((p for p in plan.destinations if rank in p), None)
-    cache: dict[str, torch.Tensor] = {}
-
-    def full(name: str) -> torch.Tensor:
-        if name not in cache:
-            cache[name] = known_tensor(manifest.tensor(name), manifest.index(name))
-        return cache[name]
-
-    sources = {name: cut(full(name), manifest.tensor(name), plan.source, rank, manifest) for name in mine.source_shapes}
+    weights = KnownWeights(manifest)
+    sources = {
+        name: cut(weights.full(name), manifest.tensor(name), plan.source, rank, manifest) for name in mine.source_shapes
+    }
     destinations = {
         name: torch.full(shape, -1.0, dtype=getattr(torch, plan.destination_tensor(name).destination_dtype))
         for name, shape in mine.destination_shapes.items()
     }
     mapped = through_map(plan, rank)
-    stats = execute_refit(plan, sources, destinations, **execute_options)
-    report = RefitReport(
-        rank,
-        None if target_plan is None else target_plan.index,
-        stats.bytes_received,
-        stats.bytes_copied,
-        stats.bytes_sent,
-        stats.seconds,
-    )
+    version = ExecuteOptions.merged(execute_options.get("options"), version=execute_options.get("version")).version
+    report = RefitReport(rank, None if target_plan is None else target_plan.index)
+    for refit, fraction in enumerate([None, *changes]):
+        if fraction is not None:
+            weights.step(fraction)
+            for name, local in sources.items():
+                local.copy_(cut(weights.full(name), manifest.tensor(name), plan.source, rank, manifest))
+        if version is not None:
+            execute_options["version"] = version + refit
+        stats = execute_refit(plan, sources, destinations, **execute_options)
+        report.bytes_received, report.bytes_copied, report.bytes_sent = (
+            stats.bytes_received,
+            stats.bytes_copied,
+            stats.bytes_sent,
+        )
+        report.wire_bytes_received, report.seconds = stats.wire_bytes_received, stats.seconds
+        at = f" after refit {refit + 1}" if changes else ""
+        report.mismatches += [f"{text}{at}" for text in mismatches(plan, rank, destinations, weights, mapped)]
+        report.checked += len(destinations)
+    return report
+
+
+def mismatches(
+    plan: Any, rank: int, destinations: dict[str, torch.Tensor], weights: KnownWeights, mapped: Any
+) -> list[str]:
+    """This rank's destinations that differ, bitwise, from the known global tensors' slices (converted, or put
+    through the weight map, as the plan says)."""
+    import torch
+
+    manifest = plan.manifest
+    target_plan = next((p for p in plan.destinations if rank in p), None)
+    found = []
     for name, got in destinations.items():
         if mapped is not None:  # another layout: the source's tensors put through the weight map
-            report.checked += 1
-            if not torch.equal(_bits(got), _bits(mapped(name, full))):
-                report.mismatches.append(f"rank {rank}: {name} differs from the source's tensors through the map")
+            if not torch.equal(_bits(got), _bits(mapped(name, weights.full))):
+                found.append(f"rank {rank}: {name} differs from the source's tensors through the map")
             continue
         spec = manifest.tensor(name)
-        wanted = reference(manifest, name, full) if manifest.converts else full(name)
+        wanted = reference(manifest, name, weights.full) if manifest.converts else weights.full(name)
         expected = cut(wanted, spec, target_plan, rank, manifest)  # type: ignore[arg-type]
-        report.checked += 1
         if not torch.equal(_bits(got), _bits(expected)):
             what = "global tensor" if spec.to_dtype is None and spec.scale_of is None else "converted global tensor"
-            report.mismatches.append(f"rank {rank}: {name} differs from the source's {what}")
-    return report
+            found.append(f"rank {rank}: {name} differs from the source's {what}")
+    return found
 
 
 @dataclass(frozen=True)
@@ -140,6 +205,9 @@ class RefitCheckOptions:
     request: RefitRequest
     execute: ExecuteOptions = field(default_factory=lambda: ExecuteOptions(timeout=LIVE_CHECK_TIMEOUT))
     """Its timeout is also how long a rank waits for the others to join the world."""
+    changes: tuple[float, ...] = ()
+    """One more refit per entry, after an optimizer step changing that fraction of the elements (``check_refit``):
+    what a delta refit checks."""
 
     @property
     def timeout(self) -> float:
@@ -153,7 +221,7 @@ def refit_check_job(options: RefitCheckOptions, on_stage: Callable[[str], None] 
 
     plan = options.request.plan(dist.get_world_size())
     on_stage("planned")
-    report = check_refit(plan, dist.get_rank(), options=options.execute)
+    report = check_refit(plan, dist.get_rank(), changes=options.changes, options=options.execute)
     on_stage("executed")
     return report
 
@@ -169,11 +237,14 @@ def run_joined(options: RefitCheckOptions, on_event: OnEvent | None = None) -> l
 
 
 __all__ = [
+    "KnownWeights",
     "RefitCheckOptions",
     "RefitReport",
+    "changed_step",
     "check_refit",
     "cut",
     "known_tensor",
+    "mismatches",
     "reference",
     "refit_check_job",
     "run_joined",

@@ -136,6 +136,9 @@ class Exchange:
     """Staging bytes one batch may hold, and two batches in flight together (``schedule.staging_layout``)."""
     conversion: Any = None
     """The refit's conversions on this rank (``transfer.convert.Conversion``), or None when nothing converts."""
+    delta: Any = None
+    """A delta refit's part on this rank (``transfer.delta.DeltaSession``), or None for a dense refit: then every
+    data message is staged (encoded ones cannot travel in place), and each batch's two header rounds come first."""
     staging: torch.Tensor | None = None
     draining: str | None = None
     """Why this rank no longer works for the result (its own error, or a failure another rank published)."""
@@ -257,7 +260,11 @@ class Exchange:
         """Bind the batch's messages (peers already lost left out) to their bytes in ``slot``, and post them."""
         live = [m for m in batch.messages if m.peer not in self.lost]
         region = None if self.staging is None else self.staging[slot.offset : slot.offset + slot.nbytes]
+        if self.delta is not None:  # the receivers' versions, before the senders encode
+            self.delta.learn_bases(self, live)
         wires = self._bind(live, region)
+        if self.delta is not None:  # the sizes, before the receivers post
+            wires = self.delta.declare_sizes(self, live, wires)
         self.wrote = self.wrote or any(not m.send and not m.ledger for m in live)
         return _InFlight(live, wires, self._issue(live, wires))
 
@@ -292,8 +299,15 @@ class Exchange:
             works.append(work)
         return works
 
-    def _land(self, flight: _InFlight) -> None:
+    def land_quietly(self, messages: Sequence[Message], wires: Sequence[tuple[torch.Tensor, bool]]) -> None:
+        """Post ``messages`` (small headers, not the plan's) as a batch and wait for them, losing peers as a batch
+        does; nothing is unpacked or counted."""
+        messages = list(messages)
+        self._land(_InFlight(messages, list(wires), self._issue(messages, wires)), lambda *landed: None)
+
+    def _land(self, flight: _InFlight, complete: Any = None) -> None:
         """Wait for a posted batch, then complete each message (unpack, record, check its ledger)."""
+        complete = complete or self._completed
         messages, wires, works = flight
         per_op = len(works) == len(messages)
         for index, work in enumerate(works):
@@ -314,13 +328,13 @@ class Exchange:
                 continue
             if per_op or index == len(works) - 1:
                 for i in done:
-                    self._completed(messages[i], *wires[i])
+                    complete(messages[i], *wires[i])
 
     def _staged_bytes(self, messages: Sequence[Message]) -> int:
         """The staging bytes ``messages`` take on this rank (in-place ones and ledgers take none)."""
         used = 0
         for message in messages:
-            if not message.ledger and message.key not in self._in_place:
+            if not message.ledger and (self.delta is not None or message.key not in self._in_place):
                 used = aligned(used + message.nbytes)
         return used
 
@@ -337,7 +351,7 @@ class Exchange:
             if message.ledger:
                 wires.append((self._ledger_wire(message), False))
                 continue
-            wire = self._in_place.get(message.key)
+            wire = None if self.delta is not None else self._in_place.get(message.key)
             staged = wire is None
             if wire is None:
                 if region is None:
@@ -345,7 +359,9 @@ class Exchange:
                 else:
                     wire = region[slot : slot + message.nbytes]
                     slot = aligned(slot + message.nbytes)
-            if message.send and not self.draining:
+            if self.delta is not None and message.send:
+                wire = self._encoded(message, wire)
+            elif message.send and not self.draining:
                 self._guarded(lambda m=message, w=wire, packed=staged: self._pack(m, w, packed))
             wires.append((wire, staged))
         if self.draining and self.gloo:  # gloo takes a shorter message for a longer receive
@@ -359,6 +375,35 @@ class Exchange:
             if message.ledger and message.send:
                 self._fill_ledger(message, wire)
         return wires
+
+    def _encoded(self, message: Message, slot: torch.Tensor) -> torch.Tensor:
+        """A delta refit's send: its wire as ``delta`` encodes it into ``slot`` (the dense message when this rank
+        drains or fails here, which its peers then never read), summed when verifying."""
+        wire = slot
+        if self.draining:
+            self.delta.dense(message)
+        else:
+            try:
+                wire = self.delta.encode(self, message, slot)
+            except Exception as error:  # published and drained, like any failure to pack
+                self.fail(error)
+                self.delta.dense(message)
+        if self.verify == "checksum":
+            self.sent_sums[message.key] = checksum(wire)
+        return wire
+
+    def in_place_wire(self, message: Message) -> torch.Tensor | None:
+        """The bytes, in its own tensor, of a message that can travel in place (None: it is staged)."""
+        return self._in_place.get(message.key)
+
+    def wire_dtype(self, message: Message, piece: Piece) -> torch.dtype:
+        """The dtype a piece of ``message`` travels in (its tensor's, or a converting refit's wire dtype)."""
+        tensor = (self._sent_from(message) if message.send else self.destinations)[self._name(message, piece)]
+        return tensor.dtype if self.conversion is None else self.conversion.wire_dtype(piece.tensor, tensor.dtype)
+
+    def target_of(self, piece: Piece) -> torch.Tensor:
+        """The box of this rank's destination tensor a received piece lands in."""
+        return view_of(self.destinations[piece.destination], piece.dst_offset, piece.shape)
 
     @staticmethod
     def _name(message: Message, piece: Piece) -> str:
@@ -399,17 +444,21 @@ class Exchange:
     def _pack(self, message: Message, wire: torch.Tensor, staged: bool) -> None:
         """Copy a staged send's pieces into its slot; sum the message when verifying."""
         if staged:
-            tensors = self._sent_from(message)
-            for piece, offset in message.pieces:
-                view = view_of(tensors[self._name(message, piece)], piece.src_offset, piece.shape)
-                dtype = view.dtype
-                if self.conversion is not None:  # cast (by the copy) or quantized into the wire's dtype
-                    dtype = self.conversion.wire_dtype(piece.tensor, dtype)
-                    if not message.hop:  # a relay forwards its destination's bytes, already converted
-                        view = self.conversion.outgoing(piece.tensor, view, piece.src_offset)
-                wire[offset : offset + piece.nbytes].view(dtype).view(view.shape).copy_(view)
+            self.pack_pieces(message, wire)
         if self.verify == "checksum":
             self.sent_sums[message.key] = checksum(wire)
+
+    def pack_pieces(self, message: Message, wire: torch.Tensor) -> None:
+        """Copy a send's pieces, in the wire's dtype, to their offsets in ``wire``."""
+        tensors = self._sent_from(message)
+        for piece, offset in message.pieces:
+            view = view_of(tensors[self._name(message, piece)], piece.src_offset, piece.shape)
+            dtype = view.dtype
+            if self.conversion is not None:  # cast (by the copy) or quantized into the wire's dtype
+                dtype = self.conversion.wire_dtype(piece.tensor, dtype)
+                if not message.hop:  # a relay forwards its destination's bytes, already converted
+                    view = self.conversion.outgoing(piece.tensor, view, piece.src_offset)
+            wire[offset : offset + piece.nbytes].view(dtype).view(view.shape).copy_(view)
 
     def _ledger_wire(self, message: Message) -> torch.Tensor:
         import torch
@@ -436,10 +485,13 @@ class Exchange:
             return
         if self.verify == "checksum":
             self.received_sums[message.key] = checksum(wire)
-        if staged:
+        if self.delta is not None:
+            self._guarded(lambda: self.delta.land(self, message, wire, staged))
+        elif staged:
             self._guarded(lambda: self._unpack(message, wire))
 
     def _unpack(self, message: Message, wire: torch.Tensor) -> None:
+        """Copy a staged dense message's pieces from ``wire`` into the destinations (cast where they widen)."""
         for piece, offset in message.pieces:
             target = view_of(self.destinations[piece.destination], piece.dst_offset, piece.shape)
             dtype = target.dtype if self.conversion is None else self.conversion.wire_dtype(piece.tensor, target.dtype)
@@ -450,11 +502,11 @@ class Exchange:
         expected = self._directions.get((ledger.peer, False), {})
         for index, (size, summed) in enumerate(wire.view(-1, 2).tolist()):
             message = expected[(index, *ledger.key[1:])]
-            if size != message.nbytes:
+            nbytes = message.nbytes if self.delta is None else self.delta.expected_bytes(message)
+            if size != nbytes:
                 said = "nothing" if size < 0 else f"{size} bytes"
-                self.integrity.faults.append(
-                    (ledger.peer, message, f"is {message.nbytes} bytes here but {said} as sent")
-                )
+                here = "of no declared size" if nbytes is None else f"{nbytes} bytes"
+                self.integrity.faults.append((ledger.peer, message, f"is {here} here but {said} as sent"))
             elif self.verify == "checksum" and self.received_sums.get(message.key) != summed:
                 self.integrity.faults.append((ledger.peer, message, "does not match the checksum its sender computed"))
 

@@ -21,7 +21,8 @@ a refit or was replaced cannot shift any later refit. Each refit's messages carr
 
 Versions: ``version=step`` records, per destination tensor, the version it holds
 (``held_version``); a refit that fails keeps the previous version, marked not intact when bytes
-were already written (refit again before serving).
+were already written (refit again before serving). A delta refit (``ExecuteOptions.delta``) sends
+each piece as its changes since the version its destination holds (``transfer.delta``).
 
 CPU worlds: run one intra-op thread per process (torchrun's default, ``OMP_NUM_THREADS=1``) when
 processes outnumber cores; with more, every pack and unpack copy fights the other processes'
@@ -45,6 +46,7 @@ from ...version import __version__
 from ..agreement import GRACE, Party, Purpose, Terms, arrive_failed, convene, declare_absent, meet
 from ..torch_state import dist, import_torch, is_fake_world
 from .convert import Conversion
+from .delta import DeltaSession, bases_held, snapshot_bytes
 from .exchange import Exchange
 
 if TYPE_CHECKING:
@@ -70,6 +72,9 @@ class TransferStats:
         peers: Ranks this rank exchanged messages with.
         seconds: Wall time of the whole call; ``agreement_seconds`` of it in the two meetings.
         peak_buffer_bytes: Staging memory used (at most ``bucket_bytes``).
+        wire_bytes_sent / wire_bytes_received: Data bytes on the wire: in a delta refit the encoded messages
+            (``bytes_sent`` and ``bytes_received`` stay the tensor bytes they carry), else the same.
+        snapshot_bytes: A delta refit's memory on this rank between refits: what it last sent, per piece.
         version: The version this rank's destinations hold now (None without ``version=``).
         verify: How messages were checked.
     """
@@ -86,6 +91,9 @@ class TransferStats:
     peak_buffer_bytes: int = 0
     version: int | None = None
     verify: str = "size"
+    wire_bytes_sent: int = 0
+    wire_bytes_received: int = 0
+    snapshot_bytes: int = 0
 
     @property
     def bytes_moved(self) -> int:
@@ -115,6 +123,7 @@ class RefitTerms(Terms):
     verify: str
     version: int | None
     software: str
+    delta: str = "off"
 
 
 class HeldVersion(NamedTuple):
@@ -213,12 +222,16 @@ def execute_refit(
         "gloo" in str(dist().get_backend()),
         bucket_bytes,
         prepared.conversion,
+        prepared.delta,
     )
     if prepared.conversion is not None:
         prepared.conversion.prepare(exchange, bucket_bytes, max_ops, world)
     _run(exchange, stats)
     ended = time.monotonic()
     _finish(party, exchange, epoch, prepared.destinations, previous, version)
+    if exchange.delta is not None:  # every rank's receivers now hold what this rank last sent
+        exchange.delta.commit(version)
+        stats.snapshot_bytes = snapshot_bytes()
     stats.agreement_seconds += time.monotonic() - ended
     stats.seconds = time.monotonic() - started
     log.info("shardcore refit: %s", stats)
@@ -236,6 +249,7 @@ class _Prepared(NamedTuple):
     terms: RefitTerms
     shapes: dict[str, tuple[int, ...]]
     conversion: Conversion | None
+    delta: DeltaSession | None
 
 
 def _prepare(
@@ -258,11 +272,14 @@ def _prepare(
     try:
         wait = as_timedelta(given["timeout"] or getattr(options, "timeout", None))  # first: a failure below meets in it
         checked = ExecuteOptions.merged(options, **given)
+        if checked.delta and checked.version is None:
+            raise RefitInputError("delta=True needs version=: the versions decide which destinations get a delta")
         mine = plan.for_rank(rank)
         conversion = Conversion.of(plan, mine, rank)
         held, wanted = _checked_tensors(mine, plan, sources, destinations, conversion)
         shapes = _global_shapes(plan.manifest, mine)
-        return _Prepared(wait, checked, mine, held, wanted, _terms(plan, checked), shapes, conversion)
+        delta = _delta_session(checked, wanted)
+        return _Prepared(wait, checked, mine, held, wanted, _terms(plan, checked), shapes, conversion, delta)
     except BaseException as error:
         failure = _as_input_error(rank, error)
         arrive_failed(party, START, None, "open", failure, wait)
@@ -282,7 +299,8 @@ _last_schedule: list[Any] = []
 def _schedule(plan: Any, prepared: _Prepared, rank: int, world: int, bucket_bytes: int, max_ops: int) -> list[Any]:
     """This rank's batches (read-only), made once per plan part and options: the part is the plan's own object,
     kept while the plan lives (``for_rank``), and a schedule costs milliseconds that need not be spent again."""
-    options = (rank, world, bucket_bytes, max_ops, _converting(plan))
+    staged = _all_tensors(plan) if prepared.options.delta else _converting(plan)
+    options = (rank, world, bucket_bytes, max_ops, staged)
     if not (_last_schedule and _last_schedule[0] is prepared.mine and _last_schedule[1] == options):
         _last_schedule[:] = [
             prepared.mine,
@@ -295,6 +313,21 @@ def _schedule(plan: Any, prepared: _Prepared, rank: int, world: int, bucket_byte
 def _converting(plan: Any) -> frozenset[str]:
     """The tensors whose messages are cast on the way (at one end or the other): staged, never in place."""
     return frozenset(tensor.name for tensor in plan.manifest if tensor.to_dtype is not None)
+
+
+def _all_tensors(plan: Any) -> frozenset[str]:
+    """Every tensor of the plan: a delta refit may stage any message (an encoded one cannot travel in place)."""
+    return frozenset(tensor.name for tensor in plan.manifest)
+
+
+def _delta_session(options: ExecuteOptions, destinations: Mapping[str, torch.Tensor]) -> DeltaSession | None:
+    """A delta refit's part on this rank: the version each destination tensor holds intact (None: none to build
+    a delta on: never written, partly overwritten by a failed refit, or a new process)."""
+    if not options.delta:
+        return None
+    held = {name: held_version({name: tensor}) for name, tensor in destinations.items()}
+    versions = {name: h.version if h is not None and h.intact else None for name, h in held.items()}
+    return DeltaSession(bases_held(versions, destinations), destinations, options.anchor, options.delta_checksum)
 
 
 def _require_world() -> int:
@@ -330,6 +363,7 @@ def _terms(plan: Any, options: ExecuteOptions) -> RefitTerms:
         options.verify,
         options.version,
         f"shardcore {__version__}",
+        options.delta_terms,
     )
 
 
@@ -346,7 +380,7 @@ def _agree(party: Party, rank: int, terms: RefitTerms, wait: timedelta) -> int:
             outcome.groups,
             f"at the start of refit {outcome.epoch}",
             "Every rank must call execute_refit with the same plan (layout, shards, manifest, options), "
-            "bucket_bytes, max_ops, verify and version; no byte moved",
+            "bucket_bytes, max_ops, verify, version and delta; no byte moved",
         )
         raise RefitMismatchError(message, sorted(r for ranks, _ in outcome.groups[1:] for r in ranks))
     return outcome.epoch
@@ -467,6 +501,9 @@ def _run(exchange: Exchange, stats: TransferStats) -> None:
         exchange.run()
     stats.bytes_sent, stats.bytes_received = exchange.bytes_sent, exchange.bytes_received
     stats.bytes_copied = exchange.bytes_copied
+    delta = exchange.delta
+    stats.wire_bytes_sent = exchange.bytes_sent if delta is None else delta.wire_sent
+    stats.wire_bytes_received = exchange.bytes_received if delta is None else delta.wire_received
     stats.batches = len(exchange.batches)
     stats.messages = sum(len(batch.messages) for batch in exchange.batches)
     stats.peers = len({peer for batch in exchange.batches for peer in batch.peers})

@@ -1,0 +1,80 @@
+"""Planning a refit into an inference engine's layout (vLLM tp=8) for the largest MoE models.
+
+For each model, from a Hugging Face config's sizes: the time to make the model's maps (Megatron -> HF ->
+vLLM, once per model and engine tp), to plan the whole refit (``plan_refit``), one engine rank's part
+(``for_rank``) and the whole plan's stats (``RefitStats.of``). Run:
+``python benchmarks/bench_refit_layouts.py`` (``--profile`` prints cProfile's top entries of each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+from typing import Any
+
+from shardcore.plan.layout import plan_layout
+from shardcore.plan.spec import parse_shards
+from shardcore.refit import RefitStats
+from shardcore.refit.families import manifest_from_hf_config
+from shardcore.refit.planner import plan_refit
+
+QWEN3_235B = {
+    "model_type": "qwen3_moe", "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+    "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
+    "num_experts": 128, "vocab_size": 151936, "torch_dtype": "bfloat16",
+}  # fmt: skip
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61, "first_k_dense_replace": 3, "n_routed_experts": 256, "n_shared_experts": 1,
+    "num_attention_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280, "torch_dtype": "bfloat16",
+}  # fmt: skip
+CASES: list[tuple[str, dict[str, Any], str]] = [
+    ("Qwen3-235B-A22B", QWEN3_235B, "tp=4,dp=16,ep=64,expt_tp=1,role=train + tp=8,expt_tp=8"),
+    ("DeepSeek-V3", DEEPSEEK_V3, "tp=8,dp=8,ep=64,expt_tp=1,role=train + tp=8,expt_tp=8"),
+]
+
+
+def run_case(label: str, config: dict[str, Any], spec: str, profile: bool) -> None:
+    profiler = cProfile.Profile() if profile else None
+    if profiler:
+        profiler.enable()
+    start = time.perf_counter()
+    model = manifest_from_hf_config(config)
+    layout = plan_layout(sum(shard.world_size for shard in parse_shards(spec)), spec)
+    engine = layout.shards[1]
+    model.vllm_from_megatron(engine.spec.tp, engine.spec.expt_tp)
+    maps = time.perf_counter()
+    plan = plan_refit(layout, 0, [1], model.manifest, layouts={1: model.layout("vllm")})
+    planned = time.perf_counter()
+    mine = plan.for_rank(engine.ranks[0])
+    part = time.perf_counter()
+    stats = RefitStats.of(plan)
+    done = time.perf_counter()
+    if profiler:
+        profiler.disable()
+    print(
+        f"| {label} | {len(model.manifest):,} -> {len(model.vllm(engine.spec.tp, engine.spec.expt_tp)[0]):,} "
+        f"| `{spec}` | {maps - start:.2f} s | {planned - maps:.2f} s | {1000 * (part - planned):.0f} ms "
+        f"({len(mine.recvs):,} recvs) | {done - part:.2f} s | {stats.total_bytes / 1e9:,.0f} GB |"
+    )
+    if profiler:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", action="store_true", help="print cProfile's top entries per case")
+    args = parser.parse_args()
+    columns = ["model", "tensors (Megatron -> vLLM)", "shards", "maps", "plan_refit", "one engine rank's part"]
+    columns += ["stats", "moved"]
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
+    for label, config, spec in CASES:
+        run_case(label, config, spec, args.profile)
+
+
+if __name__ == "__main__":
+    main()
