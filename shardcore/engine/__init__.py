@@ -6,6 +6,7 @@ Folders by concept (see the README's design section):
 * ``groups/``: creating process groups (``strategy``, ``create``) and window-local groups (``window``);
 * ``backends/``: the backend contract and its discovery, and ``build_shards``;
 * ``transfer/``: executing a refit plan with point-to-point messages;
+* ``kept_plans``: the plans a one-call refit (the plugins' ``refit()``) keeps across its calls;
 * ``survivors``: the survivors' world after ranks are lost (``shrink_group``, or a new world);
 * ``live/``: worlds for live checks (``shardcore check``, ``shardcore refit --check``).
 
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from .device import comm_backend, device_type, npu_status
     from .groups.strategy import Strategy
     from .groups.window import Window, window_of
+    from .kept_plans import KeptPlans
     from .survivors import SurvivorWorld, form_survivor_world
     from .torch_state import TESTED_TORCH, check_torch_internals, import_torch, live_group_count, torch_internal_missing
     from .transfer.execute import HeldVersion, TransferStats, execute_refit, held_version
@@ -55,6 +57,7 @@ _LAZY: dict[str, str] = {
     "ENTRY_POINT_GROUP": ".backends.plugins",
     "ExecuteOptions": "..refit.options",
     "HeldVersion": ".transfer.execute",
+    "KeptPlans": ".kept_plans",
     "SHIPPED_BACKENDS": ".backends.plugins",
     "Shard": ".backends.shards",
     "Strategy": ".groups.strategy",
@@ -111,6 +114,7 @@ __all__ = [
     "BackendInfo",
     "ExecuteOptions",
     "HeldVersion",
+    "KeptPlans",
     "Shard",
     "Strategy",
     "SurvivorWorld",

@@ -8,6 +8,10 @@ needs no numpy), and every rank builds the same two explicit placements from the
 (``plan_refit_from``): sources spread over the replicas, large pieces split across them, local
 copies where a rank holds both sides. shardcore's engine then moves the bytes
 (:func:`shardcore.execute_refit`).
+
+The plan is kept across calls (``kept_plans``, a ``shardcore.engine.KeptPlans``) under every rank's
+records (names, global shapes, dtypes, meshes, boxes) and the world's size: a loop that refits the
+same state dicts every step gathers and plans once.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from datetime import timedelta
 from typing import Any, NamedTuple
 
 from shardcore import ExecuteOptions, RefitError, RefitInputError, TransferStats, execute_refit
-from shardcore.engine import all_gather_objects
+from shardcore.engine import KeptPlans, all_gather_objects
 from shardcore.refit import ExplicitPlacement, HeldBox, Manifest, Placement, RefitPlan, TensorSpec, plan_refit_from
 
 Box = tuple[tuple[int, int], ...]
@@ -163,6 +167,10 @@ def plan_from_records(records: Sequence[_Record], world_size: int) -> RefitPlan 
         raise RefitInputError(f"refit cannot plan the DTensors: {error}") from None
 
 
+kept_plans: KeptPlans[RefitPlan | None] = KeptPlans()
+"""The plans ``refit`` keeps across calls; ``kept_plans.clear()`` on every rank forgets them."""
+
+
 def refit(
     src_state: Mapping[str, Any] | None,
     dst_state: Mapping[str, Any] | None,
@@ -174,7 +182,9 @@ def refit(
     """Copy every DTensor of ``src_state`` into the same-named DTensor of ``dst_state``, across meshes.
 
     Every rank of the default group calls it, with the DTensors it has (None or {} for a side
-    it is not on). The meshes may span the same ranks (collocated) or different ones.
+    it is not on). The meshes may span the same ranks (collocated) or different ones. A call whose
+    state dicts hold what the previous ones held (names, shapes, dtypes, meshes, placements) on every
+    rank reuses that call's plan (``kept_plans``).
 
     Args:
         src_state: name -> source DTensor (any mesh, Shard/Replicate placements).
@@ -195,10 +205,13 @@ def refit(
     import torch
     import torch.distributed as dist
 
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     mine = _records("src", src_state or {}, rank) + _records("dst", dst_state or {}, rank)
-    gathered = [record for records in all_gather_objects(mine) for record in records]
-    plan = plan_from_records(gathered, dist.get_world_size())
+
+    def build() -> RefitPlan | None:
+        return plan_from_records([record for records in all_gather_objects(mine) for record in records], world)
+
+    plan = kept_plans.get((mine, world), build)
     if plan is None:  # every rank saw the same records, so every rank returns here
         return TransferStats(rank)
     names = [tensor.name for tensor in plan.manifest]
@@ -215,4 +228,4 @@ def refit(
         return execute_refit(plan, sources, targets, options=options, timeout=timeout, bucket_bytes=bucket_bytes)
 
 
-__all__ = ["local_box", "plan_from_records", "refit"]
+__all__ = ["kept_plans", "local_box", "plan_from_records", "refit"]

@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from shardcore import ExecuteOptions, ShardcoreError, build_shards, destroy_shards, my_shard
 from shardcore_dtensor import refit
+from shardcore_dtensor.cross_mesh import kept_plans
 
 SHAPES = {"embed": (24, 8), "qkv": (16, 12), "proj": (12, 16), "norm": (12,), "odd": (7, 5), "scale": ()}
 
@@ -70,7 +71,8 @@ DST_2D = {
 
 
 def collocated(rank: int, world: int) -> dict[str, Any]:
-    """Two meshes over the same four ranks: (dp=2, tp=2) to (tp=4,) and to a (2, 2) mesh of other placements."""
+    """Two meshes over the same four ranks: (dp=2, tp=2) to (tp=4,) and to a (2, 2) mesh of other placements,
+    then to (tp=4,) again, into fresh tensors: each refit's plans built and kept."""
     src_mesh, flat, other = (
         _mesh([[0, 1], [2, 3]], ("dp", "tp")),
         _mesh([0, 1, 2, 3], ("tp",)),
@@ -78,10 +80,16 @@ def collocated(rank: int, world: int) -> dict[str, Any]:
     )
     src = _state(src_mesh, SRC_2D, fill=True)
     results = {}
-    for label, mesh, placements in (("flat", flat, DST_1D), ("transposed", other, DST_2D)):
+    for label, mesh, placements in (("flat", flat, DST_1D), ("transposed", other, DST_2D), ("again", flat, DST_1D)):
         dst = _state(mesh, placements, fill=False)
+        builds, hits = kept_plans.builds, kept_plans.hits
         stats = refit(src, dst, timeout=60, bucket_bytes=256)
-        results[label] = {"equal": _full(dst), "copied": stats.bytes_copied, "received": stats.bytes_received}
+        results[label] = {
+            "equal": _full(dst),
+            "copied": stats.bytes_copied,
+            "received": stats.bytes_received,
+            "plans": (kept_plans.builds - builds, kept_plans.hits - hits),
+        }
     results["source"] = _full(src)
     return results
 

@@ -13,9 +13,11 @@ from shardcore.testing import run_world
 def test_collocated_meshes_over_the_same_ranks() -> None:
     for rank, result in enumerate(run_world(4, workers.collocated)):
         assert all(result["source"].values()), (rank, result["source"])
-        for label in ("flat", "transposed"):
+        for label in ("flat", "transposed", "again"):
             assert result[label]["equal"] == dict.fromkeys(workers.SHAPES, True), (rank, label, result[label])
             assert result[label]["copied"] > 0  # each rank holds part of its destination already
+        # built for each new destination mesh; kept for the one seen before (the loop's next step)
+        assert [result[label]["plans"] for label in ("flat", "transposed", "again")] == [(1, 0), (1, 0), (0, 1)]
 
 
 def test_training_mesh_to_two_inference_meshes_on_other_ranks() -> None:

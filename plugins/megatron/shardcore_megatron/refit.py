@@ -2,11 +2,17 @@
 
 In the spirit of Megatron-Core 0.19's ``swap_model_weights(src_model, dst_model, ...)``, but the
 plan is shardcore's: computed per rank from the two shards' layouts, with replicas balanced and cp
-allowed. The manifest is read off the models' parameters:
+allowed. It moves what Megatron's own refit moves: every parameter and every persistent buffer (the MoE
+router's ``expert_bias``, which aux-loss-free balancing updates each step: a router bias left at zero
+routes tokens differently, with no error anywhere). The manifest is read off those tensors:
 
 * ``tensor_model_parallel`` / ``partition_dim`` give the tp-split dim; the global size is the local
   one times the tp size (expt_tp for an expert);
-* ``partition_stride`` > 1 (SwiGLU's gate+up in ``linear_fc1``) means that many packed blocks;
+* ``partition_sizes`` (Mamba's ``in_proj`` [z, x, B, C, dt] and ``conv1d`` [x, B, C], megatron-core
+  0.19) lists a tp rank's packed blocks, of unequal sizes: each block is split over tp on its own;
+  else ``partition_stride`` > 1 (SwiGLU's gate+up in ``linear_fc1``) means that many equal blocks;
+* a persistent buffer takes the source's dtype on the destination, as Megatron's refit does: the
+  trainer keeps ``expert_bias`` in float32 while a freshly wrapped bf16 model holds it in bf16;
 * pipeline-local layer numbers become global ones (``TransformerLayer.layer_number`` is global);
 * local expert indices become global ones (``MoELayer.local_expert_indices``), under one name
   ``decoder.layers.L.mlp.experts.local_experts.E.`` for both Megatron namings (sequential and grouped);
@@ -18,17 +24,23 @@ allowed. The manifest is read off the models' parameters:
 Every rank contributes what its own stage and experts hold; one all-gather joins
 them, and any disagreement (between ranks, or between the two models' conventions) is a typed
 error naming the tensor.
+
+The plan is kept across calls (``kept_plans``, a ``shardcore.engine.KeptPlans``), under every rank's
+key: its records (names, shapes, dtypes, placement), the models' facts, the two shards and the
+layout's fingerprint, the world's size. An RL loop that refits the same models every step plans once;
+a call whose key changed on any rank plans again, on every rank.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Any, NamedTuple
 
 from shardcore import ExecuteOptions, Layout, RefitInputError, ShardPlan, TransferStats, execute_refit
-from shardcore.engine import all_gather_objects
+from shardcore.engine import KeptPlans, all_gather_objects
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _SEQUENTIAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
@@ -86,51 +98,98 @@ def _stage(name: str, tied: bool) -> tuple[str, ...]:
     return ("all",)
 
 
-class Parameter(NamedTuple):
-    """One parameter of a chunk under its global name (layer and expert global too)."""
+class RefitTensor(NamedTuple):
+    """One tensor a refit moves (a parameter or a persistent buffer) under its global name (layer and
+    expert global too)."""
 
     name: str
     local: str
     tensor: Any
     layer: int | None
     expert: int | None
+    buffer: bool = False
+    """A persistent buffer (in the state dict, not a parameter): e.g. the MoE router's ``expert_bias``."""
 
 
 def _tied(chunk: Any) -> bool:
     return bool(getattr(chunk, "share_embeddings_and_output_weights", False))
 
 
-def parameters(model: Any) -> Iterator[Parameter]:
-    """Every parameter of every chunk of ``model``; a tied output layer's weight is named as the embedding."""
+def _persistent_buffers(chunk: Any) -> Iterator[tuple[str, Any]]:
+    """(local name, tensor) of every persistent buffer of ``chunk``: what its state dict saves besides the
+    parameters. Non-persistent ones (the router's token counts) are scratch, reset every step."""
+    for prefix, module in chunk.named_modules():
+        scratch = module._non_persistent_buffers_set
+        for name, tensor in module.named_buffers(recurse=False):
+            if name not in scratch:
+                yield (f"{prefix}.{name}" if prefix else name), tensor
+
+
+def refit_tensors(model: Any) -> Iterator[RefitTensor]:
+    """Every parameter, then every persistent buffer, of every chunk of ``model``; a tied output layer's
+    weight is named as the embedding."""
     for chunk in _chunks(model):
         tied_output = _tied(chunk) and not getattr(chunk, "pre_process", True)
-        for local, tensor in chunk.named_parameters():
-            name, layer, expert = _global(chunk, local, tied_output)
-            yield Parameter(name, local, tensor, layer, expert)
+        for buffer, named in ((False, chunk.named_parameters()), (True, _persistent_buffers(chunk))):
+            for local, tensor in named:
+                name, layer, expert = _global(chunk, local, tied_output)
+                yield RefitTensor(name, local, tensor, layer, expert, buffer)
+
+
+def _blocks(tensor: RefitTensor, dim: int, tp: int, global_size: int) -> tuple[int, ...]:
+    """The global sizes of a tp-split tensor's packed blocks along ``dim`` (() for one block).
+
+    ``partition_sizes`` lists a tp rank's blocks (Mamba's ``in_proj``: z, x, B, C, dt); each block is
+    split over tp on its own, so its global size is tp times the local one.
+
+    Raises:
+        RefitInputError: ``partition_sizes`` does not add up to the tensor's local size along ``dim``.
+    """
+    sizes = getattr(tensor.tensor, "partition_sizes", None)
+    if sizes is not None:
+        local = [int(size) for size in sizes]
+        if sum(local) != tensor.tensor.shape[dim]:
+            raise RefitInputError(
+                f"tensor {tensor.name!r} ({tensor.local}): partition_sizes {local} add up to {sum(local)}, but its "
+                f"local size along partition_dim {dim} is {tensor.tensor.shape[dim]}: set partition_sizes to the "
+                f"sizes of this tp rank's packed blocks"
+            )
+        return tuple(size * tp for size in local) if len(local) > 1 else ()
+    stride = int(getattr(tensor.tensor, "partition_stride", 1))
+    return (global_size // stride,) * stride if stride > 1 else ()
+
+
+def _dtype(tensor: Any) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
 
 
 def _records(model: Any, plan: ShardPlan, side: str, rank: int) -> list[dict[str, Any]]:
-    """The manifest fields of every parameter this rank holds of ``model`` (laid out by ``plan``), and
-    where the rank sits (its pipeline stage, to check the layers against the manifest's split)."""
+    """The manifest fields of every tensor this rank holds of ``model`` (laid out by ``plan``), and
+    where the rank sits (its pipeline stage, to check the layers against the manifest's split).
+
+    A destination buffer's dtype is not a field: the source's is the manifest's (``_match_buffer_dtypes``).
+    """
     tied = any(_tied(chunk) for chunk in _chunks(model))
     where = {"side": side, "rank": rank, "stage": plan.coords(rank)["pp"], "pp": plan.spec.pp}
     records = []
-    for parameter in parameters(model):
-        shape = list(parameter.tensor.shape)
-        fields: dict[str, Any] = {"name": parameter.name, "dtype": str(parameter.tensor.dtype).removeprefix("torch.")}
-        if getattr(parameter.tensor, "tensor_model_parallel", False):
-            dim = int(parameter.tensor.partition_dim)
-            shape[dim] *= plan.spec.expt_tp if parameter.expert is not None else plan.spec.tp
-            stride = int(getattr(parameter.tensor, "partition_stride", 1))
-            fields.update(tp_dim=dim, blocks=(shape[dim] // stride,) * stride if stride > 1 else ())
+    for tensor in refit_tensors(model):
+        shape = list(tensor.tensor.shape)
+        fields: dict[str, Any] = {"name": tensor.name}
+        if not (tensor.buffer and side == "dst"):
+            fields["dtype"] = _dtype(tensor.tensor)
+        if getattr(tensor.tensor, "tensor_model_parallel", False):
+            dim = int(tensor.tensor.partition_dim)
+            tp = plan.spec.expt_tp if tensor.expert is not None else plan.spec.tp
+            shape[dim] *= tp
+            fields.update(tp_dim=dim, blocks=_blocks(tensor, dim, tp, shape[dim]))
         fields["shape"] = tuple(shape)
-        if parameter.layer is None:
-            fields["stage"] = _stage(parameter.name, tied)
+        if tensor.layer is None:
+            fields["stage"] = _stage(tensor.name, tied)
         else:
-            fields["layer"] = parameter.layer
-            if parameter.expert is not None:
-                fields["expert"] = parameter.expert
-        records.append({**where, "local": parameter.local, "fields": fields})
+            fields["layer"] = tensor.layer
+            if tensor.expert is not None:
+                fields["expert"] = tensor.expert
+        records.append({**where, "local": tensor.local, "fields": fields, "buffer": tensor.buffer})
     return records
 
 
@@ -213,7 +272,10 @@ def manifest_from_records(records: Sequence[dict[str, Any]], facts: Sequence[dic
     seen: dict[str, dict[str, Any]] = {}
     for record in sorted(records, key=lambda r: (r["side"] != "src", r["rank"])):
         first = seen.setdefault(record["fields"]["name"], record)
-        if record["fields"] != first["fields"]:
+        expected = first["fields"]
+        if "dtype" not in record["fields"]:  # a destination buffer takes the source's dtype
+            expected = {key: value for key, value in expected.items() if key != "dtype"}
+        if record["fields"] != expected:
             raise RefitInputError(
                 f"tensor {record['fields']['name']!r}: the {first['side']} model on rank {first['rank']} "
                 f"({first['local']}) describes it as {first['fields']}, the {record['side']} model on rank "
@@ -232,21 +294,49 @@ def manifest_from_records(records: Sequence[dict[str, Any]], facts: Sequence[dic
     return manifest
 
 
-def read_manifest(src_model: Any, dst_model: Any, source: ShardPlan, target: ShardPlan) -> Any:
-    """The manifest both models agree on, from every rank's parameters (one all-gather).
-
-    Every rank of the world calls it, with None for a model it does not hold.
-    """
-    import torch.distributed as dist
-
-    rank = dist.get_rank()
+def _local_records(src_model: Any, dst_model: Any, source: ShardPlan, target: ShardPlan, rank: int) -> dict[str, Any]:
+    """What this rank contributes to the manifest: its tensors' records and its models' facts."""
     mine: dict[str, Any] = {"records": [], "facts": []}
     for side, model, plan in (("src", src_model, source), ("dst", dst_model, target)):
         if model is not None and rank in plan:
             mine["records"] += _records(model, plan, side, rank)
             mine["facts"].append(_config_facts(model, plan, side))
+    return mine
+
+
+def _gathered_manifest(mine: dict[str, Any]) -> Any:
     gathered = all_gather_objects(mine)
     return manifest_from_records([r for g in gathered for r in g["records"]], [f for g in gathered for f in g["facts"]])
+
+
+def read_manifest(src_model: Any, dst_model: Any, source: ShardPlan, target: ShardPlan) -> Any:
+    """The manifest both models agree on, from every rank's parameters and persistent buffers (one all-gather).
+
+    Every rank of the world calls it, with None for a model it does not hold.
+    """
+    import torch.distributed as dist
+
+    return _gathered_manifest(_local_records(src_model, dst_model, source, target, dist.get_rank()))
+
+
+def _match_buffer_dtypes(model: Any, manifest: Any) -> None:
+    """Give each destination buffer the manifest's (the source's) dtype, in place, where it differs.
+
+    The tensor object stays (``.data`` is replaced, as megatron-core's router does to keep ``expert_bias``
+    in float32), so the module's attribute and every reference to it see the refit's values.
+    """
+    import torch
+
+    for tensor in refit_tensors(model):
+        if tensor.buffer:
+            dtype = manifest.tensors[manifest.index(tensor.name)].dtype
+            if _dtype(tensor.tensor) != dtype:
+                tensor.tensor.data = tensor.tensor.data.to(getattr(torch, dtype))
+
+
+kept_plans: KeptPlans[Any] = KeptPlans()
+"""The plans ``refit`` keeps across calls (see the module's docstring); ``kept_plans.clear()`` on every
+rank forgets them."""
 
 
 def _layout(shards: Any) -> Layout:
@@ -277,6 +367,10 @@ def refit(
 ) -> TransferStats:
     """Copy ``src_model``'s weights into ``dst_model`` across their shards; every rank of the world calls it.
 
+    Parameters and persistent buffers move; a destination buffer takes the source's dtype. The plan is
+    kept for the next call that brings the same models, shards and world on every rank
+    (``kept_plans``): then a call costs one all-gather of two digests per rank before the transfer.
+
     Args:
         src_model: This rank's source model (or its virtual-pipeline chunks), None where the rank is not
             in the source shard.
@@ -301,23 +395,19 @@ def refit(
     import torch
     import torch.distributed as dist
 
-    from shardcore import ShardcoreError
-    from shardcore.refit import plan_refit
-
     layout = _layout(shards)
     source, target = _shard_plan(layout, src), _shard_plan(layout, dst)
-    manifest = read_manifest(src_model, dst_model, source, target)
-    try:
-        refit_plan = plan_refit(layout, source, [target], manifest)
-    except ShardcoreError as error:
-        raise RefitInputError(f"the models do not fit their shards: {error}") from error
-
     rank = dist.get_rank()
+    mine = _local_records(src_model, dst_model, source, target, rank)
+    key = (mine, layout.fingerprint(), source.to_dict(), target.to_dict(), dist.get_world_size(), rank)
+    refit_plan = kept_plans.get(key, lambda: _plan(layout, source, target, mine))
+    if dst_model is not None and rank in target:
+        _match_buffer_dtypes(dst_model, refit_plan.manifest)
 
     def tensors(model: Any, plan: ShardPlan) -> dict[str, Any]:
         if model is None or rank not in plan:
             return {}
-        return {parameter.name: parameter.tensor.data for parameter in parameters(model)}
+        return {tensor.name: tensor.tensor.data for tensor in refit_tensors(model)}
 
     with torch.no_grad():
         return execute_refit(
@@ -330,4 +420,32 @@ def refit(
         )
 
 
-__all__ = ["Parameter", "manifest_from_records", "parameters", "read_manifest", "refit"]
+def _plan(layout: Layout, source: ShardPlan, target: ShardPlan, mine: dict[str, Any]) -> Any:
+    """The refit plan from every rank's records (one all-gather); every rank calls it together."""
+    from shardcore import ShardcoreError
+    from shardcore.refit import plan_refit
+
+    manifest = _gathered_manifest(mine)
+    try:
+        return plan_refit(layout, source, [target], manifest)
+    except ShardcoreError as error:
+        raise RefitInputError(f"the models do not fit their shards: {error}") from error
+
+
+_RENAMED = {"parameters": "refit_tensors", "Parameter": "RefitTensor"}
+"""Names renamed in 0.1.x (they yield persistent buffers too now): served with a DeprecationWarning for one release."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        warnings.warn(
+            f"shardcore_megatron.refit.{name} is now {_RENAMED[name]} (persistent buffers too); {name} goes in the "
+            f"next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return globals()[_RENAMED[name]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["RefitTensor", "kept_plans", "manifest_from_records", "read_manifest", "refit", "refit_tensors"]

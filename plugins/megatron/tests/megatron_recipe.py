@@ -75,6 +75,17 @@ class Tiny:
     """``share_embeddings_and_output_weights``: with pp > 1 the last stage keeps a copy of the embedding."""
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+    expert_bias: bool = False
+    """``moe_router_enable_expert_bias``: each router holds a persistent float32 ``expert_bias`` buffer."""
+    bf16: bool = False
+    """Wrapped in megatron-core's ``Float16Module`` (bf16 weights, and bf16 buffers until the trainer's router
+    turns ``expert_bias`` back to float32: ``keep_float32_expert_bias``)."""
+    packed: bool = False
+    """Each layer also holds megatron-core's ``ColumnParallelLinear`` packed as Mamba's ``in_proj`` (``PACKED``)."""
+
+
+PACKED = (128, 128, 32, 32, 8)
+"""Mamba's in_proj blocks [z, x, B, C, dt] for d_inner 128, ngroups 2, d_state 16, 8 heads (global rows)."""
 
 
 def _config(spec: Any, model: Tiny) -> Any:
@@ -99,13 +110,62 @@ def _config(spec: Any, model: Tiny) -> Any:
         num_moe_experts=model.experts,
         moe_ffn_hidden_size=32 if model.experts else None,
         moe_router_topk=2,
+        moe_router_enable_expert_bias=model.expert_bias,
+        moe_router_score_function="sigmoid" if model.expert_bias else "softmax",
+        bf16=model.bf16,
         gated_linear_unit=True,
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
+        params_dtype=torch.bfloat16 if model.bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if model.bf16 else torch.float32,
     )
+
+
+@contextmanager
+def cpu_current_device(needed: bool) -> Iterator[None]:
+    """``torch.cuda.current_device()`` answering "cpu" while a model is built, where ``needed``.
+
+    megatron-core's router (0.16.1, 0.19.2) allocates ``expert_bias`` on ``torch.cuda.current_device()``;
+    this stub, in the building rank only and only for the constructor, is the one thing these models
+    need beyond the swapped core attention. Nothing in megatron-core is patched.
+    """
+    if not needed:
+        yield
+        return
+    original = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = original
+
+
+def _add_packed(gpt: Any, config: Any, groups: Any) -> None:
+    """A megatron-core ``ColumnParallelLinear`` per layer, packed like Mamba's ``in_proj`` and marked with
+    ``partition_sizes`` the way megatron-core 0.19's ``MambaMixer`` marks it (its blocks split over tp
+    one by one). MambaMixer itself needs mamba-ssm's CUDA kernels to be built at all."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    tp = groups.tp.size()
+    for layer in gpt.decoder.layers:
+        layer.in_proj = ColumnParallelLinear(
+            config.hidden_size,
+            sum(PACKED),
+            config=config,
+            init_method=config.init_method,
+            bias=False,
+            tp_group=groups.tp,
+        )
+        layer.in_proj.weight.partition_sizes = [size // tp for size in PACKED]
+
+
+def keep_float32_expert_bias(gpt: Any) -> None:
+    """What a trainer's router does on its first step (megatron-core's ``_maintain_float32_expert_bias``):
+    a bf16-wrapped model's ``expert_bias`` back in float32."""
+    for module in gpt.modules():
+        if hasattr(module, "_maintain_float32_expert_bias"):
+            module._maintain_float32_expert_bias()
 
 
 def tiny_gpt(shard: Any, model: Tiny) -> Any:
@@ -117,14 +177,16 @@ def tiny_gpt(shard: Any, model: Tiny) -> Any:
     """
     spec, groups = shard.spec, shard.handle
     stage, tied_across_stages = groups.pp.rank(), model.tied and spec.pp > 1
-    with quiet():
+    with quiet(), cpu_current_device(model.expert_bias):
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.module import Float16Module
 
         layer_spec = get_gpt_layer_local_spec(num_experts=model.experts)
         layer_spec.submodules.self_attention.submodules.core_attention = CpuAttention
+        config = _config(spec, model)
         gpt = GPTModel(
-            _config(spec, model),
+            config,
             layer_spec,
             vocab_size=VOCAB,
             max_sequence_length=SEQUENCE,
@@ -134,8 +196,10 @@ def tiny_gpt(shard: Any, model: Tiny) -> Any:
             pg_collection=_without_embd(groups) if tied_across_stages else groups,
             position_embedding_type="learned_absolute",
         )
+        if model.packed:
+            _add_packed(gpt, config, groups)
     gpt.embd_group = groups.embd
-    return gpt.eval()
+    return (Float16Module(config, gpt) if model.bf16 else gpt).eval()
 
 
 def _without_embd(groups: Any) -> Any:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from plugins.megatron.tests import megatron_recipe as recipe
 from shardcore import RefitInputError, destroy_shards
 from shardcore.engine import all_gather_objects
-from shardcore_megatron.refit import parameters, refit
+from shardcore_megatron.refit import refit, refit_tensors
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class Case:
 def _named(gpt: Any, groups: Any) -> list[tuple[str, str, Any, Any]]:
     """(global name, local name, parameter, the group it is split over or None) of this rank's parameters."""
     out = []
-    for parameter in parameters(gpt):
+    for parameter in refit_tensors(gpt):
         split = getattr(parameter.tensor, "tensor_model_parallel", False)
         group = (groups.expt_tp if parameter.expert is not None else groups.tp) if split else None
         out.append((parameter.name, parameter.local, parameter.tensor, group))
@@ -57,23 +57,34 @@ def _full(name: str, shape: list[int]) -> torch.Tensor:
     return 1 + 0.1 * values if "norm" in name else 0.05 * values
 
 
+def _local_blocks(parameter: Any) -> list[int]:
+    """A tp rank's packed blocks along ``partition_dim``, by megatron-core's marks: ``partition_sizes``
+    where set (Mamba), else ``partition_stride`` equal blocks."""
+    sizes = getattr(parameter, "partition_sizes", None)
+    if sizes is not None:
+        return list(sizes)
+    stride = getattr(parameter, "partition_stride", 1)
+    return [parameter.shape[parameter.partition_dim] // stride] * stride
+
+
 def _cut(full: torch.Tensor, parameter: Any, group: Any) -> torch.Tensor:
-    """This tp rank's part: ``tp * stride`` chunks along ``partition_dim``, chunks ``r, r + tp, ...``."""
+    """This tp rank's part: each packed block cut in tp equal chunks, this rank's chunk of each, in order."""
     if group is None:
         return full
-    chunks = full.chunk(group.size() * parameter.partition_stride, dim=parameter.partition_dim)
-    return torch.cat(chunks[group.rank() :: group.size()], dim=parameter.partition_dim)
+    dim, tp = parameter.partition_dim, group.size()
+    blocks = full.split([size * tp for size in _local_blocks(parameter)], dim=dim)
+    return torch.cat([block.chunk(tp, dim=dim)[group.rank()] for block in blocks], dim=dim)
 
 
 def _gather(local: torch.Tensor, parameter: Any, group: Any) -> torch.Tensor:
     """The whole tensor from every tp rank's part (the inverse of ``_cut``)."""
     if group is None:
         return local
-    dim, stride = parameter.partition_dim, parameter.partition_stride
+    dim, sizes = parameter.partition_dim, _local_blocks(parameter)
     parts = [torch.empty_like(local) for _ in range(group.size())]
     dist.all_gather(parts, local.contiguous(), group=group)
-    pieces = [part.chunk(stride, dim=dim) for part in parts]
-    return torch.cat([pieces[rank][block] for block in range(stride) for rank in range(group.size())], dim=dim)
+    pieces = [part.split(sizes, dim=dim) for part in parts]
+    return torch.cat([pieces[rank][block] for block in range(len(sizes)) for rank in range(group.size())], dim=dim)
 
 
 def _fill_source(gpt: Any, groups: Any) -> None:
@@ -114,6 +125,8 @@ def _refit_and_compare(case: Case, source: Any, target: Any, src_shards: list[An
     src = recipe.tiny_gpt(source, case.model) if source.is_member else None
     dst = recipe.tiny_gpt(target, case.target_model or case.model) if target.is_member else None
     if src is not None:
+        if case.model.expert_bias:
+            recipe.keep_float32_expert_bias(src)
         _fill_source(src, source.handle)
     if dst is not None:
         with torch.no_grad():
@@ -137,6 +150,15 @@ def _refit_and_compare(case: Case, source: Any, target: Any, src_shards: list[An
         "copied": stats.bytes_copied,
         "received": stats.bytes_received,
         "logits": logits,
+        "buffers": _buffer_dtypes(src, dst),
+    }
+
+
+def _buffer_dtypes(src: Any, dst: Any) -> dict[str, list[tuple[str, str]]]:
+    """(global name, dtype) of each side's persistent buffers on this rank."""
+    return {
+        side: [(t.name, str(t.tensor.dtype)) for t in refit_tensors(model) if t.buffer] if model is not None else []
+        for side, model in (("src", src), ("dst", dst))
     }
 
 
@@ -152,3 +174,46 @@ def refit_cases(rank: int, world: int, cases: list[Case]) -> list[dict[str, Any]
         if case.target:
             destroy_shards(dst_shards)
     return results
+
+
+def kept_plan_steps(rank: int, world: int) -> list[dict[str, Any]]:
+    """An RL loop's refits: tp=2,pp=2 into tp=4 (plans), again after a training step changed every source
+    weight (kept), into tp=2,dp=2 over the same ranks (another target: plans), into tp=4 again (kept).
+
+    Each step: how many plans ``kept_plans`` built and reused in it, and both sides' digests after it.
+    """
+    from shardcore_megatron.refit import kept_plans
+
+    source, four, two = (recipe.megatron_shards(world, spec) for spec in ("tp=2,pp=2", "tp=4", "tp=2,dp=2"))
+    src = recipe.tiny_gpt(source[0], recipe.Tiny())
+    targets = {
+        "tp=4": (four[0], recipe.tiny_gpt(four[0], recipe.Tiny())),
+        "tp=2,dp=2": (two[0], recipe.tiny_gpt(two[0], recipe.Tiny())),
+    }
+    _fill_source(src, source[0].handle)
+    kept_plans.clear()
+    steps = []
+    for label in ("tp=4", "tp=4", "tp=2,dp=2", "tp=4"):
+        shard, dst = targets[label]
+        builds, hits = kept_plans.builds, kept_plans.hits
+        refit(src, dst, source, src=source[0], dst=shard, timeout=120)
+        steps.append(
+            {
+                "target": label,
+                "built": kept_plans.builds - builds,
+                "kept": kept_plans.hits - hits,
+                "src": _digests(src, source[0].handle),
+                "dst": _digests(dst, shard.handle),
+            }
+        )
+        with torch.no_grad():  # the next training step: every source weight changes
+            for parameter in src.parameters():
+                parameter.mul_(2.0)
+    for shards in (source, four, two):
+        destroy_shards(shards)
+    return steps
+
+
+def refit_world(rank: int, world: int, cases: list[Case]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The refit cases, then the kept-plan steps, on one world (megatron-core is imported once per rank)."""
+    return refit_cases(rank, world, cases), kept_plan_steps(rank, world)

@@ -204,3 +204,14 @@ def test_a_layer_off_its_stage_is_refused() -> None:
     records = [_layer_record("dst", 3, 1, 1)]
     with pytest.raises(RefitInputError, match=r"stage 1 of the dst model \(rank 3\).* puts layer 1 on stage 0"):
         manifest_from_records([_layer_record("src", 0, 0, 1), *records], [_facts("src", 1), _facts("dst", 2)])
+
+
+def test_the_renamed_refit_names_still_work_with_a_warning() -> None:
+    from shardcore_megatron import refit
+
+    with pytest.warns(DeprecationWarning, match="parameters is now refit_tensors"):
+        assert refit.parameters is refit.refit_tensors
+    with pytest.warns(DeprecationWarning, match="Parameter is now RefitTensor"):
+        assert refit.Parameter is refit.RefitTensor
+    with pytest.raises(AttributeError):
+        refit.params  # noqa: B018

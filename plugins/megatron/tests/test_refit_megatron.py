@@ -34,6 +34,13 @@ CASES = [
     Case(
         "tp=2,pp=2 -> cp=2,pp=2, split 3+1, tied", "tp=2,pp=2", "cp=2,pp=2", model=Tiny(tied=True, first_stage_layers=3)
     ),
+    Case(
+        "MoE bf16, float32 expert_bias: tp=2,ep=2,expt_tp=1 -> dp=2,ep=2",
+        "tp=2,ep=2,expt_tp=1 + dp=2,ep=2,expt_tp=1",
+        model=Tiny(experts=4, expert_bias=True, bf16=True),
+    ),
+    Case("packed blocks (Mamba's in_proj): collocated tp=2,dp=2 -> tp=4", "tp=2,dp=2", "tp=4", model=Tiny(packed=True)),
+    Case("packed blocks (Mamba's in_proj): tp=2 -> dp=2", "tp=2 + dp=2", model=Tiny(packed=True)),
 ]
 REFUSED = [
     Case(
@@ -56,8 +63,13 @@ near that. Measured: at most 7.2e-7 absolute on logits up to 1.7-2.0 (4e-7 relat
 
 
 @pytest.fixture(scope="module")
-def results() -> list[list[dict[str, Any]]]:
-    return run_world(4, workers.refit_cases, CASES + REFUSED, timeout=600)
+def world() -> list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
+    return run_world(4, workers.refit_world, CASES + REFUSED, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def results(world: Any) -> list[list[dict[str, Any]]]:
+    return [cases for cases, _ in world]
 
 
 def _case(results: Any, index: int) -> list[dict[str, Any]]:
@@ -141,3 +153,42 @@ def test_two_pipeline_splits_are_refused_on_every_rank(results: Any, index: int)
     message = messages.pop()
     assert "num_layers_in_first_pipeline_stage=1, num_layers_in_last_pipeline_stage=3" in message
     assert "evenly" in message and len(message) < 1000
+
+
+def test_expert_bias_arrives_in_the_source_dtype(results: Any) -> None:
+    """The trainer's router keeps expert_bias in float32, the fresh bf16 model holds it in bf16: refit moves it
+    (its digest equals the source's, checked above) and the destination's buffer becomes float32."""
+    index = next(i for i, case in enumerate(CASES) if case.model.expert_bias)
+    per_rank = _case(results, index)
+    names = {f"decoder.layers.{layer}.mlp.router.expert_bias" for layer in range(4)}
+    for side in ("src", "dst"):
+        held = {(name, dtype) for result in per_rank for name, dtype in result["buffers"][side]}
+        assert {name for name, _ in held} == names, side
+        assert {dtype for _, dtype in held} == {"torch.float32"}, side
+    received = {name for result in per_rank for name, *_ in result["dst"]}
+    assert names <= received
+
+
+def test_packed_blocks_are_split_block_by_block(results: Any) -> None:
+    """partition_sizes (unequal blocks): the gathered destination equals the source (checked above) and
+    every layer's packed projection took part."""
+    for index, case in enumerate(CASES):
+        if case.model.packed:
+            names = {name for result in _case(results, index) for name, *_ in result["dst"]}
+            assert {f"decoder.layers.{layer}.in_proj.weight" for layer in range(4)} <= names, case.label
+
+
+def test_a_kept_plan_serves_the_next_call_and_a_changed_key_plans_again(world: Any) -> None:
+    steps = [ranks for _, ranks in world]
+    for step in range(4):
+        per_rank = [rank_steps[step] for rank_steps in steps]
+        expected = (1, 0) if step in (0, 2) else (0, 1)  # steps 1 and 3 bring a key seen before
+        assert {(r["built"], r["kept"]) for r in per_rank} == {expected}, (step, per_rank[0]["target"])
+        source = {name: (shape, digest) for r in per_rank for name, _, shape, digest in r["src"]}
+        wrong = [
+            (rank, local)
+            for rank, r in enumerate(per_rank)
+            for name, local, shape, digest in r["dst"]
+            if source[name] != (shape, digest)
+        ]
+        assert not wrong, (step, wrong)  # the kept plan moved the new step's weights
