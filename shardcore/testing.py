@@ -234,7 +234,9 @@ def run_jobs(
         first = min(failed)
         job, rank = owners[first]
         where = f"rank {rank}" if len(jobs) == 1 else f"job {job} rank {rank}"
-        shown = sorted(failed) if len(jobs) == 1 else [f"job {owners[i][0]} rank {owners[i][1]}" for i in sorted(failed)]
+        shown = (
+            sorted(failed) if len(jobs) == 1 else [f"job {owners[i][0]} rank {owners[i][1]}" for i in sorted(failed)]
+        )
         raise WorldError(f"ranks {shown} failed; {where}:\n{failed[first]}")
     results: list[list[Any]] = [[] for _ in jobs]
     for index, (job, _) in enumerate(owners):

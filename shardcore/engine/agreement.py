@@ -7,11 +7,11 @@ ranks that are missing, failed or differ instead of hanging.
 
 **Parties and sessions.** A *party* is the whole world or one window of it, or a group of its own with a store
 of its own (a refit group between two jobs' worlds: ``Party.store``, where each process has a rank in the group's
-numbering); its keys live under ``shardcore/<scope>/``. A *session* (one build, one refit, one window-local creation) is a series of
-meetings of one party. Its first meeting, ``convene``, reads the party's *epoch* from the store; the
-session's later meetings (``meet``) use the epoch its ranks met at. Every first meeting has the same
-name, whatever the session, so a rank in a build and a rank in a refit at the same epoch meet, and
-see that they disagree, instead of waiting at different keys.
+numbering); its keys live under ``shardcore/<scope>/``. A *session* (one build, one refit, one
+window-local creation) is a series of meetings of one party. Its first meeting, ``convene``, reads the
+party's *epoch* from the store; the session's later meetings (``meet``) use the epoch its ranks met at.
+Every first meeting has the same name, whatever the session, so a rank in a build and a rank in a refit at
+the same epoch meet, and see that they disagree, instead of waiting at different keys.
 
 **Numbered by the store, never by a process.** Whoever decides a session's first meeting (the last to
 arrive, or the first to give up waiting) moves the epoch on, once, with a compare-and-set, before it

@@ -362,9 +362,9 @@ class _Line:
         self.pid: int | None = None
         """The process that started the worker (a forked child has none, and starts its own)."""
 
-    def queue(self, job: Callable[[Store], object], box: dict[str, Any], done: threading.Event) -> None:
-        """Hand ``job`` to the worker (starting one if this process has none); call under ``lock``."""
-        if self.pid != os.getpid():
+    def put(self, job: Callable[[Store], object], box: dict[str, Any], done: threading.Event) -> None:
+        """Queue ``job`` for the worker (starting one if this process has none); call under ``lock``."""
+        if self.pid is not None and self.pid != os.getpid():  # a forked child: the parent's worker is not here
             self.retire()
         if self.jobs is None:
             self.jobs = self._start()
@@ -489,13 +489,13 @@ def store_call(
     rank = on.rank if on is not None else dist.get_rank()
     host = on.host if on is not None else None
     world = None if on is not None else world_token()
-    if (on.abandoned if on is not None else _Default.abandoned == world):
+    if on.abandoned if on is not None else _Default.abandoned == world:
         raise error(f"rank {rank}: the store was given up {what}: its host, {host or store_host()}, is gone")
     box: dict[str, Any] = {}
     done = threading.Event()
     line = _line(on, world)
     with _Line.lock:
-        line.queue(job, box, done)
+        line.put(job, box, done)
     try:
         answered = done.wait(seconds)
     except BaseException:  # an interrupt: the job may still be running, so nothing may queue behind it
@@ -528,7 +528,7 @@ def store_in_background(job: Callable[[Store], object], *, on: OwnStore | None =
         return
     line = _line(on, world)
     with _Line.lock:
-        line.queue(job, {}, threading.Event())
+        line.put(job, {}, threading.Event())
 
 
 def _line(on: OwnStore | None, world: int | None) -> _Line:

@@ -8,7 +8,6 @@ weight map (``layout_check.through_map``).
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from shardcore.engine.live.layout_check import FILL, through_map
 from shardcore.engine.live.refit_check import cut, known_tensor
 from shardcore.errors import ShardcoreError
 from shardcore.refit import RefitRequest
+from tests.engine.refit_workers import die_after_first_landing
 
 TRAINER = "tp=2,pp=2,role=train"
 """The trainer's shard: Megatron's layout, 4 ranks."""
@@ -58,7 +58,9 @@ def _send(plan: Any, group: RefitGroup, step: int, **options: Any) -> Any:
     """The trainer's part of one refit: its local shards of the step's global tensors."""
     full, manifest = _full(plan, step), plan.manifest
     mine = plan.for_rank(group.rank)
-    sources = {name: cut(full(name), manifest.tensor(name), plan.source, group.rank, manifest) for name in mine.source_shapes}
+    sources = {
+        name: cut(full(name), manifest.tensor(name), plan.source, group.rank, manifest) for name in mine.source_shapes
+    }
     return execute_refit(plan, sources, {}, group=group, version=step, **options)
 
 
@@ -167,11 +169,14 @@ def second_engine(rank: int, world: int, address: str, config: str, timeout: flo
 
 VICTIM = 1
 """The engine worker that dies in the second refit (group rank 4 + 1)."""
+LEAVER = 2
+"""The trainer rank that goes away in the restarted engine's second refit."""
 
 
 def trainer_through_restart(rank: int, world: int, address: str, config: str, flag: str, timeout: float) -> dict:
     """Refit 0 works; in refit 1 an engine worker dies: named here in time, the trainer's world still works;
-    then the restarted engine joins a new group and refit 2 reaches it whole."""
+    then the restarted engine joins a new group and refit 2 reaches it whole; in refit 3 trainer rank ``LEAVER``
+    goes away, and the engine names it."""
     group = connect_refit(address, side="trainer", rank=rank, trainer_ranks=world, engine_ranks=4, timeout=timeout)
     plan = request(config).plan(group.size)
     _send(plan, group, 0, timeout=timeout)
@@ -182,35 +187,30 @@ def trainer_through_restart(rank: int, world: int, address: str, config: str, fl
         Path(flag).write_text("restart")
     again = connect_refit(address, side="trainer", rank=rank, trainer_ranks=world, engine_ranks=4, timeout=60)
     after = _outcome(lambda: _send(plan, again, 2, timeout=timeout))
+    if rank == LEAVER:
+        die_after_first_landing()
+    left = _outcome(lambda: _send(plan, again, 3, timeout=timeout, bucket_bytes=4096))
     again.close()
-    return {"fault": fault, "world": world_sum, "after": after, "generations": (group.generation, again.generation)}
+    generations = (group.generation, again.generation)
+    return {"fault": fault, "world": world_sum, "after": after, "left": left, "generations": generations}
 
 
 def engine_killed(rank: int, world: int, address: str, config: str, timeout: float) -> tuple[str, str, tuple, float]:
     """The first engine: worker ``VICTIM`` dies after landing its first batch of refit 1."""
-    from shardcore.engine.transfer.exchange import Exchange
-
     group = connect_refit(address, side="engine", rank=rank, trainer_ranks=4, engine_ranks=world, timeout=timeout)
     plan = request(config).plan(group.size)
     destinations = _destinations(plan, group)
     execute_refit(plan, {}, destinations, group=group, version=0, timeout=timeout)
     if rank == VICTIM:
-        real, landed = Exchange._land, [0]
-
-        def dying(self: Exchange, flight: Any) -> None:
-            if landed[0] == 1:
-                os._exit(17)
-            real(self, flight)
-            landed[0] += 1
-
-        Exchange._land = dying  # type: ignore[method-assign]
+        die_after_first_landing()
     return _outcome(
         lambda: execute_refit(plan, {}, destinations, group=group, version=1, timeout=timeout, bucket_bytes=4096)
     )
 
 
-def engine_restarted(rank: int, world: int, address: str, config: str, flag: str) -> dict[str, Any]:
-    """The engine started again (new processes) once the first is gone: it holds no version, and gets refit 2."""
+def engine_restarted(rank: int, world: int, address: str, config: str, flag: str, timeout: float) -> dict[str, Any]:
+    """The engine started again (new processes) once the first is gone: it holds no version, and gets refit 2;
+    in refit 3 a trainer rank goes away."""
     deadline = time.monotonic() + 120
     while not Path(flag).exists() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -219,11 +219,16 @@ def engine_restarted(rank: int, world: int, address: str, config: str, flag: str
     destinations = _destinations(plan, group)
     before = held_version(destinations)
     execute_refit(plan, {}, destinations, group=group, version=2)
+    wrong, version = _mismatches(plan, group, destinations, 2), tuple(held_version(destinations) or ())
+    left = _outcome(
+        lambda: execute_refit(plan, {}, destinations, group=group, version=3, timeout=timeout, bucket_bytes=4096)
+    )
     group.close()
     return {
         "before": before,
-        "wrong": _mismatches(plan, group, destinations, 2),
-        "version": tuple(held_version(destinations) or ()),
+        "wrong": wrong,
+        "version": version,
+        "left": left,
         "world": _world_sum(1.0),
     }
 

@@ -56,7 +56,7 @@ def test_twenty_refits_across_jobs_arrive_bitwise_and_a_second_engine_joins(conf
         assert out["world"] == 4.0
 
 
-def test_dead_engine_worker_is_named_in_time_and_a_restarted_engine_is_refit_whole(
+def test_a_dead_worker_or_trainer_rank_is_named_in_time_and_a_restarted_engine_is_refit_whole(
     config: str, tmp_path: Path
 ) -> None:
     address = f"127.0.0.1:{free_port()}"
@@ -65,30 +65,39 @@ def test_dead_engine_worker_is_named_in_time_and_a_restarted_engine_is_refit_who
         [
             (4, workers.trainer_through_restart, (address, config, flag, TIMEOUT)),
             (4, workers.engine_killed, (address, config, TIMEOUT)),
-            (4, workers.engine_restarted, (address, config, flag)),
+            (4, workers.engine_restarted, (address, config, flag, TIMEOUT)),
         ],
         timeout=300,
         allow_failures=True,
     )
     victim = 4 + workers.VICTIM
     assert killed[workers.VICTIM] == "died (exit code 17)"
+    assert trainer[workers.LEAVER] == "died (exit code 17)"
     for rank, out in enumerate(trainer):
+        if rank == workers.LEAVER:
+            continue
         kind, message, ranks, elapsed = out["fault"]
         assert kind == "RefitPeerError" and ranks == (victim,), (rank, out["fault"])
-        assert "refit group 'refit' (trainer ranks 0-3, engine ranks 4-7)" in message or str(victim) in message
+        assert f"rank {victim} is engine rank {workers.VICTIM}" in message and "\n" not in message, message
         _within(elapsed)
         assert out["world"] == 6.0  # 0 + 1 + 2 + 3 on the trainer's own world, after the fault
         assert out["after"][0] == "ok", out["after"]
         first, second = out["generations"]
         assert second > first
+        assert out["left"][0] == "RefitPeerError" and workers.LEAVER in out["left"][2], out["left"]
     for rank, out in enumerate(killed):
         if rank != workers.VICTIM:
-            kind, _, ranks, elapsed = out
+            kind, message, ranks, elapsed = out
             assert kind == "RefitPeerError" and victim in ranks, (rank, out)
+            assert f"rank {victim} is engine rank {workers.VICTIM}" in message, message
             _within(elapsed)
     for out in restarted:
         assert out["before"] is None and out["wrong"] == [] and out["version"] == (2, True), out
         assert out["world"] == 4.0
+        kind, message, ranks, elapsed = out["left"]  # the trainer's rank that went away, named here in time
+        assert kind == "RefitPeerError" and ranks == (workers.LEAVER,), out["left"]
+        assert f"rank {workers.LEAVER} is trainer rank {workers.LEAVER}" in message, message
+        _within(elapsed)
 
 
 def test_bad_input_is_one_typed_error_within_the_timeout() -> None:

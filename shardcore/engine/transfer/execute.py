@@ -32,6 +32,7 @@ OpenMP threads and runs 10-100x slower (see BENCHMARKS.md).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -149,6 +150,23 @@ def held_version(destinations: Mapping[str, torch.Tensor]) -> HeldVersion | None
     return HeldVersion(oldest.version, len(versions) == 1 and oldest.intact)
 
 
+def _naming_group_ranks(execute: Callable[..., TransferStats]) -> Callable[..., TransferStats]:
+    """A refit over a refit group fails naming group ranks: its error also says which job's rank each one is."""
+
+    @functools.wraps(execute)
+    def named(*args: Any, **kwargs: Any) -> TransferStats:
+        try:
+            return execute(*args, **kwargs)
+        except ShardcoreError as error:
+            group = kwargs.get("group")
+            if group is not None and error.args:
+                error.args = (f"{error.args[0]} [{group.naming(getattr(error, 'ranks', ()))}]", *error.args[1:])
+            raise
+
+    return named
+
+
+@_naming_group_ranks
 def execute_refit(
     plan: Any,
     sources: Mapping[str, Any],

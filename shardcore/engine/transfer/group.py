@@ -26,11 +26,13 @@ into it leaves the first engine's weights as they are.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -97,8 +99,19 @@ class RefitGroup:
 
     def who(self, rank: int) -> str:
         """A group rank as its job knows it: ``engine rank 1 (group rank 5)``."""
+        return f"{self._in_job(rank)} (group rank {rank})"
+
+    def naming(self, ranks: Sequence[int]) -> str:
+        """How group ranks read in an error: the group's numbering, and the job's rank of each of ``ranks``."""
+        named = "".join(f"; rank {rank} is {self._in_job(rank)}" for rank in sorted(ranks)[:4])
+        return (
+            f"refit group {shown(self.name)}: trainer ranks {shown_ranks(self.trainer)}, engine ranks "
+            f"{shown_ranks(self.engine)}{named}"
+        )
+
+    def _in_job(self, rank: int) -> str:
         side, first = ("trainer", 0) if rank in self.trainer else ("engine", self.trainer.stop)
-        return f"{side} rank {rank - first} (group rank {rank})"
+        return f"{side} rank {rank - first}"
 
     def member(self) -> tuple[int, int, Party, str, Any]:
         """What ``execute_refit`` runs on: this rank, the group's size, its party, backend and process group.
@@ -121,10 +134,8 @@ class RefitGroup:
         _open.pop((self.address, self.name), None)
         shutdown = getattr(self.process_group, "shutdown", None)
         if callable(shutdown) and self.backend != "gloo":  # gloo's ends with its object
-            try:
+            with contextlib.suppress(Exception):  # already broken (a peer died): nothing left to end
                 shutdown()
-            except Exception:  # already broken (a peer died): nothing left to end
-                pass
         self._store.close()
 
 
@@ -452,7 +463,7 @@ def _process_group(backend: str, store: Store, scope: str, rank: int, size: int,
         options._timeout = wait
         made = torch_dist.ProcessGroupNCCL(keys, rank, size, options)
     else:
-        from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # type: ignore[import-not-found]
+        from torch_npu._C._distributed_c10d import ProcessGroupHCCL
 
         device, kind = torch.device("npu", torch.npu.current_device()), kinds.CUSTOM  # type: ignore[attr-defined]
         options = ProcessGroupHCCL.Options()
