@@ -6,8 +6,9 @@ of 4, each with a world of its own, meeting in a refit group (``connect_refit``)
 serves; the same plan over the group's numbering. Per case, over ``--repeat`` refits after a warm-up one: the
 median refit time (the slowest rank's ``execute_refit``, ``TransferStats.seconds``) and of it the agreement
 (the two meetings). Forming the group: ``connect_refit``'s time on the slowest rank (the join round, the gloo
-process group connecting every pair, a final meeting), the first time and when both jobs connect again (a
-restarted engine). Every destination is checked bitwise once.
+process group connecting every pair, a final meeting; it includes waiting for the last process to come) and
+on the fastest rank (the last to come: what forming costs once everyone is there), the first time and when
+both jobs connect again (a restarted engine). Every destination is checked bitwise once.
 
 Usage: python benchmarks/bench_refit_group.py [--layers 4] [--repeat 9]
 """
@@ -90,14 +91,16 @@ def main() -> None:
     plan = _plan(args.layers)
     mb = sum(t.bytes for t in plan.transfers()) / 1e6
     print(f"model: bench-{args.layers}l ({mb:,.1f} MB moved), {TRAINER} -> {ENGINE}, {args.repeat} refits")
-    print("| where | refit s (median) | of it agreement s | group formed s | formed again s | bitwise |")
+    columns = "refit s (median) | of it agreement s | group formed s (slowest / fastest rank) | formed again s"
+    print(f"| where | {columns} | bitwise |")
     print("|---|---:|---:|---:|---:|---|")
     for label, ranks in (("one world of 8", single), ("two jobs of 4 (refit group)", trainer + engine)):
         refit = statistics.median(max(r["seconds"][i] for r in ranks) for i in range(args.repeat))
         agreed = statistics.median(max(r["agreement"][i] for r in ranks) for i in range(args.repeat))
-        formed = max((r.get("formed", 0.0) for r in ranks), default=0.0)
-        again = max((r.get("formed again", 0.0) for r in ranks), default=0.0)
-        shown = (f"{formed:.3f}", f"{again:.3f}") if formed else ("-", "-")
+        shown = ["-", "-"]
+        for index, key in enumerate(("formed", "formed again")):
+            times = [r[key] for r in ranks if key in r]
+            shown[index] = f"{max(times):.3f} / {min(times):.3f}" if times else "-"
         bitwise = "yes" if all(r["bitwise"] for r in ranks) else "NO"
         print(f"| {label} | {refit:.4f} | {agreed:.4f} | {shown[0]} | {shown[1]} | {bitwise} |")
 
