@@ -370,6 +370,13 @@ def _join(own: OwnStore, name: str, claim: _Claim, wait: timedelta) -> int:
     def attend(store: Store) -> tuple[str, int, list[str]]:
         number = store.add(f"{base}round", 0)
         prefix = f"{base}{number}/"
+        while store.check([f"{prefix}result"]):  # decided already: over, or failed on other terms
+            failed = store.get(f"{prefix}result").decode()
+            if failed.startswith("conflict:") and time.time() < float(failed.split(":")[1]):
+                return failed, number, []  # a latecomer of the jobs that disagreed: told the same
+            store.compare_set(f"{base}round", str(number), str(number + 1))
+            number = store.add(f"{base}round", 0)
+            prefix = f"{base}{number}/"
         first = store.compare_set(f"{prefix}terms", "", mine).decode()
         if _Claim.decode(first).differing(claim):
             reference = _Claim.decode(first)
@@ -377,7 +384,8 @@ def _join(own: OwnStore, name: str, claim: _Claim, wait: timedelta) -> int:
                 f"{claim.title()} brings {claim.differing(reference)} but {reference.title()} brought "
                 f"{reference.differing(claim)}"
             )
-            return _end(store, base, number, f"conflict:{message}"), number, []
+            until = time.time() + seconds  # latecomers of these jobs hear of it until then; later, a new round
+            return store.compare_set(f"{prefix}result", "", f"conflict:{until}:{message}").decode(), number, []
         key = f"{prefix}member/{claim.side}/{claim.rank}"
         held = store.compare_set(key, "", mine).decode()
         if held != mine:
@@ -385,11 +393,7 @@ def _join(own: OwnStore, name: str, claim: _Claim, wait: timedelta) -> int:
         store.append(f"{prefix}members", f"{key},")  # type: ignore[attr-defined]  # not in torch's stubs
         if store.add(f"{prefix}count", 1) == size:
             _end(store, base, number, "complete")
-        try:
-            store.set_timeout(timedelta(seconds=max(0.001, deadline - time.monotonic())))
-            outcome = store.get(f"{prefix}result").decode()
-        except dist().DistStoreError:  # nobody decided in time: this rank does
-            outcome = _end(store, base, number, "timeout")
+        outcome = _outcome(store, f"{prefix}result", deadline) or _end(store, base, number, "timeout")
         missing = []
         if outcome == "timeout":
             for side, count in zip(SIDES, (claim.trainer_ranks, claim.engine_ranks)):
@@ -404,7 +408,7 @@ def _join(own: OwnStore, name: str, claim: _Claim, wait: timedelta) -> int:
     where = f"refit group {shown(name)} at {own.host} (round {number})"
     if outcome.startswith("conflict:"):
         raise RefitGroupError(
-            f"{claim.side} rank {claim.rank}: the jobs disagree on {where}: {outcome.partition(':')[2]}; both jobs "
+            f"{claim.side} rank {claim.rank}: the jobs disagree on {where}: {outcome.split(':', 2)[2]}; both jobs "
             "must pass connect_refit the same trainer_ranks, engine_ranks and backend (and run one shardcore)"
         )
     if outcome.startswith("twice:"):
@@ -423,6 +427,24 @@ def _join(own: OwnStore, name: str, claim: _Claim, wait: timedelta) -> int:
     if number:
         store_in_background(lambda store: _forget(store, f"{base}{number - 1}/"), on=own)
     return number
+
+
+POLL = 0.5
+"""Seconds one wait for a round's outcome lasts before it looks again (see ``_outcome``)."""
+
+
+def _outcome(store: Store, key: str, deadline: float) -> str | None:
+    """The round's outcome once written, or None at ``deadline``. Waited for in slices of ``POLL`` seconds,
+    each followed by a plain look: a reconnecting job once saw one long wait outlast a key set meanwhile
+    (2 runs in about 10 on this machine, not explained), which a slice bounds to ``POLL``."""
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            store.set_timeout(timedelta(seconds=max(0.001, min(POLL, left))))
+            return store.get(key).decode()
+        except dist().DistStoreError:
+            if store.check([key]):
+                return store.get(key).decode()
+    return None
 
 
 def _end(store: Store, base: str, number: int, outcome: str) -> str:
