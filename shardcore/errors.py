@@ -43,6 +43,11 @@ class GroupCreationError(ShardcoreError, RuntimeError):
         self.ranks = tuple(ranks)
 
 
+class RefitGroupError(GroupCreationError):
+    """A refit group between two jobs could not be formed: nobody serves its store, the jobs disagree on its
+    counts or backend, a rank joined twice, or processes never came; ``ranks`` names those at fault."""
+
+
 class LayoutMismatchError(GroupCreationError):
     """Ranks of one world planned different layouts (config drift between ranks)."""
 

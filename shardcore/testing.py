@@ -6,6 +6,8 @@ module-level function (it is pickled into spawned processes). A rank that raises
 world that outlives ``timeout``, fails the call with a message naming the ranks.
 ``backend=SHRINKABLE_GLOO`` starts the world on gloo that can shrink instead (a stand-in for
 NCCL's communicator shrink, so that ``torch.distributed.shrink_group`` runs on CPU).
+``run_jobs([(4, trainer, args), (4, engine, args)])`` runs several such worlds at once, each a job
+with a store of its own (a trainer and an inference engine, say), and returns each job's results.
 
 Each call gets a process group of its own (a new store on a new port, destroyed after ``fn``),
 but starting processes and importing torch costs seconds per rank: inside ``kept_worlds()``
@@ -25,7 +27,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
@@ -196,16 +198,35 @@ def run_world(
     """Run ``fn`` on a new local gloo world (processes kept inside ``kept_worlds()``); with
     ``allow_failures`` a failed rank yields its traceback and a dead one ``"died (exit code N)"``;
     ``backend``: ``gloo`` or ``SHRINKABLE_GLOO``."""
+    return run_jobs(
+        [(world_size, fn, args)], timeout=timeout, pg_timeout=pg_timeout, allow_failures=allow_failures, backend=backend
+    )[0]
+
+
+def run_jobs(
+    jobs: Sequence[tuple[int, Callable[..., Any], tuple[Any, ...]]],
+    *,
+    timeout: float = 180.0,
+    pg_timeout: float = 60.0,
+    allow_failures: bool = False,
+    backend: str = "gloo",
+) -> list[list[Any]]:
+    """Run several jobs at once, each ``(world_size, fn, args)`` on a world of its own (its own store and port),
+    as ``run_world`` runs one; returns each job's results in rank order. A job's ``fn`` sees its own rank and
+    world size; the jobs meet only where ``fn`` makes them (a refit group across jobs, say)."""
     ranks = _kept if _kept is not None else _Ranks()
     deadline = time.monotonic() + timeout
-    procs, conns = ranks.take(world_size, deadline)
-    port = free_port()
+    total = sum(size for size, _, _ in jobs)
+    procs, conns = ranks.take(total, deadline)
+    owners = [(job, rank) for job, (size, _, _) in enumerate(jobs) for rank in range(size)]
+    ports = [free_port() for _ in jobs]
     outcome: dict[int, tuple[bool, Any]] = {}
     replaced: set[str] = set()
     keep = False
     try:
-        for rank, conn in enumerate(conns):
-            conn.send((rank, world_size, port, fn, args, pg_timeout, backend))
+        for conn, (job, rank) in zip(conns, owners):
+            size, fn, args = jobs[job]
+            conn.send((rank, size, ports[job], fn, args, pg_timeout, backend))
         _collect(procs, conns, outcome, replaced, deadline, timeout, allow_failures)
         keep = ranks is _kept and not allow_failures and all(ok for ok, _ in outcome.values())
         if keep and replaced - {_REFORMED}:
@@ -214,12 +235,20 @@ def run_world(
         keep = keep and not replaced and _left(conns)
     finally:
         if not keep:
-            ranks.end(world_size, grace=max(0.1, min(_FINISH_SECONDS, deadline - time.monotonic())))
-    failed = {rank: value for rank, (ok, value) in outcome.items() if not ok}
+            ranks.end(total, grace=max(0.1, min(_FINISH_SECONDS, deadline - time.monotonic())))
+    failed = {index: value for index, (ok, value) in outcome.items() if not ok}
     if failed and not allow_failures:
         first = min(failed)
-        raise WorldError(f"ranks {sorted(failed)} failed; rank {first}:\n{failed[first]}")
-    return [outcome[rank][1] for rank in range(world_size)]
+        job, rank = owners[first]
+        where = f"rank {rank}" if len(jobs) == 1 else f"job {job} rank {rank}"
+        shown = (
+            sorted(failed) if len(jobs) == 1 else [f"job {owners[i][0]} rank {owners[i][1]}" for i in sorted(failed)]
+        )
+        raise WorldError(f"ranks {shown} failed; {where}:\n{failed[first]}")
+    results: list[list[Any]] = [[] for _ in jobs]
+    for index, (job, _) in enumerate(owners):
+        results[job].append(outcome[index][1])
+    return results
 
 
 def outcomes(calls: Mapping[str, Callable[[], object]], expected: type[BaseException] = Exception) -> dict[str, str]:
@@ -264,8 +293,8 @@ def _collect(
     timeout: float,
     allow_failures: bool,
 ) -> None:
-    """Each rank's ``(ok, value)`` into ``outcome`` as it arrives, and the names of what it left replaced into
-    ``replaced``; a rank whose process ends first is dead.
+    """Each process's ``(ok, value)`` into ``outcome`` (by its position in ``procs``) as it arrives, and the names
+    of what it left replaced into ``replaced``; a process that ends first is dead.
 
     Raises:
         WorldError: ranks did not finish within ``timeout``, or died (unless ``allow_failures``).
@@ -280,11 +309,11 @@ def _collect(
         dead = []
         for conn in _ready(waiting, min(remaining, 1.0)):
             try:
-                rank, ok, value, left_replaced = conn.recv()
+                _, ok, value, left_replaced = conn.recv()
             except EOFError:
                 dead.append(conns.index(conn))
                 continue
-            outcome[rank] = (ok, value)
+            outcome[conns.index(conn)] = (ok, value)
             replaced.update(left_replaced)
         for rank in dead:
             procs[rank].join(timeout=5.0)
@@ -293,4 +322,4 @@ def _collect(
         outcome.update({rank: (False, f"died (exit code {procs[rank].exitcode})") for rank in dead})
 
 
-__all__ = ["SHRINKABLE_GLOO", "kept_worlds", "outcomes", "run_world"]
+__all__ = ["SHRINKABLE_GLOO", "kept_worlds", "outcomes", "run_jobs", "run_world"]

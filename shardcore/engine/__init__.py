@@ -5,7 +5,8 @@ Folders by concept (see the README's design section):
 * ``agreement``: the one protocol by which ranks agree before they act (store epochs, failures);
 * ``groups/``: creating process groups (``strategy``, ``create``) and window-local groups (``window``);
 * ``backends/``: the backend contract and its discovery, and ``build_shards``;
-* ``transfer/``: executing a refit plan with point-to-point messages;
+* ``transfer/``: executing a refit plan with point-to-point messages, in one world or over a refit group
+  between two jobs (``connect_refit``);
 * ``kept_plans``: the plans a one-call refit (the plugins' ``refit()``) keeps across its calls;
 * ``survivors``: the survivors' world after ranks are lost (``shrink_group``, or a new world);
 * ``live/``: worlds for live checks (``shardcore check``, ``shardcore refit --check``).
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from .survivors import SurvivorWorld, form_survivor_world
     from .torch_state import TESTED_TORCH, check_torch_internals, import_torch, live_group_count, torch_internal_missing
     from .transfer.execute import HeldVersion, TransferStats, execute_refit, held_version
+    from .transfer.group import RefitGroup, connect_refit
 
 # Each public name and the module that owns it, imported on first use (PEP 562): ``import shardcore``
 # for plan, spec and layout work loads neither the executor nor the plugin discovery, and the executor's
@@ -58,6 +60,7 @@ _LAZY: dict[str, str] = {
     "ExecuteOptions": "..refit.options",
     "HeldVersion": ".transfer.execute",
     "KeptPlans": ".kept_plans",
+    "RefitGroup": ".transfer.group",
     "SHIPPED_BACKENDS": ".backends.plugins",
     "Shard": ".backends.shards",
     "Strategy": ".groups.strategy",
@@ -70,6 +73,7 @@ _LAZY: dict[str, str] = {
     "build_shards": ".backends.shards",
     "check_torch_internals": ".torch_state",
     "comm_backend": ".device",
+    "connect_refit": ".transfer.group",
     "destroy_shards": ".backends.shards",
     "device_type": ".device",
     "execute_refit": ".transfer.execute",
@@ -115,6 +119,7 @@ __all__ = [
     "ExecuteOptions",
     "HeldVersion",
     "KeptPlans",
+    "RefitGroup",
     "Shard",
     "Strategy",
     "SurvivorWorld",
@@ -125,6 +130,7 @@ __all__ = [
     "build_shards",
     "check_torch_internals",
     "comm_backend",
+    "connect_refit",
     "destroy_shards",
     "device_type",
     "execute_refit",

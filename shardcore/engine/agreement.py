@@ -5,12 +5,13 @@ runs on any backend (the default group's store is all it needs), so it can check
 group is created or a single byte is sent, that every rank planned the same thing, and it names the
 ranks that are missing, failed or differ instead of hanging.
 
-**Parties and sessions.** A *party* is the whole world or one window of it; its keys live under
-``shardcore/<scope>/``. A *session* (one build, one refit, one window-local creation) is a series of
-meetings of one party. Its first meeting, ``convene``, reads the party's *epoch* from the store; the
-session's later meetings (``meet``) use the epoch its ranks met at. Every first meeting has the same
-name, whatever the session, so a rank in a build and a rank in a refit at the same epoch meet, and
-see that they disagree, instead of waiting at different keys.
+**Parties and sessions.** A *party* is the whole world or one window of it, or a group of its own with a store
+of its own (a refit group between two jobs' worlds: ``Party.store``, where each process has a rank in the group's
+numbering); its keys live under ``shardcore/<scope>/``. A *session* (one build, one refit, one
+window-local creation) is a series of meetings of one party. Its first meeting, ``convene``, reads the
+party's *epoch* from the store; the session's later meetings (``meet``) use the epoch its ranks met at.
+Every first meeting has the same name, whatever the session, so a rank in a build and a rank in a refit at
+the same epoch meet, and see that they disagree, instead of waiting at different keys.
 
 **Numbered by the store, never by a process.** Whoever decides a session's first meeting (the last to
 arrive, or the first to give up waiting) moves the epoch on, once, with a compare-and-set, before it
@@ -48,7 +49,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
@@ -58,6 +59,8 @@ from .torch_state import dist, store_call, store_in_background, world_token
 
 if TYPE_CHECKING:
     from torch.distributed import Store
+
+    from .torch_state import OwnStore
 
 GRACE = 2.0
 """Seconds allowed past the deadline for the store to answer before its host is called unresponsive."""
@@ -89,14 +92,19 @@ class Party:
     """The ranks that meet, and where their meetings live in the store.
 
     Attributes:
-        scope: The store namespace: ``world``, or ``window/<build>/<first>+<size>``.
-        ranks: The global ranks taking part.
+        scope: The store namespace: ``world``, ``window/<build>/<first>+<size>``, or a refit group's.
+        ranks: The ranks taking part (the default group's, or a group's own numbering with ``store``).
         host: The rank that hosts the store and lingers at final meetings (None: none of them).
+        store: A group's own store, where it meets and where this process has a rank of its own (a refit
+            group between two jobs); None: the default group's store and rank.
+        title: How messages name the party (default: the world or the window).
     """
 
     scope: str
     ranks: range
     host: int | None = 0
+    store: OwnStore | None = field(default=None, compare=False, repr=False)
+    title: str = field(default="", compare=False)
 
     @classmethod
     def world(cls) -> Party:
@@ -114,7 +122,19 @@ class Party:
     def size(self) -> int:
         return len(self.ranks)
 
+    @property
+    def me(self) -> int:
+        """This process's rank in the party's numbering."""
+        return self.store.rank if self.store is not None else int(dist().get_rank())
+
+    @property
+    def token(self) -> Any:
+        """Tells the store this party meets in from another (a later world's, another group's)."""
+        return self.store.token if self.store is not None else world_token()
+
     def describe(self) -> str:
+        if self.title:
+            return self.title
         return "of the world" if self.scope == "world" else f"of the window {shown_ranks(self.ranks)}"
 
 
@@ -206,7 +226,7 @@ def barrier(party: Party, purpose: Purpose, timeout: timedelta, *, linger: bool 
             f"ranks {shown_ranks(ranks)} are in a {value.partition(':')[0]!r} session"
             for ranks, value in outcome.groups
         )
-        raise purpose.error(f"rank {dist().get_rank()}: the ranks are not all at {purpose.noun}: {described}", [])
+        raise purpose.error(f"rank {party.me}: the ranks are not all at {purpose.noun}: {described}", [])
     return outcome.epoch
 
 
@@ -260,9 +280,12 @@ def arrive_failed(
         elif stay:
             _meet(party, purpose, epoch, phase, text, timeout)
         else:
-            rank = dist().get_rank()
+            rank = party.me
             meeting = store_call(
-                lambda store: _join(store, party, epoch, phase, text, rank, None)[0], GRACE, _where(party, epoch, phase)
+                lambda store: _join(store, party, epoch, phase, text, rank, None)[0],
+                GRACE,
+                _where(party, epoch, phase),
+                on=party.store,
             )
             _remember(meeting)
     except ShardcoreError:
@@ -271,7 +294,7 @@ def arrive_failed(
 
 def publish_failure(party: Party, epoch: int, error: BaseException | str) -> None:
     """Leave this rank's failure where the session's ranks look (``published_failures``); best effort."""
-    rank = dist().get_rank()
+    rank = party.me
     text = (error if isinstance(error, str) else f"{type(error).__name__}: {error}")[:_SHOWN_ERROR]
     record = json.dumps([rank, text]) + "\n"
     key = f"shardcore/{party.scope}/{epoch}/failed"
@@ -280,7 +303,7 @@ def publish_failure(party: Party, epoch: int, error: BaseException | str) -> Non
         store.append(key, record)  # type: ignore[attr-defined]  # not in torch's stubs
 
     with contextlib.suppress(ShardcoreError):
-        store_call(append, GRACE, "publishing a failure")
+        store_call(append, GRACE, "publishing a failure", on=party.store)
 
 
 def published_failures(party: Party, epoch: int) -> dict[int, str]:
@@ -291,7 +314,7 @@ def published_failures(party: Party, epoch: int) -> dict[int, str]:
         return store.get(key).decode(errors="replace") if store.check([key]) else ""
 
     try:
-        text = store_call(read, GRACE, "reading published failures")
+        text = store_call(read, GRACE, "reading published failures", on=party.store)
     except ShardcoreError:
         return {}
     found: dict[int, str] = {}
@@ -311,7 +334,7 @@ def declare_absent(party: Party, epoch: int, phase: str, ranks: Sequence[int], r
             _join(store, party, epoch, phase, text, lost, None)
 
     with contextlib.suppress(ShardcoreError):
-        store_call(declare, GRACE, _where(party, epoch, phase))
+        store_call(declare, GRACE, _where(party, epoch, phase), on=party.store)
 
 
 # ----------------------------------------------------------------------------- the meeting
@@ -323,7 +346,7 @@ def _where(party: Party, epoch: int | None, phase: str) -> str:
 
 
 def _remember(meeting: Meeting) -> None:
-    _pending.setdefault((world_token(), meeting.party.scope), []).append(meeting)
+    _pending.setdefault((meeting.party.token, meeting.party.scope), []).append(meeting)
 
 
 def _meet(
@@ -338,7 +361,7 @@ def _meet(
     linger: bool = False,
 ) -> Outcome:
     """Meet every rank of ``party`` at ``phase``; raise the purpose's error unless the meeting completed cleanly."""
-    rank = dist().get_rank()
+    rank = party.me
     seconds = timeout.total_seconds()
 
     def lost(message: str) -> ShardcoreError:
@@ -351,13 +374,15 @@ def _meet(
         _remember(meeting)
         return meeting, _outcome(store, meeting, rank, max(0.001, deadline - time.monotonic()), linger, known)
 
-    meeting, (outcome, groups, payload) = store_call(attend, seconds + GRACE, _where(party, epoch, phase), lost)
+    meeting, (outcome, groups, payload) = store_call(
+        attend, seconds + GRACE, _where(party, epoch, phase), lost, on=party.store
+    )
     where = f"at '{phase}' of {purpose.noun} {meeting.epoch}"
     if outcome == f"timeout:{rank}":  # this rank decided it: it deletes the shared keys
-        pending = _pending[(world_token(), party.scope)]
+        pending = _pending[(party.token, party.scope)]
         pending[pending.index(meeting)] = replace(meeting, decided=True)
     if outcome != COMPLETE:
-        missing, arrived = store_call(lambda store: _arrivals(store, meeting), GRACE, where, lost)
+        missing, arrived = store_call(lambda store: _arrivals(store, meeting), GRACE, where, lost, on=party.store)
         failures = _failures(arrived or [])
         raise purpose.error(
             f"rank {rank}: ranks {shown_ranks(missing)} did not reach '{phase}' of {purpose.noun} {meeting.epoch} "
@@ -441,7 +466,7 @@ def _outcome(
             outcome = _decide(store, meeting, f"timeout:{rank}")
     if not outcome.startswith(COMPLETE):
         return outcome, None, ""
-    pending = _pending.get((world_token(), meeting.party.scope), [])
+    pending = _pending.get((meeting.party.token, meeting.party.scope), [])
     earlier = [m for m in pending if m.epoch != meeting.epoch or m.phase != meeting.phase]
     for done in earlier:
         pending.remove(done)
@@ -451,7 +476,7 @@ def _outcome(
             for done in earlier:
                 _forget(later, done, rank)
 
-        store_in_background(forget)
+        store_in_background(forget, on=meeting.party.store)
     differ, payload = outcome[len(COMPLETE)] == _DIFFER, outcome[len(COMPLETE) + 1 :]
     groups = _groups(store, meeting, meeting.party.ranks) if differ else None
     if linger:

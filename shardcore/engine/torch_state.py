@@ -5,6 +5,8 @@ its own and one daemon thread that runs the calls in turn, because a TCPStore cl
 ``set_timeout`` says, when the store's host is stopped (SIGSTOP, swap, a debugger)
 rather than dead: measured on torch 2.13, ``get`` waited until the host was killed.
 The thread is abandoned, with its client, when the caller's time is up; the next call starts another.
+A group of its own between two jobs (a refit group) has its own store (``OwnStore``), talked to alike on a
+thread of its own.
 
 Group keys: a default-mode gloo group named ``G`` leaves, per member, a key
 ``G//<device>//<gloo device index>/<group rank>`` in the default store (its
@@ -46,7 +48,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from functools import cache
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from ..errors import BackendUnavailableError, GroupCreationError, TorchInternalsError
 
@@ -339,46 +341,140 @@ def world_token() -> int:
     return _Worlds.number
 
 
-class _Client:
-    """shardcore's own connection to the default store and the one thread that talks on it, both replaced when a
-    call on them is abandoned (or the world changes)."""
+class _Line:
+    """One store's connection and the one thread that talks on it, both replaced when a call on them is abandoned
+    (or, for the default store, when the world changes)."""
 
     lock = threading.Lock()
-    jobs: queue.SimpleQueue[Any] | None = None
-    """The current worker's queue of (job, box, done); None until the first call (or after an abandoned one)."""
-    generation = 0
+    """Guards every line's state (one lock: a line's calls are rare and short)."""
+    lines: ClassVar[list[_Line]] = []
+    """Every line of this process, for the exit."""
+    exit_pid: ClassVar[int | None] = None
+    """The process that registered the exit's cleanup (a forked child registers its own)."""
+
+    def __init__(self, name: str, connect: Callable[[], Store]) -> None:
+        self.name = name
+        self.connect = connect
+        self.jobs: queue.SimpleQueue[Any] | None = None
+        """The current worker's queue of (job, box, done); None until the first call (or after an abandoned one)."""
+        self.generation = 0
+        self.thread: threading.Thread | None = None
+        self.pid: int | None = None
+        """The process that started the worker (a forked child has none, and starts its own)."""
+
+    def put(self, job: Callable[[Store], object], box: dict[str, Any], done: threading.Event) -> None:
+        """Queue ``job`` for the worker (starting one if this process has none); call under ``lock``."""
+        if self.pid is not None and self.pid != os.getpid():  # a forked child: the parent's worker is not here
+            self.retire()
+        if self.jobs is None:
+            self.jobs = self._start()
+        self.jobs.put((job, box, done))
+
+    def retire(self) -> None:
+        """Let the current worker end once its queue is done (under ``lock``); the next call starts another."""
+        if self.jobs is not None:
+            self.jobs.put(None)
+        self.jobs, self.generation = None, self.generation + 1
+
+    def _start(self) -> queue.SimpleQueue[Any]:
+        """The thread that runs every store job of one generation, in order, on a client of its own: handing a job
+        to a waiting thread costs a third of starting one per call (measured with 8 processes on 2 cores)."""
+        jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        if _Line.exit_pid != os.getpid():
+            _Line.exit_pid = os.getpid()
+            atexit.register(_end_workers)
+        if self not in _Line.lines:
+            _Line.lines.append(self)
+        self.pid = os.getpid()
+        generation = self.generation
+
+        def serve() -> None:
+            client: Store | None = None
+            while (item := jobs.get()) is not None:
+                job, box, done = item
+                try:
+                    client = client or self.connect()
+                    box["value"] = job(client)
+                except BaseException as failure:  # handed to the caller's thread
+                    box["error"] = failure
+                done.set()
+                if self.generation != generation:  # abandoned while this job ran: never touch the client again
+                    return
+
+        self.thread = threading.Thread(target=serve, name=f"{self.name}-{generation}", daemon=True)
+        self.thread.start()
+        return jobs
+
+
+class _Default:
+    """The default store's line, and the world it talks to: a new world (destroy, then init_process_group)
+    connects anew."""
+
+    line = _Line("shardcore-store", lambda: _clone(default_store()))
     world: int | None = None
-    """The world whose store the worker talks to: a new world (destroy, then init_process_group) connects anew."""
-    thread: threading.Thread | None = None
-    pid: int | None = None
-    """The process that started the worker (a forked child has none, and starts its own)."""
     abandoned: int | None = None
     """A world whose store's host is gone (``abandon_store``): no call reaches for it again."""
+
+
+class OwnStore:
+    """A store of a group of its own (a refit group between two jobs), not the default group's: shardcore's calls
+    on it run on a line of their own, as the default store's do, and their messages name its host and this
+    process's rank in the group (a process with no default group at all can use one).
+
+    Args:
+        store: the store (a TCPStore client, or any store both jobs reach).
+        rank: this process's rank in the group that meets there.
+        host: who hosts the store, for messages (``"trainer rank 0 at 10.0.0.1:29600"``).
+    """
+
+    _count = 0
+
+    def __init__(self, store: Store, rank: int, host: str) -> None:
+        OwnStore._count += 1
+        self.store, self.rank, self.host = store, rank, host
+        self.token = ("own", OwnStore._count)
+        """Tells this store's keys from the default world's and another group's (what a rank remembers)."""
+        self.abandoned = False
+        self.line = _Line(f"shardcore-store-own{OwnStore._count}", lambda: _clone(store))
+
+    def close(self) -> None:
+        """Stop this store's line once its queue is done; later calls fail at once."""
+        with _Line.lock:
+            self.abandoned = True
+            self.line.retire()
+            if self.line in _Line.lines:
+                _Line.lines.remove(self.line)
 
 
 def abandon_store() -> None:
     """Give up this world's store, whose host is gone: later ``store_call``s in this world fail at once, without
     touching a socket (a frozen host would hold each one for its whole timeout), and nothing is cleaned up there."""
-    with _Client.lock:
-        _Client.abandoned = world_token()
-        _retire_worker()
+    with _Line.lock:
+        _Default.abandoned = world_token()
+        _Default.line.retire()
 
 
 def store_abandoned() -> bool:
     """Whether this world's store was given up (``abandon_store``)."""
-    return _Client.abandoned is not None and _Client.abandoned == world_token()
+    return _Default.abandoned is not None and _Default.abandoned == world_token()
 
 
 def store_call(
-    job: Callable[[Store], T], seconds: float, what: str, error: Callable[[str], Exception] = GroupCreationError
+    job: Callable[[Store], T],
+    seconds: float,
+    what: str,
+    error: Callable[[str], Exception] = GroupCreationError,
+    *,
+    on: OwnStore | None = None,
 ) -> T:
-    """Run ``job(store)`` on shardcore's own client of the default store; give up after ``seconds``.
+    """Run ``job(store)`` on shardcore's own client of the default store (or of ``on``); give up after ``seconds``.
 
     Args:
         job: the store operations, run in one daemon thread (they may block on the socket).
         seconds: how long the caller may wait.
         what: where the caller is, for the message (``"at 'agree' of build 3"``).
         error: the caller's error type for an unresponsive or lost store.
+        on: a group's own store (``OwnStore``); None: the default group's.
 
     Returns:
         What ``job`` returned.
@@ -390,13 +486,16 @@ def store_call(
     """
     import torch.distributed as dist
 
-    world = world_token()
-    if _Client.abandoned == world:
-        raise error(f"rank {dist.get_rank()}: the store was given up {what}: its host, {store_host()}, is gone")
+    rank = on.rank if on is not None else dist.get_rank()
+    host = on.host if on is not None else None
+    world = None if on is not None else world_token()
+    if on.abandoned if on is not None else _Default.abandoned == world:
+        raise error(f"rank {rank}: the store was given up {what}: its host, {host or store_host()}, is gone")
     box: dict[str, Any] = {}
     done = threading.Event()
-    _queue(job, box, done, world)
-    rank = dist.get_rank()
+    line = _line(on, world)
+    with _Line.lock:
+        line.put(job, box, done)
     try:
         answered = done.wait(seconds)
     except BaseException:  # an interrupt: the job may still be running, so nothing may queue behind it
@@ -404,83 +503,56 @@ def store_call(
         raise
     finally:
         if not answered:
-            with _Client.lock:  # the worker keeps the old client; the next call starts a new worker, connected anew
-                _retire_worker()
+            with _Line.lock:  # the worker keeps the old client; the next call starts a new worker, connected anew
+                line.retire()
     if not answered:
         raise error(
-            f"rank {rank}: the store did not answer within {seconds:.3g}s {what}: its host, {store_host()}, is "
-            f"unresponsive (stopped, frozen by swap or a debugger) or unreachable"
+            f"rank {rank}: the store did not answer within {seconds:.3g}s {what}: its host, {host or store_host()}, "
+            f"is unresponsive (stopped, frozen by swap or a debugger) or unreachable"
         )
     failure = box.get("error")
     if isinstance(failure, dist.DistError) and not isinstance(failure, dist.DistStoreError):
         raise error(
-            f"rank {rank}: lost the store {what} ({failure}); its host, {store_host()}, has probably died"
+            f"rank {rank}: lost the store {what} ({failure}); its host, {host or store_host()}, has probably died"
         ) from None
     if failure is not None:
         raise failure
     return box["value"]
 
 
-def store_in_background(job: Callable[[Store], object]) -> None:
+def store_in_background(job: Callable[[Store], object], *, on: OwnStore | None = None) -> None:
     """Queue ``job`` (cleanup nobody waits for) on the store's thread and return at once; what it raises is
     dropped, and the next ``store_call`` runs after it, within that call's own time."""
-    world = world_token()
-    if _Client.abandoned != world:
-        _queue(job, {}, threading.Event(), world)
+    world = None if on is not None else world_token()
+    if on.abandoned if on is not None else _Default.abandoned == world:
+        return
+    line = _line(on, world)
+    with _Line.lock:
+        line.put(job, {}, threading.Event())
 
 
-def _queue(job: Callable[[Store], object], box: dict[str, Any], done: threading.Event, world: int) -> None:
-    """Hand ``job`` to the worker of ``world`` (starting one if this process or world has none)."""
-    with _Client.lock:
-        if _Client.world != world or _Client.pid != os.getpid():
-            _retire_worker()
-            _Client.world = world
-        if _Client.jobs is None:
-            _Client.jobs = _start_worker(_Client.generation)
-        _Client.jobs.put((job, box, done))
+def _line(on: OwnStore | None, world: int | None) -> _Line:
+    """The line of ``on``, or the default store's (retired first when the world changed)."""
+    if on is not None:
+        return on.line
+    with _Line.lock:
+        if _Default.world != world:
+            _Default.line.retire()
+            _Default.world = world
+    return _Default.line
 
 
-def _start_worker(generation: int) -> queue.SimpleQueue[Any]:
-    """The thread that runs every store job of one generation, in order, on a client of its own: handing a job to
-    a waiting thread costs a third of starting one per call (measured with 8 processes on 2 cores)."""
-    jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-    if _Client.pid != os.getpid():
-        atexit.register(_end_worker)
-    _Client.pid = os.getpid()
-
-    def serve() -> None:
-        client: Store | None = None
-        while (item := jobs.get()) is not None:
-            job, box, done = item
-            try:
-                client = client or _clone(default_store())
-                box["value"] = job(client)
-            except BaseException as failure:  # handed to the caller's thread
-                box["error"] = failure
-            done.set()
-            if _Client.generation != generation:  # abandoned while this job ran: never touch the client again
-                return
-
-    _Client.thread = threading.Thread(target=serve, name=f"shardcore-store-{generation}", daemon=True)
-    _Client.thread.start()
-    return jobs
-
-
-def _end_worker() -> None:
-    """At exit: let the worker finish its queue (cleanup) and end, briefly, before the interpreter goes; a
+def _end_workers() -> None:
+    """At exit: let every worker finish its queue (cleanup) and end, briefly, before the interpreter goes; a
     daemon thread still holding a store client then aborts the process ("terminate called")."""
-    with _Client.lock:
-        thread = _Client.thread
-        _retire_worker()
-    if thread is not None:
-        thread.join(_EXIT_SECONDS)
-
-
-def _retire_worker() -> None:
-    """Let the current worker end once its queue is done (under ``_Client.lock``); the next call starts another."""
-    if _Client.jobs is not None:
-        _Client.jobs.put(None)
-    _Client.jobs, _Client.generation = None, _Client.generation + 1
+    with _Line.lock:
+        threads = [line.thread for line in _Line.lines if line.pid == os.getpid()]
+        for line in _Line.lines:
+            line.retire()
+    deadline = time.monotonic() + _EXIT_SECONDS
+    for thread in threads:
+        if thread is not None:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _clone(store: Store) -> Store:
@@ -514,6 +586,7 @@ __all__ = [
     "AUTOLOAD_ENV",
     "AUTOLOAD_GROUP",
     "TESTED_TORCH",
+    "OwnStore",
     "abandon_store",
     "agent_hosts_store",
     "autoloaded_extensions",

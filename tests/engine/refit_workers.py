@@ -176,22 +176,27 @@ def timed_outcome(plan: Any, rank: int, **execute_options: Any) -> tuple[str, st
     return "ok", "", (), time.monotonic() - started
 
 
+def die_after_first_landing() -> None:
+    """This process dies (exit code 17) in its next refit, after landing its first batch, the next one posted."""
+    from shardcore.engine.transfer.exchange import Exchange
+
+    real, landed = Exchange._land, [0]
+
+    def dying(self: Exchange, flight: Any) -> None:
+        if landed[0] == 1:
+            os._exit(17)
+        real(self, flight)
+        landed[0] += 1
+
+    Exchange._land = dying  # type: ignore[method-assign]
+
+
 def killed_mid_transfer(rank: int, world: int, victim: int, timeout: float) -> tuple[str, str, tuple, float]:
     """``victim`` (a destination rank) dies after its first received batch, with the next one already posted
     (two batches in flight); the others must name it in time."""
-    from shardcore.engine.transfer.exchange import Exchange
-
     plan = plan_refit(plan_layout(world, "tp=2 + tp=1 + tp=1"), 0, [1, 2], preset("tiny-dense"))
     if rank == victim:
-        real, landed = Exchange._land, [0]
-
-        def dying(self: Exchange, flight: Any) -> None:
-            if landed[0] == 1:
-                os._exit(17)
-            real(self, flight)
-            landed[0] += 1
-
-        Exchange._land = dying  # type: ignore[method-assign]
+        die_after_first_landing()
     return timed_outcome(plan, rank, bucket_bytes=64 << 10, timeout=timeout)
 
 

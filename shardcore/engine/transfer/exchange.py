@@ -139,6 +139,8 @@ class Exchange:
     delta: Any = None
     """A delta refit's part on this rank (``transfer.delta.DeltaSession``), or None for a dense refit: then every
     data message is staged (encoded ones cannot travel in place), and each batch's two header rounds come first."""
+    group: Any = None
+    """The process group the messages go on, peers numbered in it (a refit group's); None: the default group."""
     staging: torch.Tensor | None = None
     draining: str | None = None
     """Why this rank no longer works for the result (its own error, or a failure another rank published)."""
@@ -269,25 +271,21 @@ class Exchange:
         return _InFlight(live, wires, self._issue(live, wires))
 
     def _issue(self, messages: Sequence[Message], wires: Sequence[tuple[torch.Tensor, bool]]) -> list[Any]:
-        """Post the ops: one ``batch_isend_irecv`` where the backend coalesces a batch (NCCL, HCCL); on gloo,
-        which does not (torch posts a gloo batch op by op anyway), each op straight on the default group, so
-        that a connection that closed fails its own peer's ops only and the batch's other ops are still
-        posted, without torch's per-call checks. Returns a work per op (None where it could not be posted), or
-        the backend's works for the whole batch."""
+        """Post the ops: one coalesced batch where the backend coalesces one (NCCL, HCCL); on gloo, which does
+        not (torch posts a gloo batch op by op anyway), each op straight on the group, so that a connection
+        that closed fails its own peer's ops only and the batch's other ops are still posted, without torch's
+        per-call checks. Returns a work per op (None where it could not be posted), or the backend's works
+        for the whole batch."""
         import torch.distributed as dist
 
         if not self.gloo:
-            ops = [
-                dist.P2POp(dist.isend if m.send else dist.irecv, wire, m.peer, tag=self.tag)
-                for m, (wire, _) in zip(messages, wires)
-            ]
             try:
-                return list(dist.batch_isend_irecv(ops)) if ops else []
+                return self._coalesced(messages, wires) if messages else []
             except Exception as error:  # a connection already gone: which peer is unknown, so blame the batch's
                 for peer in {m.peer for m in messages}:
                     self.lost.setdefault(peer, f"its connection failed ({_first_line(error)})")
                 return []
-        world: Any = dist.group.WORLD  # the exchange's ranks are the default group's
+        world: Any = dist.group.WORLD if self.group is None else self.group
         works: list[Any] = []
         for message, (wire, _) in zip(messages, wires):
             work = None
@@ -304,6 +302,24 @@ class Exchange:
         does; nothing is unpacked or counted."""
         messages = list(messages)
         self._land(_InFlight(messages, list(wires), self._issue(messages, wires)), lambda *landed: None)
+
+    def _coalesced(self, messages: Sequence[Message], wires: Sequence[tuple[torch.Tensor, bool]]) -> list[Any]:
+        """One batch on NCCL or HCCL: ``batch_isend_irecv`` on the default group; on a refit group, which torch's
+        group registry does not know (so ``batch_isend_irecv`` cannot take it), the same coalescing on the group
+        itself (``_start_coalescing`` / ``_end_coalescing``, what ``batch_isend_irecv`` runs)."""
+        import torch.distributed as dist
+
+        if self.group is None:
+            ops = [
+                dist.P2POp(dist.isend if m.send else dist.irecv, wire, m.peer, tag=self.tag)
+                for m, (wire, _) in zip(messages, wires)
+            ]
+            return list(dist.batch_isend_irecv(ops))
+        device = wires[0][0].device
+        self.group._start_coalescing(device)
+        for message, (wire, _) in zip(messages, wires):
+            (self.group.send if message.send else self.group.recv)([wire], message.peer, self.tag)
+        return [self.group._end_coalescing(device)]
 
     def _land(self, flight: _InFlight, complete: Any = None) -> None:
         """Wait for a posted batch, then complete each message (unpack, record, check its ledger)."""

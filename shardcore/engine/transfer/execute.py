@@ -1,6 +1,8 @@
 """Execute a refit plan: move every planned slice of every weight with point-to-point messages.
 
-Every rank of the world calls :func:`execute_refit`, idle ranks too. The steps:
+Every rank of the world calls :func:`execute_refit`, idle ranks too; or, with ``group=``, every rank of a refit
+group between two jobs (``transfer.group``), over that group and its store, the jobs' default groups untouched.
+The steps:
 
 1. **Check, then agree, before a byte moves.** Each rank checks its arguments and its tensors
    against the plan (names, local shapes, dtypes, device, a layout it can write in place), and the
@@ -31,6 +33,7 @@ OpenMP threads and runs 10-100x slower (see BENCHMARKS.md).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -51,6 +54,8 @@ from .exchange import Exchange
 
 if TYPE_CHECKING:
     import torch
+
+    from .group import RefitGroup
 
 log = logging.getLogger("shardcore.refit")
 
@@ -154,6 +159,23 @@ def held_version(destinations: Mapping[str, torch.Tensor]) -> HeldVersion | None
     return HeldVersion(oldest.version, len(versions) == 1 and oldest.intact)
 
 
+def _naming_group_ranks(execute: Callable[..., TransferStats]) -> Callable[..., TransferStats]:
+    """A refit over a refit group fails naming group ranks: its error also says which job's rank each one is."""
+
+    @functools.wraps(execute)
+    def named(*args: Any, **kwargs: Any) -> TransferStats:
+        try:
+            return execute(*args, **kwargs)
+        except ShardcoreError as error:
+            group = kwargs.get("group")
+            if group is not None and error.args:
+                error.args = (f"{error.args[0]} [{group.naming(getattr(error, 'ranks', ()))}]", *error.args[1:])
+            raise
+
+    return named
+
+
+@_naming_group_ranks
 def execute_refit(
     plan: Any,
     sources: Mapping[str, Any],
@@ -165,8 +187,9 @@ def execute_refit(
     max_ops: int | None = None,
     verify: str | None = None,
     version: int | None = None,
+    group: RefitGroup | None = None,
 ) -> TransferStats:
-    """Move this rank's part of ``plan``; every rank of the default group calls it, idle ranks too.
+    """Move this rank's part of ``plan``; every rank of the default group (or of ``group``) calls it, idle ranks too.
 
     Args:
         plan: a ``RefitPlan`` (``shardcore.refit.plan_refit``), or any plan with ``manifest``,
@@ -183,6 +206,8 @@ def execute_refit(
         verify: ``size`` (the default) checks every received message's size against its sender's ledger;
             ``checksum`` also a checksum of its bytes.
         version: this refit's version (e.g. the training step), recorded for ``held_version``.
+        group: a refit group between two jobs (``connect_refit``): the plan's ranks are the group's, and the
+            refit runs over it and its store; None: the default group.
 
     Returns:
         This rank's TransferStats.
@@ -198,16 +223,14 @@ def execute_refit(
             execute_refit or failed; ``.ranks`` and the message name it.
     """
     started = time.monotonic()
-    rank = _require_world()
-    party = Party.world()
+    rank, world, party, backend, process_group = _require_world(group)
     given = {"timeout": timeout, "bucket_bytes": bucket_bytes, "max_ops": max_ops, "verify": verify, "version": version}
-    prepared = _prepare(party, rank, plan, sources, destinations, options, given)
+    prepared = _prepare(party, rank, backend, plan, sources, destinations, options, given)
     checked = prepared.options
     bucket_bytes, max_ops, version = checked.bucket_bytes, checked.max_ops, checked.version
     epoch = _agree(party, rank, prepared.terms, prepared.wait)
     stats = TransferStats(rank, verify=checked.verify, version=version, agreement_seconds=time.monotonic() - started)
     previous = held_version(prepared.destinations)
-    world = dist().get_world_size()
     exchange = Exchange(
         rank,
         _schedule(plan, prepared, rank, world, bucket_bytes, max_ops),
@@ -219,10 +242,11 @@ def execute_refit(
         party,
         epoch,
         started + prepared.wait.total_seconds(),
-        "gloo" in str(dist().get_backend()),
+        "gloo" in backend,
         bucket_bytes,
         prepared.conversion,
         prepared.delta,
+        process_group,
     )
     if prepared.conversion is not None:
         prepared.conversion.prepare(exchange, bucket_bytes, max_ops, world)
@@ -255,6 +279,7 @@ class _Prepared(NamedTuple):
 def _prepare(
     party: Party,
     rank: int,
+    backend: str,
     plan: Any,
     sources: Mapping[str, Any],
     destinations: Mapping[str, Any],
@@ -276,7 +301,7 @@ def _prepare(
             raise RefitInputError("delta=True needs version=: the versions decide which destinations get a delta")
         mine = plan.for_rank(rank)
         conversion = Conversion.of(plan, mine, rank)
-        held, wanted = _checked_tensors(mine, plan, sources, destinations, conversion)
+        held, wanted = _checked_tensors(rank, backend, mine, plan, sources, destinations, conversion)
         shapes = _global_shapes(plan.manifest, mine)
         delta = _delta_session(checked, wanted)
         return _Prepared(wait, checked, mine, held, wanted, _terms(plan, checked), shapes, conversion, delta)
@@ -330,15 +355,19 @@ def _delta_session(options: ExecuteOptions, destinations: Mapping[str, torch.Ten
     return DeltaSession(bases_held(versions, destinations), destinations, options.anchor, options.delta_checksum)
 
 
-def _require_world() -> int:
-    """This rank; raises before any meeting when there is no world to meet in."""
+def _require_world(group: RefitGroup | None) -> tuple[int, int, Party, str, Any]:
+    """Where the refit runs: this rank, the ranks there, the party that agrees, the collective library and the
+    process group to post on (None: the default one); raises before any meeting when there is none to meet in."""
     import_torch()
+    if group is not None:
+        return group.member()
     torch_dist = dist()
     if not torch_dist.is_available() or not torch_dist.is_initialized():
         raise RefitInputError("torch.distributed is not initialized: call torch.distributed.init_process_group() first")
     if is_fake_world():
         raise RefitInputError("the fake backend moves no bytes: execute a refit on a real world (gloo, nccl, hccl)")
-    return int(torch_dist.get_rank())
+    party = Party.world()
+    return int(torch_dist.get_rank()), party.size, party, str(torch_dist.get_backend()), None
 
 
 def _as_input_error(rank: int, error: BaseException) -> BaseException:
@@ -394,6 +423,8 @@ _DEVICES = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
 
 
 def _checked_tensors(
+    rank: int,
+    backend: str,
     mine: Any,
     plan: Any,
     sources: Mapping[str, Any],
@@ -411,10 +442,10 @@ def _checked_tensors(
     problems += _side_problems(
         "destination", destinations, mine.destination_shapes, set(mine.destination_shapes), plan.destination_tensor
     )
-    problems += _device_problems({**sources, **destinations})
+    problems += _device_problems({**sources, **destinations}, backend)
     if problems:
         shown_problems = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise RefitInputError(f"rank {dist().get_rank()}: {shown_problems}", (dist().get_rank(),))
+        raise RefitInputError(f"rank {rank}: {shown_problems}", (rank,))
     return (
         {name: tensor.detach() for name, tensor in sources.items() if name in mine.source_shapes},
         {name: tensor.detach() for name, tensor in destinations.items() if name in mine.destination_shapes},
@@ -469,16 +500,15 @@ def _known(spec_of: Callable[[str], Any], name: str) -> bool:
     return True
 
 
-def _device_problems(tensors: Mapping[str, Any]) -> list[str]:
-    """Every tensor on one device, and one the default group's collective library moves."""
+def _device_problems(tensors: Mapping[str, Any], backend: str) -> list[str]:
+    """Every tensor on one device, and one the refit's collective library (``backend``) moves."""
     devices = {str(getattr(t, "device", "?")).split(":")[0] for t in tensors.values() if hasattr(t, "device")}
-    backend = str(dist().get_backend())
     served = {device for name, device in _DEVICES.items() if name in backend}
     if len(devices) > 1:
         return [f"tensors are on several devices ({', '.join(sorted(devices))}): put sources and destinations on one"]
     if devices and served and not devices <= served:
         return [
-            f"tensors are on {devices.pop()} but the default group ({backend}) moves tensors on "
+            f"tensors are on {devices.pop()} but the refit's group ({backend}) moves tensors on "
             f"{' or '.join(sorted(served))}: move them there first"
         ]
     return []
