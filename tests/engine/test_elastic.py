@@ -4,6 +4,8 @@ restore every weight from what they hold, verified bitwise."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 pytest.importorskip("torch")
@@ -12,8 +14,18 @@ from shardcore.engine.live.ports import free_port
 from shardcore.engine.live.restore_check import RestoreCheckOptions, RestoreReport, choose_option, run_local
 from shardcore.refit import RefitStats
 from shardcore.replan import ReplanRequest, restore_plan
-from shardcore.testing import SHRINKABLE_GLOO, run_world
+from shardcore.testing import SHRINKABLE_GLOO, kept_worlds, run_world
 from tests.engine import elastic_workers as workers
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _own_processes() -> Iterator[None]:
+    """This module's worlds form survivor worlds inside the rank processes. ``run_world`` ends the processes of a
+    call that left a survivors' world as the default group, but a later module's 4-rank world (test_faults') still
+    waited 60 s on its store twice after sharing processes with these tests, cause not found: so these processes
+    stay this module's, ended with it."""
+    with kept_worlds():
+        yield
 
 
 @pytest.mark.parametrize(
