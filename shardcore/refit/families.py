@@ -715,8 +715,24 @@ def manifest_from_hf_config(
     for key, unsupported in (("attention_bias", family != "qwen2"), ("mlp_bias", True)):
         if data.get(key) and unsupported:
             raise ManifestError(f"HF config {key}=true ({family}): biases outside q/k/v have no weight map yet")
-    if family == "deepseek_v3":
-        return _deepseek(data, vocab, layers, dtype, vocab_multiple, name)
+    check = check_multiple(vocab_multiple)
+    sizes: dict[str, Any] = {  # what every family's config says alike
+        "layers": layers,
+        "hidden": _key(data, "hidden_size"),
+        "ffn": _key(data, "intermediate_size"),
+        "heads": _key(data, "num_attention_heads"),
+        "vocab": -(-vocab // check) * check,
+        "tied_embeddings": bool(data.get("tie_word_embeddings", False)),
+        "dtype": dtype,
+    }
+    make = _deepseek if family == "deepseek_v3" else _llama_like
+    transformer = make(data, family, sizes)
+    label = name or f"{family}-{layers}x{transformer.hidden}"
+    return HFModel(family, transformer, vocab, label)
+
+
+def _llama_like(data: Mapping[str, Any], family: str, sizes: dict[str, Any]) -> TransformerConfig:
+    """Llama 3, Qwen2, Qwen3 and Qwen3-MoE: GQA, qkv bias (Qwen2), q/k norms (Qwen3), experts (Qwen3-MoE)."""
     experts = int(data.get("num_experts", 0) or 0) if family == "qwen3_moe" else 0
     dense_layers = 0
     if experts:
@@ -727,58 +743,38 @@ def manifest_from_hf_config(
                 f"{shown(only)}: only the first layers may be dense (mlp_only_layers = [0 .. k-1], sparse step 1)"
             )
         dense_layers = len(only)
-    check = check_multiple(vocab_multiple)
-    transformer = TransformerConfig(
-        layers=layers,
-        hidden=_key(data, "hidden_size"),
-        ffn=_key(data, "intermediate_size"),
-        heads=_key(data, "num_attention_heads"),
-        vocab=-(-vocab // check) * check,
+    return TransformerConfig(
+        **sizes,
         kv_heads=_key(data, "num_key_value_heads", None),
         head_dim=_key(data, "head_dim", None),
         experts=experts,
         moe_ffn=_key(data, "moe_intermediate_size") if experts else None,
         dense_layers=dense_layers,
-        tied_embeddings=bool(data.get("tie_word_embeddings", False)),
         qkv_bias=family == "qwen2",
         qk_norm=family in ("qwen3", "qwen3_moe"),
-        dtype=dtype,
     )
-    label = name or f"{family}-{layers}x{transformer.hidden}"
-    return HFModel(family, transformer, vocab, label)
 
 
-def _deepseek(
-    data: Mapping[str, Any], vocab: int, layers: int, dtype: str, vocab_multiple: int, name: str | None
-) -> HFModel:
+def _deepseek(data: Mapping[str, Any], family: str, sizes: dict[str, Any]) -> TransformerConfig:
     """DeepSeek-V3's config (``deepseek_v3``): MLA sizes, routed and shared experts, the first layers dense."""
     if _key(data, "moe_layer_freq", 1) != 1:
         raise ManifestError(
-            f"HF config (deepseek_v3): moe_layer_freq={data.get('moe_layer_freq')}: only the first "
+            f"HF config ({family}): moe_layer_freq={data.get('moe_layer_freq')}: only the first "
             f"first_k_dense_replace layers may be dense (moe_layer_freq 1)"
         )
-    check = check_multiple(vocab_multiple)
     experts = int(_key(data, "n_routed_experts", 0) or 0)
-    transformer = TransformerConfig(
-        layers=layers,
-        hidden=_key(data, "hidden_size"),
-        ffn=_key(data, "intermediate_size"),
-        heads=_key(data, "num_attention_heads"),
-        vocab=-(-vocab // check) * check,
+    return TransformerConfig(
+        **sizes,
         experts=experts,
         moe_ffn=_key(data, "moe_intermediate_size") if experts else None,
         shared_experts=int(_key(data, "n_shared_experts", 0) or 0) if experts else 0,
-        dense_layers=min(int(_key(data, "first_k_dense_replace", 0)), layers) if experts else 0,
-        tied_embeddings=bool(data.get("tie_word_embeddings", False)),
+        dense_layers=min(int(_key(data, "first_k_dense_replace", 0)), sizes["layers"]) if experts else 0,
         q_lora_rank=_key(data, "q_lora_rank", None),
         kv_lora_rank=_key(data, "kv_lora_rank"),
         qk_head_dim=_key(data, "qk_nope_head_dim"),
         qk_pos_emb_head_dim=_key(data, "qk_rope_head_dim"),
         v_head_dim=_key(data, "v_head_dim"),
-        dtype=dtype,
     )
-    label = name or f"deepseek_v3-{layers}x{transformer.hidden}"
-    return HFModel("deepseek_v3", transformer, vocab, label)
 
 
 def check_multiple(value: object) -> int:
