@@ -85,9 +85,9 @@ def _run_rank(job: tuple, conn: Connection, baseline: dict[str, int]) -> None:
     if dist.is_initialized() and dist.group.WORLD is not ours:
         replaced.append(_REFORMED)  # a survivors' world: its store and store thread are not this call's to keep
     try:
-        conn.send((rank, ok, value, replaced))
+        conn.send((ok, value, replaced))
     except Exception:  # a result that does not pickle
-        conn.send((rank, False, traceback.format_exc(), replaced))
+        conn.send((False, traceback.format_exc(), replaced))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -229,8 +229,9 @@ def run_jobs(
             conn.send((rank, size, ports[job], fn, args, pg_timeout, backend))
         _collect(procs, conns, outcome, replaced, deadline, timeout, allow_failures)
         keep = ranks is _kept and not allow_failures and all(ok for ok, _ in outcome.values())
-        if keep and replaced - {_REFORMED}:
-            names = ", ".join(sorted(replaced - {_REFORMED}))
+        patched = replaced - {_REFORMED}  # code a test replaced and did not put back: worth a warning
+        if keep and patched:
+            names = ", ".join(sorted(patched))
             warnings.warn(f"a world's call left {names} replaced: its processes are ended", stacklevel=2)
         keep = keep and not replaced and _left(conns)
     finally:
@@ -309,7 +310,7 @@ def _collect(
         dead = []
         for conn in _ready(waiting, min(remaining, 1.0)):
             try:
-                _, ok, value, left_replaced = conn.recv()
+                ok, value, left_replaced = conn.recv()
             except EOFError:
                 dead.append(conns.index(conn))
                 continue

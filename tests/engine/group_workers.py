@@ -15,9 +15,9 @@ from typing import Any
 from shardcore import RefitGroup, connect_refit, execute_refit, held_version
 from shardcore.engine.live.layout_check import FILL, through_map
 from shardcore.engine.live.refit_check import cut, known_tensor
-from shardcore.errors import ShardcoreError
 from shardcore.refit import RefitRequest
 from tests.engine.refit_workers import die_after_first_landing
+from tests.engine.trust_workers import timed_outcome
 
 TRAINER = "tp=2,pp=2,role=train"
 """The trainer's shard: Megatron's layout, 4 ranks."""
@@ -92,15 +92,6 @@ def _world_sum(value: float) -> float:
     tensor = torch.tensor([value])
     dist.all_reduce(tensor)
     return float(tensor.item())
-
-
-def _outcome(call: Any) -> tuple[str, str, tuple[int, ...], float]:
-    started = time.monotonic()
-    try:
-        call()
-    except ShardcoreError as error:
-        return type(error).__name__, str(error), tuple(getattr(error, "ranks", ())), time.monotonic() - started
-    return "ok", "", (), time.monotonic() - started
 
 
 # ----------------------------------------------------------------------------- 20 refits, then a second engine
@@ -180,16 +171,16 @@ def trainer_through_restart(rank: int, world: int, address: str, config: str, fl
     group = connect_refit(address, side="trainer", rank=rank, trainer_ranks=world, engine_ranks=4, timeout=timeout)
     plan = request(config).plan(group.size)
     _send(plan, group, 0, timeout=timeout)
-    fault = _outcome(lambda: _send(plan, group, 1, timeout=timeout, bucket_bytes=4096))
+    fault = timed_outcome(lambda: _send(plan, group, 1, timeout=timeout, bucket_bytes=4096))
     world_sum = _world_sum(float(rank))
     group.close()
     if rank == 0:
         Path(flag).write_text("restart")
     again = connect_refit(address, side="trainer", rank=rank, trainer_ranks=world, engine_ranks=4, timeout=60)
-    after = _outcome(lambda: _send(plan, again, 2, timeout=timeout))
+    after = timed_outcome(lambda: _send(plan, again, 2, timeout=timeout))
     if rank == LEAVER:
         die_after_first_landing()
-    left = _outcome(lambda: _send(plan, again, 3, timeout=timeout, bucket_bytes=4096))
+    left = timed_outcome(lambda: _send(plan, again, 3, timeout=timeout, bucket_bytes=4096))
     again.close()
     generations = (group.generation, again.generation)
     return {"fault": fault, "world": world_sum, "after": after, "left": left, "generations": generations}
@@ -203,7 +194,7 @@ def engine_killed(rank: int, world: int, address: str, config: str, timeout: flo
     execute_refit(plan, {}, destinations, group=group, version=0, timeout=timeout)
     if rank == VICTIM:
         die_after_first_landing()
-    return _outcome(
+    return timed_outcome(
         lambda: execute_refit(plan, {}, destinations, group=group, version=1, timeout=timeout, bucket_bytes=4096)
     )
 
@@ -220,7 +211,7 @@ def engine_restarted(rank: int, world: int, address: str, config: str, flag: str
     before = held_version(destinations)
     execute_refit(plan, {}, destinations, group=group, version=2)
     wrong, version = _mismatches(plan, group, destinations, 2), tuple(held_version(destinations) or ())
-    left = _outcome(
+    left = timed_outcome(
         lambda: execute_refit(plan, {}, destinations, group=group, version=3, timeout=timeout, bucket_bytes=4096)
     )
     group.close()
@@ -244,11 +235,11 @@ def bad_trainer(rank: int, world: int, address: str, timeout: float) -> dict[str
             address, side="trainer", rank=rank, trainer_ranks=world, engine_ranks=2, name=name, timeout=timeout
         )
 
-    out: dict[str, Any] = {"counts": _outcome(lambda: connect("counts"))}
+    out: dict[str, Any] = {"counts": timed_outcome(lambda: connect("counts"))}
     time.sleep(2.0)  # both engine jobs claim their ranks in one round before the trainer comes
     group: list[RefitGroup] = []
-    out["twice"] = _outcome(lambda: group.append(connect("twice")))
-    out["local twice"] = _outcome(lambda: connect("twice"))  # this process again, while its group is open
+    out["twice"] = timed_outcome(lambda: group.append(connect("twice")))
+    out["local twice"] = timed_outcome(lambda: connect("twice"))  # this process again, while its group is open
     for made in group:
         made.close()
     return out
@@ -266,9 +257,9 @@ def bad_engine(rank: int, world: int, address: str, timeout: float, first: bool)
 
     out: dict[str, Any] = {}
     if not first:
-        out["counts"] = _outcome(lambda: connect("counts", trainer_ranks=3))
+        out["counts"] = timed_outcome(lambda: connect("counts", trainer_ranks=3))
     group: list[RefitGroup] = []
-    out["twice"] = _outcome(lambda: group.append(connect("twice")))
+    out["twice"] = timed_outcome(lambda: group.append(connect("twice")))
     for made in group:
         made.close()
     return out

@@ -60,7 +60,9 @@ def _correct(plan: Any, rank: int, destinations: Mapping[str, torch.Tensor]) -> 
     return True
 
 
-def _outcome(call: Callable[[], Any]) -> tuple[str, str, tuple[int, ...], float]:
+def timed_outcome(call: Callable[[], Any]) -> tuple[str, str, tuple[int, ...], float]:
+    """``call``'s outcome as a rank reports it: its error's type, message and named ranks (``"ok"`` if none), and
+    how long it took."""
     started = time.monotonic()
     try:
         call()
@@ -83,13 +85,13 @@ def disagreeing_plans(rank: int, world: int) -> dict[str, Any]:
     ):
         sources, destinations = _tensors(mine, rank)
         before = {name: t.clone() for name, t in destinations.items()}
-        out[label] = _outcome(lambda: execute_refit(mine, sources, destinations, timeout=20))
+        out[label] = timed_outcome(lambda: execute_refit(mine, sources, destinations, timeout=20))
         out[label + " untouched"] = all(torch.equal(before[n], destinations[n]) for n in destinations)
     sources, destinations = _tensors(good, rank)
-    out["version"] = _outcome(
+    out["version"] = timed_outcome(
         lambda: execute_refit(good, sources, destinations, timeout=20, version=5 if rank == 1 else 4)
     )
-    out["after"] = _outcome(lambda: execute_refit(good, sources, destinations, timeout=20, version=9))
+    out["after"] = timed_outcome(lambda: execute_refit(good, sources, destinations, timeout=20, version=9))
     out["after correct"] = _correct(good, rank, destinations)
     return out
 
@@ -118,7 +120,7 @@ def one_failure_each(rank: int, world: int, timeout: float) -> list[dict[str, An
     steps: list[dict[str, Any]] = []
 
     def step(label: str, call: Callable[[], Any], destinations: Mapping[str, torch.Tensor]) -> None:
-        kind, message, ranks, elapsed = _outcome(call)
+        kind, message, ranks, elapsed = timed_outcome(call)
         steps.append({
             "label": label, "kind": kind, "message": message, "ranks": ranks, "elapsed": elapsed,
             "correct": _correct(plan, rank, destinations), "held": held_version(destinations),
@@ -192,7 +194,7 @@ def faulty_message(rank: int, world: int, mode: str) -> tuple[str, str, tuple[in
     sources, destinations = _tensors(plan, rank)
     verify = "checksum" if mode == "corrupt" else "size"
     try:
-        return _outcome(lambda: execute_refit(plan, sources, destinations, timeout=30, verify=verify))
+        return timed_outcome(lambda: execute_refit(plan, sources, destinations, timeout=30, verify=verify))
     finally:
         if rank == 0:  # undone, as every patch in a kept world must be
             exchange_module.Exchange._pack, exchange_module.Exchange._bind = real_pack, real_bind  # type: ignore[method-assign]
@@ -216,11 +218,11 @@ def failing_with_two_in_flight(rank: int, world: int, timeout: float) -> dict[st
     exchange_module.Exchange._unpack = unpacking  # type: ignore[method-assign]
     sources, destinations = _tensors(plan, rank)
     try:
-        failed = _outcome(lambda: execute_refit(plan, sources, destinations, timeout=timeout, bucket_bytes=bucket))
+        failed = timed_outcome(lambda: execute_refit(plan, sources, destinations, timeout=timeout, bucket_bytes=bucket))
     finally:
         exchange_module.Exchange._unpack = real  # type: ignore[method-assign]
     stats: list[Any] = []
-    after = _outcome(
+    after = timed_outcome(
         lambda: stats.append(execute_refit(plan, sources, destinations, timeout=timeout, bucket_bytes=bucket))
     )
     return {
@@ -273,7 +275,7 @@ def replaced_world_rank(rank: int, world: int, ports: tuple[int, int], generatio
     if generation == 1:
         if rank == world - 1:
             exchange_module.Exchange._issue = lambda self, messages, wires: os._exit(17)  # type: ignore[method-assign]
-        first = _outcome(lambda: execute_refit(plan, sources, destinations, timeout=15))
+        first = timed_outcome(lambda: execute_refit(plan, sources, destinations, timeout=15))
         dist.destroy_process_group()
         dist.init_process_group(
             "gloo",
@@ -282,7 +284,7 @@ def replaced_world_rank(rank: int, world: int, ports: tuple[int, int], generatio
             world_size=world,
             timeout=timedelta(seconds=60),
         )
-    second = _outcome(lambda: execute_refit(plan, sources, destinations, timeout=30))
+    second = timed_outcome(lambda: execute_refit(plan, sources, destinations, timeout=30))
     results.put((rank, generation, first[:3], second[:3], _correct(plan, rank, destinations)))
     dist.destroy_process_group()
 
@@ -309,7 +311,9 @@ def staging_that_cannot_be_allocated(rank: int, world: int, timeout: float) -> l
     for label in ("no staging", "good"):
         if rank == 2 and label == "no staging":
             exchange_module.Exchange.staging_bytes = lambda self: 1 << 60  # type: ignore[method-assign]
-        kind, message, ranks, elapsed = _outcome(lambda: execute_refit(plan, sources, destinations, timeout=timeout))
+        kind, message, ranks, elapsed = timed_outcome(
+            lambda: execute_refit(plan, sources, destinations, timeout=timeout)
+        )
         exchange_module.Exchange.staging_bytes = real  # type: ignore[method-assign]
         steps.append({"label": label, "kind": kind, "message": message, "ranks": ranks, "elapsed": elapsed,
                       "correct": _correct(plan, rank, destinations)})  # fmt: skip
