@@ -61,7 +61,11 @@ class KeptPlans(Generic[T]):
         self.builds = 0
         self.hits = 0
         self._plans: OrderedDict[bytes, T] = OrderedDict()
-        self._held = _digest(b"")
+
+    @property
+    def _held(self) -> bytes:
+        """The digest of the world keys this rank keeps plans under: ranks that kept different plans differ here."""
+        return _digest(b"".join(sorted(self._plans)))
 
     def get(self, key: Any, build: Callable[[], T]) -> T:
         """The plan made for ``key`` on this rank and every other rank's key: kept, or built now.
@@ -90,24 +94,17 @@ class KeptPlans(Generic[T]):
             return self._plans[world_key]
         if not same_plans:  # a rank failed a build the others finished: start afresh together
             self._plans.clear()
-        self._forget(world_key)
+        self._plans.pop(world_key, None)  # before building anew: a build that fails here keeps nothing
         plan = build()
         self.builds += 1
         self._plans[world_key] = plan
         while len(self._plans) > self.capacity:
             self._plans.popitem(last=False)
-        self._held = _digest(b"".join(sorted(self._plans)))
         return plan
-
-    def _forget(self, world_key: bytes) -> None:
-        """Drop ``world_key``'s plan before building it anew, so a build that fails here keeps nothing."""
-        self._plans.pop(world_key, None)
-        self._held = _digest(b"".join(sorted(self._plans)))
 
     def clear(self) -> None:
         """Forget every plan (on every rank together, or the next call plans afresh everywhere)."""
         self._plans.clear()
-        self._held = _digest(b"")
 
 
 __all__ = ["DEFAULT_CAPACITY", "KeptPlans"]
