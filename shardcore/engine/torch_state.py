@@ -45,6 +45,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from functools import cache
 from types import ModuleType
@@ -323,21 +324,28 @@ def store_host() -> str:
 
 
 class _Worlds:
-    """The default group and store last seen, held so that no later object can take their ids, and their number."""
+    """Weak references to the default group and store last seen, and their number."""
 
-    group: Any = None
-    store: Any = None
+    group: weakref.ref[Any] | None = None
+    store: weakref.ref[Any] | None = None
     number = 0
 
 
 def world_token() -> int:
     """Tells this world from an earlier one in the same process (after destroy and init_process_group, or a
     shrink): what a rank remembers about store keys belongs to the world that wrote them. A number, counted up
-    whenever the default group or store is another object than last time (compared by identity: a new world's
-    objects can reuse a freed one's ``id``, so the last ones are held)."""
+    whenever the default group or store is another object than last time.
+
+    Compared by identity through weak references: a new world's objects can reuse a freed one's ``id``, but a
+    dead reference matches nothing. Weak, because holding the last default group keeps its gloo threads alive
+    after ``destroy_process_group``; one that drops a finished op's tensor while the interpreter shuts down
+    aborts the process ("terminate called without an active exception": twice in CI, in torchrun workers).
+    """
     group, store = c10d()._get_default_group(), default_store()
-    if group is not _Worlds.group or store is not _Worlds.store:
-        _Worlds.group, _Worlds.store, _Worlds.number = group, store, _Worlds.number + 1
+    held_group = _Worlds.group() if _Worlds.group is not None else None
+    held_store = _Worlds.store() if _Worlds.store is not None else None
+    if group is not held_group or store is not held_store:
+        _Worlds.group, _Worlds.store, _Worlds.number = weakref.ref(group), weakref.ref(store), _Worlds.number + 1
     return _Worlds.number
 
 

@@ -31,6 +31,7 @@ The window's party is keyed by its build's epoch, so a rebuilt window never meet
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
@@ -56,6 +57,7 @@ WINDOW = Purpose("window-local creation", "the same window-local creation (in th
 _name_block = 0
 """Fake worlds only: no store is shared, so numbers are drawn from this process's count."""
 _open: dict[range, Window] = {}
+atexit.register(_open.clear)  # while the interpreter lives: a window's groups must not outlive it (see world_token)
 
 
 @dataclass(frozen=True)
