@@ -30,7 +30,8 @@ def test_hundred_build_destroy_cycles_leave_nothing_behind(strategy: str) -> Non
 
 ENDS_ITS_THREADS = """
 import atexit, os
-atexit.register(lambda: print(sorted(open(f"/proc/self/task/{{t}}/comm").read() for t in os.listdir("/proc/self/task"))))
+tasks = "/proc/self/task"
+atexit.register(lambda: print(sorted(open(f"{{tasks}}/{{t}}/comm").read() for t in os.listdir(tasks))))
 import torch.distributed as dist
 from shardcore import build_shards
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
