@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from ..errors import RefitInputError
+from ..plan.arguments import shown
 from .collectives import collective_device
 
 T = TypeVar("T")
@@ -56,7 +57,7 @@ class KeptPlans(Generic[T]):
             RefitInputError: ``capacity`` is not a positive int.
         """
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise RefitInputError(f"KeptPlans capacity must be a positive int, got {capacity!r}")
+            raise RefitInputError(f"KeptPlans capacity must be a positive int, got {shown(capacity)}")
         self.capacity = capacity
         self.builds = 0
         self.hits = 0
