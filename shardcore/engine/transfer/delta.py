@@ -23,7 +23,9 @@ no counter sees it, through ``.data``). With
 indices and values, or a bitmap of them and values, whichever is smaller, or the dense piece when that is
 smaller still. A message whose pieces all travel dense is the dense message itself (in place where the dense
 refit's is); any other is a header (kind and count per piece) and the pieces' encodings. The receiver writes
-the changed elements into its destination in place (cast on the way where the refit widens).
+the changed elements into its destination in place (cast on the way where the refit widens): by index, or
+through the unpacked bitmap as a mask. The sender refreshes its snapshot of a piece sent by index at the
+changed elements only; any other piece's snapshot is copied whole (on a CPU a copy beats a masked write).
 
 **Sizes without a collective.** Message sizes change every refit, so each batch starts with small rounds on
 its own pairs, before its data: the receivers' held versions (to the senders; once per pair and refit, in the
