@@ -30,7 +30,7 @@ def _encode_apply_ns_per_byte(fraction: float, elements: int = 32 << 20) -> tupl
     sender does beyond a dense send: find the changes, encode them, refresh its snapshot."""
     import torch
 
-    from shardcore.engine.transfer.delta import DENSE, apply_piece, changed_elements, cheapest, write_piece
+    from shardcore.engine.transfer.delta import DENSE, apply_piece, encode_piece, write_encoding
     from shardcore.engine.transfer.exchange import as_bytes
 
     torch.set_num_threads(1)
@@ -45,20 +45,17 @@ def _encode_apply_ns_per_byte(fraction: float, elements: int = 32 << 20) -> tupl
         snapshot.copy_(before)
         target.copy_(before)
         started = time.perf_counter()
-        changed = changed_elements(now, as_bytes(snapshot), 2)
-        kind = DENSE if changed is None else cheapest(changed.numel(), elements, 2)
-        empty = torch.empty(0, dtype=torch.int64)
-        size = write_piece(out, kind, empty if changed is None else changed, now, 2) if kind != DENSE else 0
-        as_bytes(snapshot).copy_(now)
+        kind, count, parts = encode_piece(now, as_bytes(snapshot), 2)
+        size = 0 if parts is None else write_encoding(out, *parts)
         best_encode = min(best_encode, time.perf_counter() - started)
-        count = 0 if changed is None else changed.numel()
         if kind == DENSE:  # a dense piece is the dense refit's own copy: nothing more to apply
             best_apply = 0.0
             continue
         started = time.perf_counter()
-        apply_piece(target, out[:size], kind, count, torch.bfloat16)
+        assert apply_piece(target, out[:size], kind, count, torch.bfloat16) is None
         best_apply = min(best_apply, time.perf_counter() - started)
         assert torch.equal(target.view(torch.int16), after.view(torch.int16))
+        assert torch.equal(snapshot.view(torch.int16), after.view(torch.int16))
     dense = elements * 2
     return best_encode / dense * 1e9, best_apply / dense * 1e9, (size if kind != DENSE else dense) / dense
 

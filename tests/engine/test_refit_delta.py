@@ -54,15 +54,15 @@ def test_a_piece_encoded_and_applied_is_bitwise_the_new_piece(dtype: torch.dtype
     itemsize = before.element_size()
     changed = changed_elements(_bytes(after), _bytes(before), itemsize)
     truth = torch.ne(_bytes(after).view(-1, itemsize), _bytes(before).view(-1, itemsize)).any(1).nonzero().view(-1)
-    kind = DENSE if changed is None else cheapest(changed.numel(), after.numel(), itemsize)
+    kind = DENSE if changed is None else cheapest(changed.count, after.numel(), itemsize)
     if changed is not None:
-        assert torch.equal(changed, truth)
+        assert torch.equal(changed.indices(), truth) and changed.count == truth.numel()
+        assert torch.equal(changed.mask()[: after.numel()].nonzero().view(-1), truth)
     out = torch.zeros(after.numel() * itemsize + 4096, dtype=torch.uint8)
-    empty = torch.empty(0, dtype=torch.int64)
-    size = write_piece(out, kind, empty if changed is None else changed, _bytes(after), itemsize)
+    size = write_piece(out, kind, changed, _bytes(after), itemsize)
     assert size == piece_bytes(kind, truth.numel(), after.numel(), itemsize)
     target = before.clone()
-    apply_piece(target, out[:size], kind, truth.numel(), dtype)
+    assert apply_piece(target, out[:size], kind, truth.numel(), dtype) is None
     assert torch.equal(_bytes(target), _bytes(after))
     if fraction == 0.001:
         assert kind == INDICES and size < after.numel() * itemsize // 10
@@ -75,13 +75,13 @@ def test_a_piece_lands_in_a_strided_box_and_widens_where_the_refit_casts() -> No
     after = _changed(before, 0.3, 5)
     changed = changed_elements(_bytes(after), _bytes(before), 2)
     assert changed is not None
-    kind = cheapest(changed.numel(), after.numel(), 2)
+    kind = cheapest(changed.count, after.numel(), 2)
     assert kind == BITMAP
     out = torch.zeros(after.numel() * 2, dtype=torch.uint8)
     size = write_piece(out, kind, changed, _bytes(after), 2)
     whole = torch.zeros(40, 100, dtype=torch.float32)
     whole[:, 10:74] = before.float()
-    apply_piece(whole[:, 10:74], out[:size], kind, changed.numel(), torch.bfloat16)  # not contiguous, fp32
+    assert apply_piece(whole[:, 10:74], out[:size], kind, changed.count, torch.bfloat16) is None  # strided, fp32
     assert torch.equal(whole[:, 10:74], after.float()) and not whole[:, :10].any() and not whole[:, 74:].any()
 
 
