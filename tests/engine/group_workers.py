@@ -9,6 +9,7 @@ weight map (``layout_check.through_map``).
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -145,9 +146,14 @@ def engine_refits(rank: int, world: int, address: str, config: str, refits: int,
 
 
 def second_engine(rank: int, world: int, address: str, config: str, timeout: float) -> dict[str, Any]:
-    """Engine ``b`` joins while engine ``a`` holds its weights, and gets a full refit (version 100)."""
+    """Engine ``b`` joins while engine ``a`` holds its weights, and gets a full refit (version 100); it reaches
+    the trainer's store through a store object of its own (a TCPStore client), not the address."""
+    import torch.distributed as dist
+
+    host, port = address.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), None, False, timedelta(seconds=timeout))
     group = connect_refit(
-        address, side="engine", rank=rank, trainer_ranks=4, engine_ranks=world, name="b", timeout=timeout
+        store, side="engine", rank=rank, trainer_ranks=4, engine_ranks=world, name="b", timeout=timeout
     )
     plan = request(config, "tp=2").plan(group.size)
     destinations = _destinations(plan, group)

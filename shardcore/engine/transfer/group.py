@@ -26,6 +26,7 @@ into it leaves the first engine's weights as they are.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -72,7 +73,8 @@ class RefitGroup:
         trainer / engine: Each job's ranks, in the group's numbering.
         backend: ``gloo``, ``nccl`` or ``hccl``.
         generation: The join round that formed it (a job that connects again forms the next).
-        process_group: The group's own ``torch.distributed.ProcessGroup`` (in no job's group registry).
+        process_group: The group's own ``torch.distributed.ProcessGroup`` (in no job's group registry); None once
+            closed, so that a closed group's object does not keep its threads alive.
         party: Who agrees at each refit, on the group's store.
         seconds: What forming it cost here (joining, the process group, the final meeting).
     """
@@ -86,7 +88,7 @@ class RefitGroup:
     engine: range
     backend: str
     generation: int
-    process_group: ProcessGroup
+    process_group: ProcessGroup | None
     party: Party
     seconds: float
     _store: OwnStore = field(repr=False)
@@ -119,7 +121,7 @@ class RefitGroup:
         Raises:
             RefitInputError: the group is closed.
         """
-        if self.closed:
+        if self.closed or self.process_group is None:
             raise RefitInputError(
                 f"rank {self.rank}: refit group {shown(self.name)} at {self.address} is closed: connect_refit again"
             )
@@ -136,7 +138,18 @@ class RefitGroup:
         if callable(shutdown) and self.backend != "gloo":  # gloo's ends with its object
             with contextlib.suppress(Exception):  # already broken (a peer died): nothing left to end
                 shutdown()
+        self.process_group = None
         self._store.close()
+
+
+def _close_open_groups() -> None:
+    """At exit, while the interpreter lives: close the groups the caller left open, so that no gloo thread of
+    theirs outlives it (one that does can abort the process at shutdown: see ``torch_state.world_token``)."""
+    for group in list(_open.values()):
+        group.close()
+
+
+atexit.register(_close_open_groups)
 
 
 def connect_refit(
