@@ -225,3 +225,24 @@ def staging_peaks(rank: int, world: int, cases: list[tuple], bucket_bytes: int) 
     finally:
         engine.execute_refit = real
     return [(stats.peak_buffer_bytes, stats.messages, not report.mismatches) for stats, report in zip(seen, reports)]
+
+
+def refit_again_into_other_tensors(rank: int, world: int) -> dict[str, bool]:
+    """Two refits of one plan: the second, from other sources (doubled) into other destinations, reuses where the
+    first found its in-place messages in their tensors, and must land in its own tensors only."""
+    import torch
+
+    from tests.engine.trust_workers import _tensors
+
+    plan = plan_refit(plan_layout(world, "tp=2,role=train + tp=2"), 0, [1], preset("tiny-dense"))
+    sources, first = _tensors(plan, rank)
+    execute_refit(plan, sources, first, timeout=30)
+    landed = {name: tensor.clone() for name, tensor in first.items()}
+    doubled = {name: tensor * 2 for name, tensor in sources.items()}
+    _, second = _tensors(plan, rank)
+    stats = execute_refit(plan, doubled, second, timeout=30)
+    return {
+        "received": stats.bytes_received > 0 or not second,
+        "first kept": all(torch.equal(first[name], landed[name]) for name in first),
+        "second doubled": all(torch.equal(second[name], landed[name] * 2) for name in second),
+    }

@@ -126,3 +126,8 @@ def test_a_partial_refit_writes_its_tensors_only_and_ranks_must_agree_on_it() ->
         assert not out["wrong"], (rank, out["wrong"])
         if rank >= 2:  # the destination ranks
             assert out["written"] and out["kept"] and out["bytes_received"] > 0, (rank, out)
+
+
+def test_a_second_refit_of_a_plan_lands_in_its_own_tensors() -> None:
+    for rank, out in enumerate(run_world(4, workers.refit_again_into_other_tensors, timeout=300)):
+        assert all(out.values()), (rank, out)

@@ -141,6 +141,11 @@ class Exchange:
     data message is staged (encoded ones cannot travel in place), and each batch's two header rounds come first."""
     group: Any = None
     """The process group the messages go on, peers numbered in it (a refit group's); None: the default group."""
+    places: dict[tuple[int, ...], tuple[bool, str, int, int]] | None = None
+    """Where each message that travels in place lies: (in the sources, else the destinations; tensor; first byte;
+    end byte), by key. Found from the tensors when None; a refit of the schedule's plan part passes what an
+    earlier one found (``execute._schedule``): its tensors have the shapes and dtypes checked against the plan,
+    so the same messages lie at the same bytes, and finding them (a view per message) is not paid again."""
     staging: torch.Tensor | None = None
     draining: str | None = None
     """Why this rank no longer works for the result (its own error, or a failure another rank published)."""
@@ -433,29 +438,46 @@ class Exchange:
 
     @cached_property
     def _in_place(self) -> dict[tuple[int, ...], torch.Tensor]:
-        """The bytes, in its own tensor, of every message that travels in place, by key (found once, for the
+        """The bytes, in its own tensor, of every message that travels in place, by key (bound once, for the
         layout and the posts); the others are staged."""
+        if self.places is None:
+            self.places = self._find_places()
+        tensors: dict[tuple[bool, str], torch.Tensor] = {}
         wires: dict[tuple[int, ...], torch.Tensor] = {}
-        for batch in self.batches:
-            for message in batch.messages:
-                wire = None if message.ledger else self._contiguous_slice(message)
-                if wire is not None:
-                    wires[message.key] = wire
+        for key, (in_sources, name, start, end) in self.places.items():
+            whole = tensors.get((in_sources, name))
+            if whole is None:
+                whole = tensors[in_sources, name] = as_bytes((self.sources if in_sources else self.destinations)[name])
+            wires[key] = whole[start:end]
         return wires
 
-    def _contiguous_slice(self, message: Message) -> torch.Tensor | None:
-        """A one-piece message's slice of its tensor as bytes, where contiguous and not cast on the way."""
+    def _find_places(self) -> dict[tuple[int, ...], tuple[bool, str, int, int]]:
+        """Where each message that can travel in place lies in its tensor (see ``places``)."""
+        places: dict[tuple[int, ...], tuple[bool, str, int, int]] = {}
+        for batch in self.batches:
+            for message in batch.messages:
+                place = None if message.ledger else self._contiguous_slice(message)
+                if place is not None:
+                    places[message.key] = place
+        return places
+
+    def _contiguous_slice(self, message: Message) -> tuple[bool, str, int, int] | None:
+        """Where a one-piece message's slice of its tensor lies, if contiguous and not cast on the way."""
         if len(message.pieces) != 1:
             return None
         piece = message.pieces[0][0]
         reads_source = message.send and not message.hop  # a relay's forward reads its destination
         if self.conversion is not None and not self.conversion.in_place(piece.tensor, reads_source):
             return None  # cast on the way: through the staging buffer
-        tensor = (self._sent_from(message) if message.send else self.destinations).get(self._name(message, piece))
+        name = self._name(message, piece)
+        tensor = (self.sources if reads_source else self.destinations).get(name)
         if tensor is None:  # a scale this rank never computed: it drains, and the message is never read
             return None
         view = view_of(tensor, piece.src_offset if message.send else piece.dst_offset, piece.shape)
-        return as_bytes(view) if view.is_contiguous() else None
+        if not view.is_contiguous():
+            return None
+        start = view.data_ptr() - tensor.data_ptr()
+        return reads_source, name, start, start + view.numel() * view.element_size()
 
     def _pack(self, message: Message, wire: torch.Tensor, staged: bool) -> None:
         """Copy a staged send's pieces into its slot; sum the message when verifying."""

@@ -230,10 +230,10 @@ def execute_refit(
     bucket_bytes, max_ops, version = checked.bucket_bytes, checked.max_ops, checked.version
     epoch = _agree(party, rank, prepared.terms, prepared.wait)
     stats = TransferStats(rank, verify=checked.verify, version=version, agreement_seconds=time.monotonic() - started)
-    previous = held_version(prepared.destinations)
+    schedule = _schedule(plan, prepared, rank, world, bucket_bytes, max_ops)
     exchange = Exchange(
         rank,
-        _schedule(plan, prepared, rank, world, bucket_bytes, max_ops),
+        schedule.batches,
         prepared.mine.copies,
         prepared.sources,
         prepared.destinations,
@@ -247,12 +247,15 @@ def execute_refit(
         prepared.conversion,
         prepared.delta,
         process_group,
+        schedule.places,
     )
     if prepared.conversion is not None:
         prepared.conversion.prepare(exchange, bucket_bytes, max_ops, world)
     _run(exchange, stats)
+    if prepared.conversion is None:  # a conversion's scales are found per refit, and where they lie with them
+        schedule.places = exchange.places
     ended = time.monotonic()
-    _finish(party, exchange, epoch, prepared.destinations, previous, version)
+    _finish(party, exchange, epoch, prepared.destinations, version)
     if exchange.delta is not None:  # every rank's receivers now hold what this rank last sent
         exchange.delta.commit(version)
         stats.snapshot_bytes = snapshot_bytes()
@@ -271,7 +274,6 @@ class _Prepared(NamedTuple):
     sources: dict[str, torch.Tensor]
     destinations: dict[str, torch.Tensor]
     terms: RefitTerms
-    shapes: dict[str, tuple[int, ...]]
     conversion: Conversion | None
     delta: DeltaSession | None
 
@@ -302,9 +304,8 @@ def _prepare(
         mine = plan.for_rank(rank)
         conversion = Conversion.of(plan, mine, rank)
         held, wanted = _checked_tensors(rank, backend, mine, plan, sources, destinations, conversion)
-        shapes = _global_shapes(plan.manifest, mine)
         delta = _delta_session(checked, wanted)
-        return _Prepared(wait, checked, mine, held, wanted, _terms(plan, checked), shapes, conversion, delta)
+        return _Prepared(wait, checked, mine, held, wanted, _terms(plan, checked), conversion, delta)
     except BaseException as error:
         failure = _as_input_error(rank, error)
         arrive_failed(party, START, None, "open", failure, wait)
@@ -317,22 +318,32 @@ def _global_shapes(manifest: Any, mine: Any) -> dict[str, tuple[int, ...]]:
     return {name: tuple(manifest.tensor(name).shape) for name in names}
 
 
-_last_schedule: list[Any] = []
-"""The last schedule made: [the plan part, the options, the batches]; an RL job refits one plan thousands of times."""
+@dataclass
+class _Schedule:
+    """A plan part's schedule on this rank, for given options: its batches (read-only), and where its messages
+    that travel in place lie in their tensors once a refit found it (``Exchange.places``)."""
+
+    mine: Any
+    options: tuple[Any, ...]
+    batches: list[Any]
+    places: dict[tuple[int, ...], tuple[bool, str, int, int]] | None = None
 
 
-def _schedule(plan: Any, prepared: _Prepared, rank: int, world: int, bucket_bytes: int, max_ops: int) -> list[Any]:
-    """This rank's batches (read-only), made once per plan part and options: the part is the plan's own object,
-    kept while the plan lives (``for_rank``), and a schedule costs milliseconds that need not be spent again."""
+_last_schedule: list[_Schedule] = []
+"""The last schedule made; an RL job refits one plan thousands of times."""
+
+
+def _schedule(plan: Any, prepared: _Prepared, rank: int, world: int, bucket_bytes: int, max_ops: int) -> _Schedule:
+    """This rank's schedule, made once per plan part and options: the part is the plan's own object, kept while
+    the plan lives (``for_rank``), and a schedule costs milliseconds that need not be spent again."""
     staged = _all_tensors(plan) if prepared.options.delta else _converting(plan)
     options = (rank, world, bucket_bytes, max_ops, staged)
-    if not (_last_schedule and _last_schedule[0] is prepared.mine and _last_schedule[1] == options):
+    if not (_last_schedule and _last_schedule[0].mine is prepared.mine and _last_schedule[0].options == options):
+        shapes = _global_shapes(plan.manifest, prepared.mine)
         _last_schedule[:] = [
-            prepared.mine,
-            options,
-            rank_batches(prepared.mine, *options[:4], prepared.shapes, options[4]),
+            _Schedule(prepared.mine, options, rank_batches(prepared.mine, *options[:4], shapes, options[4]))
         ]
-    return _last_schedule[2]
+    return _last_schedule[0]
 
 
 def _converting(plan: Any) -> frozenset[str]:
@@ -544,7 +555,6 @@ def _finish(
     exchange: Exchange,
     epoch: int,
     destinations: Mapping[str, Any],
-    previous: HeldVersion | None,
     version: int | None,
 ) -> None:
     """The end meeting: this rank's outcome for everyone, everyone's for this rank; then the versions.
@@ -564,7 +574,8 @@ def _finish(
             raise own
         meet(party, END, epoch, "end", wait, linger=True)
     except ShardcoreError as error:
-        if destinations:
+        if destinations:  # only this call records versions, so they are still the ones held before the refit
+            previous = held_version(destinations)
             kept = HeldVersion(
                 None if previous is None else previous.version,
                 exchange.wrote is False and (previous is None or previous.intact),
