@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 from ..errors import ManifestError
 from .manifest import Manifest, tensor_label
-from .placement import Box, HeldTensor, Placement, Slice, meets, overlap, subtract, volume
+from .placement import Box, HeldTensor, HolderSet, Placement, Slice, meets, overlap, subtract, volume
 
 
 class Link(NamedTuple):
@@ -61,6 +61,8 @@ def rows(shape: tuple[int, ...], start: int, stop: int, dim: int = 0) -> Box:
 def translate(inner: Box, frm: Box, to: Box) -> Box:
     """The box of ``to`` that is ``inner``, a box inside ``frm``, when ``frm`` and ``to`` are the same elements
     (dims aligned from the right; the unit dims one has more than the other on the left stay where they are)."""
+    if inner == frm:
+        return to
     n = min(len(frm), len(to))
     tail = tuple(
         (t + a - f, t + b - f)
@@ -111,14 +113,13 @@ class WeightMap:
         out: dict[str, list[Link]] = {}
         for link in self.links:
             source, target = self.sources.tensor(link.source), self.targets.tensor(link.target)
-            where = f"{self.name}: {tensor_label(link.target)} {_shown(link.box)} <- {tensor_label(link.source)}"
             if not _inside(link.box, target.shape) or not _inside(link.origin, source.shape):
                 raise ManifestError(
-                    f"{where} {_shown(link.origin)}: a box reaches outside {tensor_label(link.target)} "
+                    f"{self._where(link)}: a box reaches outside {tensor_label(link.target)} "
                     f"{list(target.shape)} or {tensor_label(link.source)} {list(source.shape)}: check the sizes"
                 )
             if _extents(link.box) != _extents(link.origin):
-                raise ManifestError(f"{where} {_shown(link.origin)}: the two boxes differ in extent")
+                raise ManifestError(f"{self._where(link)}: the two boxes differ in extent")
             into.setdefault(link.target, []).append(link)
             out.setdefault(link.source, []).append(link)
         for name, boxes in self.padding.items():
@@ -129,6 +130,13 @@ class WeightMap:
             self._check_tiled(tensor.name, tensor.numel, into.get(tensor.name, []))
         object.__setattr__(self, "_into", {k: tuple(v) for k, v in into.items()})
         object.__setattr__(self, "_from", {k: tuple(v) for k, v in out.items()})
+
+    def _where(self, link: Link) -> str:
+        """A link in a message (made only for one: a model's maps have a quarter million links)."""
+        return (
+            f"{self.name}: {tensor_label(link.target)} {_shown(link.box)} <- {tensor_label(link.source)} "
+            f"{_shown(link.origin)}"
+        )
 
     def _check_tiled(self, name: str, numel: int, links: list[Link]) -> None:
         """The links and padding of one destination tensor cover it, each element once."""
@@ -284,7 +292,9 @@ class MappedPlacement(Placement):
         self.index, self.label = engine.index, engine.label
         self._mapped: dict[int, tuple[tuple[int, Slice], ...]] = {}
         self._by_source: dict[int, dict[int, list[Slice]]] = {}
+        self._by_holders: dict[int, list[tuple[frozenset[int], list[tuple[int, Slice]]]]] = {}
         self._slices: dict[int, tuple[Slice, ...]] = {}
+        self._images: dict[tuple[object, ...], list[tuple[int, Box, tuple[int, ...], HolderSet, int]]] = {}
 
     @property
     def ranks(self) -> Collection[int]:
@@ -293,24 +303,44 @@ class MappedPlacement(Placement):
     def describe(self) -> str:
         return f"{self.engine.describe()} through {self.weights.name} (digest {self.weights.digest()})"
 
+    def _image(self, position: int, links: tuple[Link, ...]) -> list[tuple[int, Box, tuple[int, ...], HolderSet, int]]:
+        """(link number, source box, offset, holders, block) of every slice of destination tensor ``position``'s
+        image. Found once per distinct (engine slices, link boxes): the same weight of every layer (a MoE
+        layer's 4,096 expert links) has the same, only the tensors' names differ."""
+        engine = self.engine.slices(position)
+        key = (
+            tuple((piece.box, piece.offset, piece.holders.key, piece.block) for piece in engine),
+            tuple((link.box, link.origin) for link in links),
+        )
+        found = self._images.get(key)
+        if found is None:
+            found = self._images[key] = []
+            for number, link in enumerate(links):
+                for piece in self.engine.overlapping(position, link.box):
+                    shared = overlap(piece.box, link.box)
+                    box = translate(shared, link.box, link.origin)
+                    offset = tuple(o + lo - a for o, (lo, _), (a, _) in zip(piece.offset, shared, piece.box))
+                    found.append((number, box, offset, piece.holders, piece.block))
+        return found
+
     def _of_target(self, position: int) -> tuple[tuple[int, Slice], ...]:
         """Every slice of destination tensor ``position``'s image, with its source tensor's position."""
         found = self._mapped.get(position)
         if found is not None:
             return found
         name = self.weights.targets.tensors[position].name
-        out: list[tuple[int, Slice]] = []
-        for link in self.weights.into(name):
-            source = self.manifest.index(link.source)
-            for piece in self.engine.overlapping(position, link.box):
-                shared = overlap(piece.box, link.box)
-                box = translate(shared, link.box, link.origin)
-                offset = tuple(o + lo - a for o, (lo, _), (a, _) in zip(piece.offset, shared, piece.box))
-                out.append((source, Slice(box, offset, piece.holders, piece.block, len(out), name)))
-        found = self._mapped[position] = tuple(out)
+        links = self.weights.into(name)
+        sources = [self.manifest.index(link.source) for link in links]
+        found = self._mapped[position] = tuple(
+            (sources[number], Slice(box, offset, holders, block, order, name))
+            for order, (number, box, offset, holders, block) in enumerate(self._image(position, links))
+        )
         by_source = self._by_source[position] = {}
+        by_holders: dict[int, tuple[frozenset[int], list[tuple[int, Slice]]]] = {}
         for source, piece in found:
             by_source.setdefault(source, []).append(piece)
+            by_holders.setdefault(piece.holders.key, (piece.holders.members, []))[1].append((source, piece))
+        self._by_holders[position] = list(by_holders.values())
         return found
 
     def slices(self, position: int) -> tuple[Slice, ...]:
@@ -327,9 +357,13 @@ class MappedPlacement(Placement):
     def held(self, rank: int) -> Iterator[HeldTensor]:
         for held in self.engine.held(rank):
             name = self.weights.targets.tensors[held.position].name
+            self._of_target(held.position)
+            mine = [group for members, group in self._by_holders[held.position] if rank in members]
+            if len(mine) > 1:  # the rank is in several holder sets: back to the image's order
+                mine = [sorted((item for group in mine for item in group), key=lambda item: item[1].part)]
             by_source: dict[int, list[Slice]] = {}
-            for source, piece in self._of_target(held.position):
-                if rank in piece.holders.members:
+            for group in mine:
+                for source, piece in group:
                     by_source.setdefault(source, []).append(piece)
             for source, pieces in sorted(by_source.items()):
                 yield HeldTensor(source, held.shape, tuple(pieces), name)
