@@ -45,9 +45,11 @@ schedule. ``plan_refit`` plans between shards (``ShardPlacement``, by index math
 from __future__ import annotations
 
 import fnmatch
+import gc
 import hashlib
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from operator import attrgetter
@@ -74,6 +76,24 @@ from .placement import (
 
 DEFAULT_MIN_PIECE_BYTES = 1 << 20
 """The floor on piece size: below it a message costs more than the balance it buys."""
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off while a plan's tiles and transfers are made, as it was after.
+
+    Planning makes a million small tuples that live on (a plan keeps its runs), and makes no cycles; each
+    full collection pass on the way walks every object of the process (the model's weight maps' half a
+    million links among them), which cost as much as the planning itself. Reference counting still frees
+    what dies; the collector runs again once the plan is made."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 @dataclass(frozen=True, order=True)
@@ -774,14 +794,16 @@ class RefitPlan:
 
     def tiles(self) -> Iterator[tuple[Tile, list[Piece]]]:
         """Every tile with its pieces, in the global order (for cost accounting)."""
-        every = list(self._all_tiles())
-        self._cut_runs(every)
+        with gc_paused():
+            every = list(self._all_tiles())
+            self._cut_runs(every)
         for tile in every:
             yield tile, self._pieces(tile)
 
     def runs(self) -> list[TileRun]:
         """Every route's run of tiles, cut (for cost accounting: a run's lines give its pieces by arithmetic)."""
-        return self._cut_runs(self._all_tiles())
+        with gc_paused():
+            return self._cut_runs(self._all_tiles())
 
     def fingerprint(self) -> dict[str, str]:
         """What every rank executing this plan must agree on, part by part, as short readable texts:
@@ -865,7 +887,8 @@ class RefitPlan:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {shown(rank)} is outside the world [0, {self.world_size})")
         if rank not in self._last_rank:
-            mine = self._rank_part(rank)
+            with gc_paused():
+                mine = self._rank_part(rank)
             self._last_rank.clear()
             self._last_rank[rank] = mine
         return self._last_rank[rank]
@@ -1123,8 +1146,9 @@ def _through_layouts(
             f"refit, between Megatron shards)"
         )
     model.check_manifest(manifest)
-    origin, targets = sides(source, destinations, layouts)
-    _check_covered(origin, targets)
+    with gc_paused():
+        origin, targets = sides(source, destinations, layouts)
+        _check_covered(origin, targets)
     return ShardRefitPlan(
         origin,
         targets,
@@ -1141,9 +1165,9 @@ def _check_covered(source: Placement, destinations: Sequence[Placement]) -> None
     """Every element a destination holds must have a source holder (a source's slices never overlap,
     so one whose slices add up to the whole tensor holds all of it)."""
     for position, tensor in enumerate(source.manifest):
+        if sum(volume(piece.box) for piece in source.slices(position)) == tensor.numel:
+            continue  # the destinations' slices are not made: an engine's are many, and made when asked for
         needed = [(placement, target) for placement in destinations for target in placement.slices(position)]
-        if not needed or sum(volume(piece.box) for piece in source.slices(position)) == tensor.numel:
-            continue
         for placement, target in needed:
             covered = sum(volume(overlap(piece.box, target.box)) for piece in source.overlapping(position, target.box))
             if covered < volume(target.box):
