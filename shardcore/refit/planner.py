@@ -548,7 +548,8 @@ class RefitPlan:
         known = found.get(key)
         if known is None:
             made = make()
-            found[key] = ((targets, sources, context), [(j, i, tile, tile.row_bytes // itemsize) for j, i, tile in made])
+            kept = [(j, i, tile, tile.row_bytes // itemsize) for j, i, tile in made]
+            found[key] = ((targets, sources, context), kept)
             return [tile for _, _, tile in made]
         return [
             self._moved(tile, position, per_row * itemsize, targets[j], sources[i]) for j, i, tile, per_row in known[1]

@@ -341,8 +341,8 @@ class MappedPlacement(Placement):
 
     def _image(self, position: int) -> tuple[_Image, tuple[int, ...]]:
         """Destination tensor ``position``'s image (``_Image``), and the source tensor's position of each of its
-        links. An image is found once per distinct (engine slices, ``WeightMap.pattern``): the same weight of every layer (a
-        MoE layer's 4,096 expert links) has the same, only the tensors' names differ."""
+        links. An image is found once per distinct (engine slices, ``WeightMap.pattern``): the same weight of every
+        layer (a MoE layer's 4,096 expert links) has the same, only the tensors' names differ."""
         name = self.weights.targets.tensors[position].name
         engine = self.engine.slices(position)
         key = (
