@@ -45,9 +45,11 @@ schedule. ``plan_refit`` plans between shards (``ShardPlacement``, by index math
 from __future__ import annotations
 
 import fnmatch
+import gc
 import hashlib
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from operator import attrgetter
@@ -66,6 +68,7 @@ from .placement import (
     ShardPlacement,
     Slice,
     check_fits,
+    meets,
     moved,
     overlap,
     volume,
@@ -73,6 +76,24 @@ from .placement import (
 
 DEFAULT_MIN_PIECE_BYTES = 1 << 20
 """The floor on piece size: below it a message costs more than the balance it buys."""
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off while a plan's tiles and transfers are made, as it was after.
+
+    Planning makes a million small tuples that live on (a plan keeps its runs), and makes no cycles; each
+    full collection pass on the way walks every object of the process (the model's weight maps' half a
+    million links among them), which cost as much as the planning itself. Reference counting still frees
+    what dies; the collector runs again once the plan is made."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 @dataclass(frozen=True, order=True)
@@ -409,16 +430,29 @@ class RefitPlan:
             if piece.box == target.box and piece.target == target.target
         )
 
-    def _tiles_into(self, position: int, shard: int, target: Slice) -> Iterator[Tile]:
-        """Every tile of destination slice ``target``: where the source's slices meet it."""
-        group = self._group(position, shard, target)
-        for source in self.source_placement.overlapping(position, target.box):
-            yield self._tile(position, shard, source, target, group)
+    def _tiles_into(
+        self, position: int, shard: int, targets: Sequence[Slice], sources: Sequence[Slice]
+    ) -> list[tuple[int, int, Tile]]:
+        """Every tile into ``targets`` (destination ``shard``'s slices of tensor ``position``): where the source's
+        slices (``sources``, all of them) meet them; each with the numbers of its two slices."""
+        at = {source.box: i for i, source in enumerate(sources)}  # one side's slices of a tensor: boxes apart
+        return [
+            (j, at[source.box], self._tile(position, shard, source, target, group))
+            for j, target in enumerate(targets)
+            for group in (self._group(position, shard, target),)
+            for source in self.source_placement.overlapping(position, target.box)
+        ]
 
-    def _tiles_from(self, position: int, shard: int, source: Slice) -> Iterator[Tile]:
-        """Every tile of source slice ``source`` toward destination ``shard``."""
-        for target in self.destination_placements[shard].overlapping(position, source.box):
-            yield self._tile(position, shard, source, target, self._group(position, shard, target))
+    def _tiles_from(
+        self, position: int, shard: int, source: Slice, targets: Sequence[Slice]
+    ) -> list[tuple[int, int, Tile]]:
+        """Every tile of source slice ``source`` toward ``targets`` (destination ``shard``'s slices of the tensor),
+        each with the numbers of its two slices."""
+        return [
+            (j, 0, self._tile(position, shard, source, target, self._group(position, shard, target)))
+            for j, target in enumerate(targets)
+            if meets(source.box, target.box)
+        ]
 
     def _positions(self) -> Iterable[int]:
         """The tensors this plan moves, by position."""
@@ -445,7 +479,7 @@ class RefitPlan:
 
     def _tiles_alike(
         self,
-        found: dict[tuple[int, ...], Any],
+        found: dict[tuple[Any, ...], Any],
         position: int,
         shard: int,
         targets: Sequence[Slice],
@@ -453,65 +487,93 @@ class RefitPlan:
         context: tuple[Slice, ...] = (),
     ) -> list[Tile]:
         """The tiles into ``targets`` (slices of tensor ``position`` in destination ``shard``; ``sources`` are
-        the tensor's source slices, ``context`` its ``_context``). A tensor whose slices are the very slices of
-        an earlier one (a shard placement's are, for the same weight of every layer) has that tensor's tiles,
-        moved to it (``_moved``), from ``found``; so most tiles are not found again."""
-        key = (shard, *map(id, targets), -1, *map(id, sources), -2, *map(id, context))
+        the tensor's source slices, ``context`` its ``_context``). A tensor whose slices have the boxes of an
+        earlier one's (a shard placement's, for the same weight of every layer; an engine's, for every expert
+        of a layer) has that tensor's tiles, moved to it (``_alike``); so most tiles are not found again."""
         return self._alike(
             found,
-            key,
-            (targets, sources, context),
+            (shard, -1),
+            targets,
+            sources,
+            context,
             position,
-            lambda: [tile for target in targets for tile in self._tiles_into(position, shard, target)],
+            lambda: self._tiles_into(position, shard, targets, sources),
         )
 
     def _tiles_out(
-        self, found: dict[tuple[int, ...], Any], position: int, shard: int, source: Slice, context: tuple[Slice, ...]
+        self, found: dict[tuple[Any, ...], Any], position: int, shard: int, source: Slice, context: tuple[Slice, ...]
     ) -> list[Tile]:
         """The tiles of source slice ``source`` toward destination ``shard`` (``_tiles_from``), found once per
         distinct (source slice, destination's slices, ``context``) as ``_tiles_alike`` finds them."""
         targets = self.destination_placements[shard].slices(position)
-        key = (shard, id(source), -1, *map(id, targets), -2, *map(id, context))
         return self._alike(
-            found, key, (source, targets, context), position, lambda: list(self._tiles_from(position, shard, source))
+            found,
+            (shard, -2),
+            targets,
+            (source,),
+            context,
+            position,
+            lambda: self._tiles_from(position, shard, source, targets),
         )
 
     def _alike(
         self,
-        found: dict[tuple[int, ...], Any],
-        key: tuple[int, ...],
-        kept: object,
+        found: dict[tuple[Any, ...], Any],
+        key: tuple[Any, ...],
+        targets: Sequence[Slice],
+        sources: Sequence[Slice],
+        context: tuple[Slice, ...],
         position: int,
-        make: Callable[[], list[Tile]],
+        make: Callable[[], list[tuple[int, int, Tile]]],
     ) -> list[Tile]:
-        """``make()``'s tiles for tensor ``position``, or those found under ``key`` before (for another tensor with
-        the same slices), moved to it. ``key`` is made of the ids of the slices the tiles depend on, and ``found``
-        keeps those slices (``kept``), so no other slice can take their ids while it lives."""
+        """``make()``'s tiles for tensor ``position`` (each with the numbers of its slices in ``targets`` and
+        ``sources``), or those found before for another tensor whose slices have the same boxes, moved to it.
+
+        A tile depends on its two slices' boxes, the source's offset, and the numbers that seed it (``_tile``):
+        those make the key. The destination's offset, both holder sets and the local tensor's name are read off
+        the slices of the tensor at hand, so slices alike in shape share tiles (a MoE layer's experts do, each
+        at another slot of an engine's stacked tensor). With fan-out a tile's group is made of every
+        destination's slices, so the key is their identity (``found`` keeps them alive: no other slice takes
+        their ids)."""
+        if self.fan_out:
+            key = (*key, *map(id, targets), -1, *map(id, sources), -2, *map(id, context))
+        else:
+            key = (
+                *key,
+                *((target.box, target.block, target.part) for target in targets),
+                -1,
+                *((source.box, source.offset, source.part) for source in sources),
+            )
         itemsize = self.manifest.tensors[position].wire_itemsize
         known = found.get(key)
         if known is None:
-            tiles = make()
-            found[key] = (kept, [(tile, tile.row_bytes // itemsize) for tile in tiles])
-            return tiles
-        return [self._moved(tile, position, per_row * itemsize) for tile, per_row in known[1]]
+            made = make()
+            kept = [(j, i, tile, tile.row_bytes // itemsize) for j, i, tile in made]
+            found[key] = ((targets, sources, context), kept)
+            return [tile for _, _, tile in made]
+        return [
+            self._moved(tile, position, per_row * itemsize, targets[j], sources[i]) for j, i, tile, per_row in known[1]
+        ]
 
     @staticmethod
-    def _moved(tile: Tile, position: int, row_bytes: int) -> Tile:
-        """``tile`` of another tensor with the same slices, for tensor ``position``: the same boxes and holders;
-        the seed (which starts from the position, ``_tile``) and the bytes of a row move."""
+    def _moved(tile: Tile, position: int, row_bytes: int, target: Slice, source: Slice) -> Tile:
+        """``tile``, of another tensor whose slices have the same boxes, for tensor ``position`` between ``source``
+        and ``target`` (its slices at the same places): the same boxes; the seed (which starts from the position,
+        ``_tile``), the bytes of a row, the destination's offset, the holders and the local tensor move."""
+        box = tile.box
         return Tile(
             position,
             tile.shard,
-            tile.box,
+            box,
             tile.src_offset,
-            tile.dst_offset,
-            tile.sources,
-            tile.needers,
+            target.offset if target.box == box else moved(target.offset, target.box, box),
+            source.holders,
+            target.holders,
             tile.seed - tile.position + position,
             tile.rows,
             row_bytes,
             tile.group,
-            tile.target,
+            target.target,
         )
 
     # -- pieces ------------------------------------------------------------------------------
@@ -707,6 +769,9 @@ class RefitPlan:
         for src, dst, lo, hi, hop in pieces:
             origin = self._offset_in(tile, src) if hop else tile.src_offset
             target = tile.dst_offset if dst in tile.needers.members else self._offset_in(tile, dst)
+            if lo == 0 and hi == tile.rows:  # the whole tile, as most travel
+                yield Transfer(name, src, dst, tile.box, origin, target, hi * row_bytes, hop, tile.target)
+                continue
             box = ((first + lo, first + hi), *rest)
             yield Transfer(
                 name,
@@ -730,14 +795,16 @@ class RefitPlan:
 
     def tiles(self) -> Iterator[tuple[Tile, list[Piece]]]:
         """Every tile with its pieces, in the global order (for cost accounting)."""
-        every = list(self._all_tiles())
-        self._cut_runs(every)
+        with gc_paused():
+            every = list(self._all_tiles())
+            self._cut_runs(every)
         for tile in every:
             yield tile, self._pieces(tile)
 
     def runs(self) -> list[TileRun]:
         """Every route's run of tiles, cut (for cost accounting: a run's lines give its pieces by arithmetic)."""
-        return self._cut_runs(self._all_tiles())
+        with gc_paused():
+            return self._cut_runs(self._all_tiles())
 
     def fingerprint(self) -> dict[str, str]:
         """What every rank executing this plan must agree on, part by part, as short readable texts:
@@ -821,7 +888,8 @@ class RefitPlan:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise LayoutError(f"rank {shown(rank)} is outside the world [0, {self.world_size})")
         if rank not in self._last_rank:
-            mine = self._rank_part(rank)
+            with gc_paused():
+                mine = self._rank_part(rank)
             self._last_rank.clear()
             self._last_rank[rank] = mine
         return self._last_rank[rank]
@@ -1079,8 +1147,9 @@ def _through_layouts(
             f"refit, between Megatron shards)"
         )
     model.check_manifest(manifest)
-    origin, targets = sides(source, destinations, layouts)
-    _check_covered(origin, targets)
+    with gc_paused():
+        origin, targets = sides(source, destinations, layouts)
+        _check_covered(origin, targets)
     return ShardRefitPlan(
         origin,
         targets,
@@ -1097,9 +1166,9 @@ def _check_covered(source: Placement, destinations: Sequence[Placement]) -> None
     """Every element a destination holds must have a source holder (a source's slices never overlap,
     so one whose slices add up to the whole tensor holds all of it)."""
     for position, tensor in enumerate(source.manifest):
+        if sum(volume(piece.box) for piece in source.slices(position)) == tensor.numel:
+            continue  # the destinations' slices are not made: an engine's are many, and made when asked for
         needed = [(placement, target) for placement in destinations for target in placement.slices(position)]
-        if not needed or sum(volume(piece.box) for piece in source.slices(position)) == tensor.numel:
-            continue
         for placement, target in needed:
             covered = sum(volume(overlap(piece.box, target.box)) for piece in source.overlapping(position, target.box))
             if covered < volume(target.box):

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 from ..errors import ManifestError
 from .manifest import Manifest, tensor_label
-from .placement import Box, HeldTensor, Placement, Slice, meets, overlap, subtract, volume
+from .placement import Box, HeldTensor, HolderSet, Placement, Slice, meets, overlap, subtract, volume
 
 
 class Link(NamedTuple):
@@ -61,6 +61,8 @@ def rows(shape: tuple[int, ...], start: int, stop: int, dim: int = 0) -> Box:
 def translate(inner: Box, frm: Box, to: Box) -> Box:
     """The box of ``to`` that is ``inner``, a box inside ``frm``, when ``frm`` and ``to`` are the same elements
     (dims aligned from the right; the unit dims one has more than the other on the left stay where they are)."""
+    if inner == frm:
+        return to
     n = min(len(frm), len(to))
     tail = tuple(
         (t + a - f, t + b - f)
@@ -105,22 +107,26 @@ class WeightMap:
     name: str = "map"
     _into: dict[str, tuple[Link, ...]] = field(init=False, repr=False, compare=False)
     _from: dict[str, tuple[Link, ...]] = field(init=False, repr=False, compare=False)
+    _feeds: dict[str, tuple[int, ...]] = field(init=False, repr=False, compare=False)
+    _patterns: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         into: dict[str, list[Link]] = {}
         out: dict[str, list[Link]] = {}
+        feeds: dict[str, list[int]] = {}
         for link in self.links:
-            source, target = self.sources.tensor(link.source), self.targets.tensor(link.target)
-            where = f"{self.name}: {tensor_label(link.target)} {_shown(link.box)} <- {tensor_label(link.source)}"
+            position = self.sources.index(link.source)
+            source, target = self.sources.tensors[position], self.targets.tensor(link.target)
             if not _inside(link.box, target.shape) or not _inside(link.origin, source.shape):
                 raise ManifestError(
-                    f"{where} {_shown(link.origin)}: a box reaches outside {tensor_label(link.target)} "
+                    f"{self._where(link)}: a box reaches outside {tensor_label(link.target)} "
                     f"{list(target.shape)} or {tensor_label(link.source)} {list(source.shape)}: check the sizes"
                 )
             if _extents(link.box) != _extents(link.origin):
-                raise ManifestError(f"{where} {_shown(link.origin)}: the two boxes differ in extent")
+                raise ManifestError(f"{self._where(link)}: the two boxes differ in extent")
             into.setdefault(link.target, []).append(link)
             out.setdefault(link.source, []).append(link)
+            feeds.setdefault(link.target, []).append(position)
         for name, boxes in self.padding.items():
             tensor = self.targets.tensor(name)
             if not all(_inside(box, tensor.shape) for box in boxes):
@@ -129,6 +135,23 @@ class WeightMap:
             self._check_tiled(tensor.name, tensor.numel, into.get(tensor.name, []))
         object.__setattr__(self, "_into", {k: tuple(v) for k, v in into.items()})
         object.__setattr__(self, "_from", {k: tuple(v) for k, v in out.items()})
+        object.__setattr__(self, "_feeds", {k: tuple(v) for k, v in feeds.items()})
+        patterns: dict[tuple[object, ...], int] = {}
+        object.__setattr__(
+            self,
+            "_patterns",
+            {
+                k: patterns.setdefault(tuple((link.box, link.origin) for link in v), len(patterns))
+                for k, v in into.items()
+            },
+        )
+
+    def _where(self, link: Link) -> str:
+        """A link in a message (made only for one: a model's maps have a quarter million links)."""
+        return (
+            f"{self.name}: {tensor_label(link.target)} {_shown(link.box)} <- {tensor_label(link.source)} "
+            f"{_shown(link.origin)}"
+        )
 
     def _check_tiled(self, name: str, numel: int, links: list[Link]) -> None:
         """The links and padding of one destination tensor cover it, each element once."""
@@ -158,6 +181,15 @@ class WeightMap:
     def into(self, target: str) -> tuple[Link, ...]:
         """The links that fill destination tensor ``target``."""
         return self._into.get(target, ())
+
+    def feeds(self, target: str) -> tuple[int, ...]:
+        """The position among the sources of each link that fills ``target`` (``into``'s order)."""
+        return self._feeds.get(target, ())
+
+    def pattern(self, target: str) -> int:
+        """A number that destination tensors share when their links have the same boxes (the same weight of every
+        layer; in another layer, the links read other tensors), so that what depends on boxes alone is found once."""
+        return self._patterns[target]
 
     def out_of(self, source: str) -> tuple[Link, ...]:
         """The links that read source tensor ``source``."""
@@ -259,6 +291,19 @@ def _shown(box: Box) -> str:
     return str([list(pair) for pair in box])
 
 
+class _Image(NamedTuple):
+    """A destination tensor's slices in its source tensors' coordinates, without the tensors' names.
+
+    Attributes:
+        entries: (link number, source box, offset in the destination's local tensor, holders, block) of each
+            slice, in order (a slice's ``part``).
+        by_holders: The slices' orders, by holder set (the set's members first).
+    """
+
+    entries: list[tuple[int, Box, tuple[int, ...], HolderSet, int]]
+    by_holders: list[tuple[frozenset[int], list[int]]]
+
+
 class MappedPlacement(Placement):
     """A destination's holdings of its own tensors (``engine``), in the coordinates of ``weights``' sources.
 
@@ -285,6 +330,7 @@ class MappedPlacement(Placement):
         self._mapped: dict[int, tuple[tuple[int, Slice], ...]] = {}
         self._by_source: dict[int, dict[int, list[Slice]]] = {}
         self._slices: dict[int, tuple[Slice, ...]] = {}
+        self._images: dict[tuple[object, ...], _Image] = {}
 
     @property
     def ranks(self) -> Collection[int]:
@@ -293,21 +339,43 @@ class MappedPlacement(Placement):
     def describe(self) -> str:
         return f"{self.engine.describe()} through {self.weights.name} (digest {self.weights.digest()})"
 
+    def _image(self, position: int) -> tuple[_Image, tuple[int, ...]]:
+        """Destination tensor ``position``'s image (``_Image``), and the source tensor's position of each of its
+        links. An image is found once per distinct (engine slices, ``WeightMap.pattern``): the same weight of every
+        layer (a MoE layer's 4,096 expert links) has the same, only the tensors' names differ."""
+        name = self.weights.targets.tensors[position].name
+        engine = self.engine.slices(position)
+        key = (
+            tuple((piece.box, piece.offset, piece.holders.key, piece.block) for piece in engine),
+            self.weights.pattern(name),
+        )
+        found = self._images.get(key)
+        if found is None:
+            links = self.weights.into(name)
+            entries: list[tuple[int, Box, tuple[int, ...], HolderSet, int]] = []
+            for number, link in enumerate(links):
+                for piece in self.engine.overlapping(position, link.box):
+                    shared = overlap(piece.box, link.box)
+                    box = translate(shared, link.box, link.origin)
+                    offset = tuple(o + lo - a for o, (lo, _), (a, _) in zip(piece.offset, shared, piece.box))
+                    entries.append((number, box, offset, piece.holders, piece.block))
+            by_holders: dict[int, tuple[frozenset[int], list[int]]] = {}
+            for order, entry in enumerate(entries):
+                by_holders.setdefault(entry[3].key, (entry[3].members, []))[1].append(order)
+            found = self._images[key] = _Image(entries, list(by_holders.values()))
+        return found, self.weights.feeds(name)
+
     def _of_target(self, position: int) -> tuple[tuple[int, Slice], ...]:
         """Every slice of destination tensor ``position``'s image, with its source tensor's position."""
         found = self._mapped.get(position)
         if found is not None:
             return found
         name = self.weights.targets.tensors[position].name
-        out: list[tuple[int, Slice]] = []
-        for link in self.weights.into(name):
-            source = self.manifest.index(link.source)
-            for piece in self.engine.overlapping(position, link.box):
-                shared = overlap(piece.box, link.box)
-                box = translate(shared, link.box, link.origin)
-                offset = tuple(o + lo - a for o, (lo, _), (a, _) in zip(piece.offset, shared, piece.box))
-                out.append((source, Slice(box, offset, piece.holders, piece.block, len(out), name)))
-        found = self._mapped[position] = tuple(out)
+        image, feeds = self._image(position)
+        found = self._mapped[position] = tuple(
+            (feeds[number], Slice(box, offset, holders, block, order, name))
+            for order, (number, box, offset, holders, block) in enumerate(image.entries)
+        )
         by_source = self._by_source[position] = {}
         for source, piece in found:
             by_source.setdefault(source, []).append(piece)
@@ -325,12 +393,20 @@ class MappedPlacement(Placement):
         return found
 
     def held(self, rank: int) -> Iterator[HeldTensor]:
+        """The rank's tensors, each as the slices of its image the rank holds: made for this rank only (an
+        engine rank holds an eighth of a tp=8 engine's), unless every slice is made already."""
         for held in self.engine.held(rank):
-            name = self.weights.targets.tensors[held.position].name
+            position = held.position
+            name = self.weights.targets.tensors[position].name
+            image, feeds = self._image(position)
+            mine = [orders for members, orders in image.by_holders if rank in members]
+            orders = mine[0] if len(mine) == 1 else sorted(order for group in mine for order in group)
+            made = self._mapped.get(position)
             by_source: dict[int, list[Slice]] = {}
-            for source, piece in self._of_target(held.position):
-                if rank in piece.holders.members:
-                    by_source.setdefault(source, []).append(piece)
+            for order in orders:
+                number, box, offset, holders, block = image.entries[order]
+                piece = made[order][1] if made is not None else Slice(box, offset, holders, block, order, name)
+                by_source.setdefault(feeds[number], []).append(piece)
             for source, pieces in sorted(by_source.items()):
                 yield HeldTensor(source, held.shape, tuple(pieces), name)
 

@@ -108,6 +108,8 @@ def test_every_destination_element_once_from_a_holder(family: str) -> None:
             assert sum(1 for key in count if key[0] == name) == numel - pad, (rank, name)
         mine = plan.for_rank(rank)
         assert sorted(mine.recvs) == sorted(t for t in every if t.dst == rank and t.src != rank)
+    for rank in source.ranks:  # a sender's part, from its own tiles (found once per slice shape), is the plan's
+        assert sorted(plan.for_rank(rank).sends) == sorted(t for t in every if t.src == rank and t.dst != rank)
     for transfer in every:
         held = holdings(model.manifest.tensor(transfer.tensor), source, transfer.src, model.manifest)
         assert any(all(a <= lo and hi <= b for (lo, hi), (a, b) in zip(transfer.box, box)) for box, _ in held)
