@@ -276,6 +276,9 @@ def write_piece(out: torch.Tensor, kind: int, changes: Changes | None, data: tor
 
 
 def write_encoding(out: torch.Tensor, head: torch.Tensor, values: torch.Tensor) -> int:
+    """Lay an encoding's head and values into ``out`` (bytes, at an aligned offset), each at an aligned offset
+    so the receiver views them as int32 indices and wire-dtype values without copying; returns the bytes
+    written (``piece_bytes``)."""
     start = aligned(head.numel())
     out[: head.numel()].copy_(head)
     out[start : start + values.numel()].copy_(values)
