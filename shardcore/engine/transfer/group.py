@@ -92,7 +92,11 @@ class RefitGroup:
     party: Party
     seconds: float
     _store: OwnStore = field(repr=False)
-    closed: bool = False
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` ran: a closed group has dropped its process group."""
+        return self.process_group is None
 
     @property
     def size(self) -> int:
@@ -121,7 +125,7 @@ class RefitGroup:
         Raises:
             RefitInputError: the group is closed.
         """
-        if self.closed or self.process_group is None:
+        if self.process_group is None:  # closed
             raise RefitInputError(
                 f"rank {self.rank}: refit group {shown(self.name)} at {self.address} is closed: connect_refit again"
             )
@@ -130,15 +134,14 @@ class RefitGroup:
     def close(self) -> None:
         """Leave the group: its process group and store line end here (the other job's are theirs to close).
         After a refit that lost a rank, close it and connect again: the lost rank's connections are gone."""
-        if self.closed:
+        if self.process_group is None:  # closed already
             return
-        self.closed = True
         _open.pop((self.address, self.name), None)
         shutdown = getattr(self.process_group, "shutdown", None)
+        self.process_group = None
         if callable(shutdown) and self.backend != "gloo":  # gloo's ends with its object
             with contextlib.suppress(Exception):  # already broken (a peer died): nothing left to end
                 shutdown()
-        self.process_group = None
         self._store.close()
 
 
