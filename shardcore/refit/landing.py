@@ -37,6 +37,7 @@ expert, which ``TensorSpec`` does not describe yet.
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import pairwise
 
 from ..errors import ManifestError
 from .manifest import SCALE_BLOCK, SCALED, Manifest, TensorSpec, tensor_label
@@ -123,7 +124,7 @@ def _check_parts(destination: MappedPlacement, target: TensorSpec, packing: Weig
     if packing is None:
         return
     links = sorted(packing.into(target.name), key=lambda link: link.box)
-    for before, link in zip(links, links[1:]):
+    for before, link in pairwise(links):
         seam = link.box[0][0]
         if link.source != before.source and before.box[0][1] == seam and seam % SCALE_BLOCK:
             raise ManifestError(

@@ -378,19 +378,19 @@ def test_fp8_through_a_layout_refuses_what_it_cannot_block() -> None:
     # 8 heads of 64 over 2 kv heads: a tp rank's qkv_proj is [256 q; 64 k; 64 v] rows: v starts inside a block
     narrow = manifest_from_hf_config({**FP8, **CONFIGS["qwen2"], "num_attention_heads": 8, "head_dim": 64},
                                      vocab_multiple=128)  # fmt: skip
-    with pytest.raises(ManifestError, match=r"qkv_proj.weight \[768, 512\]: the engine packs .*k_proj.weight and .*v_proj.weight into it at row 320"):
+    packed = r"qkv_proj.weight \[768, 512\]: the engine packs .*k_proj.weight and .*v_proj.weight into it at row 320"
+    with pytest.raises(ManifestError, match=packed):
         plan_refit(layout, 0, [1], narrow.manifest.converted("float8_e4m3fn"), layouts={1: narrow.layout("vllm")})
-    # a 384-wide ffn: each tp rank's down_proj holds 192 of its columns, the second from column 192
+    # a 384-wide ffn: a tp rank's gate_up_proj is [192 gate; 192 up] rows, and its down_proj 192 columns
     wide = manifest_from_hf_config({**FP8, **CONFIGS["llama"], "intermediate_size": 384}, vocab_multiple=128)
     with pytest.raises(ManifestError, match=r"gate_up_proj.weight \[768, 512\]: the engine packs .*gate_proj"):
         plan_refit(layout, 0, [1], wide.manifest.converted("float8_e4m3fn"), layouts={1: wide.layout("vllm")})
     down = Manifest(
-        tuple(
-            replace(t, to_dtype="float8_e4m3fn") if "linear_fc2" in t.name else t for t in wide.manifest.tensors
-        ),
+        tuple(replace(t, to_dtype="float8_e4m3fn") if "linear_fc2" in t.name else t for t in wide.manifest.tensors),
         layers=2,
     )
-    with pytest.raises(ManifestError, match=r"down_proj.weight \[512, 384\]: rank \d holds \[\d+, \d+\) of dim 1, which cuts"):
+    cut = r"down_proj.weight \[512, 384\]: rank \d holds \[\d+, \d+\) of dim 1, which cuts"
+    with pytest.raises(ManifestError, match=cut):
         plan_refit(layout, 0, [1], down, layouts={1: wide.layout("vllm")})
     model = manifest_from_hf_config({**FP8, **CONFIGS["qwen2"]}, vocab_multiple=128)
     for converted, words in (

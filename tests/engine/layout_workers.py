@@ -256,8 +256,9 @@ def hf_to_vllm(state: dict[str, torch.Tensor], model: HFModel, tp: int, r: int) 
         h, _, end = name.rpartition("self_attn.q_proj.")
         if end != name:
             q, k, v = (state[f"{h}self_attn.{p}_proj.{end}"] for p in "qkv")
+            kv_rows = slice(first_kv * d, (first_kv + kv_heads) * d)
             out[f"{h}self_attn.qkv_proj.{end}"] = torch.cat(
-                [q[r * q_heads * d : (r + 1) * q_heads * d], *(t[first_kv * d : (first_kv + kv_heads) * d] for t in (k, v))]
+                [q[r * q_heads * d : (r + 1) * q_heads * d], k[kv_rows], v[kv_rows]]
             )
         elif name.endswith("mlp.gate_proj.weight"):
             up = state[name.replace("gate_proj", "up_proj")]

@@ -436,7 +436,9 @@ class Exchange:
     def written(self, name: str) -> torch.Tensor:
         """The tensor the pieces of destination ``name`` land in (and a relay forwards from): the destination
         itself, or its staging copy when it is quantized on landing."""
-        return self.landing.tensor(name) if self.landing is not None and name in self.landing else self.destinations[name]
+        if self.landing is not None and name in self.landing:
+            return self.landing.tensor(name)
+        return self.destinations[name]
 
     def _landed(self, name: str, elements: int) -> None:
         """``elements`` of destination ``name`` landed (or were packed for a forward): a landing counts them."""
