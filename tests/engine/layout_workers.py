@@ -296,8 +296,9 @@ def fp8_mismatches(destinations: dict[str, torch.Tensor], expected: dict[str, to
 def run_fp8(rank: int, world_size: int, cases: list[tuple[dict[str, Any], str, int | None]]) -> list[dict[str, Any]]:
     """Every case: a Megatron shard (ranks 0-1) refit into the vLLM tp=2 layout (ranks 2-3) in fp8 with block
     scales, at version 1; then a partial refit of layer 0's qkv from new weights, at version 2. The engine ranks
-    report which tensors differ from quantizing the expected local tensors, after each refit."""
-    from shardcore import held_version
+    report which tensors differ from quantizing the expected local tensors, after each refit. Last, a delta
+    refit, refused on every rank before a byte moves."""
+    from shardcore import ExecuteOptions, RefitInputError, held_version
 
     results = []
     for case, megatron_spec, per_node in cases:
@@ -340,5 +341,9 @@ def run_fp8(rank: int, world_size: int, cases: list[tuple[dict[str, Any], str, i
             result["partial"] = fp8_mismatches(destinations, expected)
             result["partial_names"] = sorted(given)
             result["versions"] = (held_version(given), held_version({"x": destinations["model.norm.weight"]}))
+        try:
+            execute_refit(plan, sources_of(states[1]), destinations, options=ExecuteOptions(60, version=3, delta=True))
+        except RefitInputError as error:
+            result["delta"] = str(error)
         results.append(result)
     return results

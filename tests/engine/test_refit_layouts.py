@@ -171,7 +171,8 @@ def test_fp8_into_the_vllm_layout_is_quantized_by_the_engine_ranks() -> None:
     """Megatron shards refit into vLLM tp=2 in fp8 with block scales: on every engine rank each fp8 weight and
     its ``_scale_inv`` are bitwise those of quantizing (with the project's functions) the local vLLM tensor
     built here from the HF tensors, padding zero; with relays (fan-out), and after a partial refit at a new
-    version, which renews the fused ``qkv_proj`` whole and leaves the rest."""
+    version, which renews the fused ``qkv_proj`` whole and leaves the rest; a delta refit is refused on every
+    rank (the destinations hold fp8, not the wire bytes a delta builds on)."""
     results = run_world(4, workers.run_fp8, workers.FP8_CASES, timeout=600)
     for index, (case, _, per_node) in enumerate(workers.FP8_CASES):
         family = case["model_type"]
@@ -187,6 +188,7 @@ def test_fp8_into_the_vllm_layout_is_quantized_by_the_engine_ranks() -> None:
             ]
             assert [held.version for held in got["versions"]] == [2, 1] and all(h.intact for h in got["versions"])
             assert got["landing_peak_bytes"] > 0
+        assert all("delta=True with fp8 through a layout" in results[r][index]["delta"] for r in range(4)), family
         if per_node is not None:  # a relay of the engine's node forwarded from its staging copies
             assert sum(got["hops"] for got in engine) > 0, family
 

@@ -56,11 +56,16 @@ class Landing:
 
     @classmethod
     def of(cls, plan: Any, mine: Any, destinations: Mapping[str, torch.Tensor]) -> Landing | None:
-        """This rank's landing in ``plan`` (``mine`` its part), or None when it quantizes nothing on landing."""
+        """This rank's landing in ``plan`` (``mine`` its part), or None when it quantizes nothing on landing (a
+        plan between Megatron shards quantizes on its senders: ``transfer.convert``)."""
         import torch
 
-        specs = {name: plan.destination_tensor(name) for name in mine.destination_shapes}
-        converting = {name: spec for name, spec in specs.items() if spec.scale is not None and spec.scale_of is None}
+        placement = next((p for p in plan.destination_placements if mine.rank in p.ranks), None)
+        landing = getattr(placement, "landing", None)  # a MappedPlacement's, through a layout
+        if landing is None:
+            return None
+        specs = {name: landing.tensor(name) for name in mine.destination_shapes}
+        converting = {name: spec for name, spec in specs.items() if spec.scale is not None}
         if not converting:
             return None
         pending = dict.fromkeys(converting, 0)
