@@ -10,11 +10,11 @@ the rank computes the 128x128 block amax of the whole local tensor, writes the f
 ``scale_inv_of``, ``quantize``), and frees the staging.
 
 Memory: at peak, the staging holds every converting local tensor that has begun to land and not finished, in
-the source dtype (``peak_bytes``). A rank's receives are ordered by sender, then tensor (``RankRefit``), so with
-several senders most tensors begin with the first sender's batches and finish with the last one's: the peak can
-reach the rank's whole local share of the converting tensors in the source dtype (twice the fp8 weights for a
-bf16 source), on top of the fp8 destinations themselves; one sender per tensor (tp equal on both sides, a
-destination fed by its own tp peer) finishes each tensor as its messages end.
+the source dtype (``peak_bytes``, ``TransferStats.landing_peak_bytes``). The schedule orders messages by peer
+pairs, not by tensor, so a tensor fed by several senders stays open until the last of them has sent its part:
+the peak can reach the rank's whole local share of the converting tensors in the source dtype (twice the fp8
+weights for a bf16 source), on top of the fp8 destinations themselves. A tensor fed by one sender (tp alike on
+both sides) closes as soon as that sender's messages of it have landed.
 
 A piece is never written in place (the destination is fp8, the wire is not): every one goes through the
 exchange's staging buffer, like any converting piece. A delta refit cannot build on these destinations (they
