@@ -405,3 +405,19 @@ def test_fp8_through_a_layout_refuses_what_it_cannot_block() -> None:
             plan_layout(4, "tp=2,role=train + tp=2"), 0, [1], moe.manifest.converted("float8_e4m3fn"),
             layouts={1: moe.layout("vllm")},
         )  # fmt: skip
+
+
+def test_cli_says_what_is_quantized_on_landing(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--to-layout vllm --to-dtype float8_e4m3fn``: the summary counts wire bytes in the source dtype and says
+    which tensors the engine ranks quantize; a layout that cuts a block fails as one line, exit 2."""
+    from shardcore.cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**FP8, **CONFIGS["qwen2"]}))
+    shards = ["refit", "--world", "4", "--shards", "tp=2,role=train + tp=2", "--from", "0", "--to", "1"]
+    assert main([*shards, "--model", f"hf:{config}", "--to-layout", "vllm", "--to-dtype", "float8_e4m3fn"]) == 0
+    out = capsys.readouterr().out
+    assert "quantized on landing: 17 destination tensors to float8_e4m3fn" in out and "in the source dtype" in out
+    config.write_text(json.dumps({**FP8, **CONFIGS["qwen2"], "num_attention_heads": 8, "head_dim": 64}))
+    assert main([*shards, "--model", f"hf:{config}", "--to-layout", "vllm", "--to-dtype", "float8_e4m3fn"]) == 2
+    assert "qkv_proj.weight [768, 512]: the engine packs" in capsys.readouterr().err
