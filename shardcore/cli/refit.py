@@ -18,6 +18,7 @@ from ..refit.models import PRESETS
 from ..refit.options import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_OPS, MIN_BUCKET_BYTES, ExecuteOptions, Verify
 from ..refit.planner import DEFAULT_MIN_PIECE_BYTES, RankRefit, ShardRefitPlan
 from ..refit.request import RefitRequest
+from ..refit.weightmap import MappedPlacement
 from ..views.tables import format_table
 from .arguments import (
     FRACTION,
@@ -91,6 +92,7 @@ def summary_table(plan: ShardRefitPlan, stats: RefitStats, intra_gbps: float, in
             f"local copies {format_bytes(stats.local_bytes)}{relayed}"
         ),
         *conversion_lines(plan.manifest, stats),
+        *landing_lines(plan),
         f"busiest sender: {busiest}; lower bound {format_bytes(stats.lower_bound)} (x{stats.balance:.3f})",
         f"peers per rank (each a connection): max {stats.most_peers}, median {stats.median_peers}",
         (
@@ -112,6 +114,23 @@ def conversion_lines(manifest: Manifest, stats: RefitStats) -> list[str]:
     return [
         f"converting {sum(kinds.values())} tensors ({shown}): bytes are wire bytes, in the narrower dtype; "
         f"scale tensors {format_bytes(stats.scale_bytes)} of them"
+    ]
+
+
+def landing_lines(plan: ShardRefitPlan) -> list[str]:
+    """fp8 through a layout (none otherwise): the destination ranks quantize what lands, so the bytes above are
+    the source dtype's (``shardcore.refit.landing``)."""
+    landings = [
+        placement.landing
+        for placement in plan.destination_placements
+        if isinstance(placement, MappedPlacement) and placement.landing is not None
+    ]
+    if not landings:
+        return []
+    count = sum(tensor.scale is not None for landing in landings for tensor in landing)
+    return [
+        f"quantized on landing: {count} destination tensors to float8_e4m3fn with 128x128 block scales of each "
+        f"rank's own tensor, by the destination ranks; bytes above are wire bytes, in the source dtype"
     ]
 
 

@@ -280,7 +280,7 @@ class TensorSpec:
             shape: tuple[int, ...] = (1,)
             split: dict[str, Any] = {"tp_dim": None, "blocks": (), "unit": 1}
         else:
-            shape = tuple(-(-size // SCALE_BLOCK) for size in self.shape)
+            shape = scale_shape(self.shape)
             split = {"tp_dim": self.tp_dim, "blocks": (), "unit": 1}
             if self.tp_dim is not None and len(self.blocks) > 1:
                 split["blocks"] = tuple(-(-size // SCALE_BLOCK) for size in self.blocks)
@@ -504,6 +504,12 @@ class Manifest:
         return out
 
 
+def scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the block scales of a tensor (or of a rank's local tensor) of ``shape``: one float32 per
+    128 elements of each dim, rounded up (a block cut by the tensor's end covers what there is of it)."""
+    return tuple(-(-size // SCALE_BLOCK) for size in shape)
+
+
 def check_conversion(to_dtype: object, scale: object) -> None:
     """A conversion every floating tensor can take (``Manifest.converted``, a manifest file's defaults).
 
@@ -603,6 +609,7 @@ __all__ = [
     "TensorSpec",
     "check_conversion",
     "check_dtype",
+    "scale_shape",
     "split_layers",
     "tensor_label",
 ]

@@ -59,7 +59,8 @@ from ..errors import LayoutError, ManifestError, RefitError
 from ..plan.arguments import check_count, check_size, shown
 from ..plan.layout import Layout, ShardPlan
 from .families import ModelLayout, sides
-from .manifest import Manifest, TensorSpec
+from .landing import landed
+from .manifest import Manifest, TensorSpec, scale_shape
 from .placement import (
     Box,
     HolderSet,
@@ -73,6 +74,7 @@ from .placement import (
     overlap,
     volume,
 )
+from .weightmap import MappedPlacement, WeightMap
 
 DEFAULT_MIN_PIECE_BYTES = 1 << 20
 """The floor on piece size: below it a message costs more than the balance it buys."""
@@ -873,7 +875,22 @@ class RefitPlan:
                 f"subset({shown(selection)}) selects none of the {len(kept)} tensors of {manifest.name!r}{dense}: "
                 "select at least one (shardcore.refit.tensors_matching finds them by pattern)"
             )
-        return replace(self, tensors=frozenset(chosen | _scale_partners(manifest, kept, chosen)))
+        partners = _scale_partners(manifest, kept, chosen) | self._landing_partners(chosen)
+        return replace(self, tensors=frozenset(chosen | partners))
+
+    def _landing_partners(self, chosen: set[int]) -> set[int]:
+        """Every source tensor that feeds a destination tensor quantized on landing that a chosen one feeds: such a
+        tensor is quantized whole, once all of it has landed, so its sources are refitted together."""
+        found: set[int] = set()
+        for placement in self.destination_placements:
+            if not isinstance(placement, MappedPlacement) or placement.landing is None:
+                continue
+            weights, landing = placement.weights, placement.landing
+            for position in chosen:
+                for link in weights.out_of(self.manifest.tensors[position].name):
+                    if landing.tensor(link.target).scale is not None:
+                        found.update(weights.feeds(link.target))
+        return found
 
     def _world(self) -> str:
         return f"a world of {self.world_size} ranks"
@@ -902,11 +919,14 @@ class RefitPlan:
         found: dict[tuple[int, ...], Any] = {}  # tiles of tensors with the same slices (``_alike``): received,
         sent: dict[tuple[int, ...], Any] = {}  # and sent
         for shard, placement in enumerate(self.destination_placements):
+            landing = placement.landing if isinstance(placement, MappedPlacement) else None
             for held in placement.held(rank):
                 position = held.position
                 if chosen is not None and position not in chosen:
                     continue
                 destination_shapes[held.name or tensors[position].name] = held.shape
+                if landing is not None and landing.tensor(held.name).scale is not None:  # quantized on landing
+                    destination_shapes[f"{held.name}_scale_inv"] = scale_shape(held.shape)
                 tiles = self._tiles_alike(
                     found, position, shard, held.slices, self.source_placement.slices(position), self._context(position)
                 )
@@ -1071,7 +1091,9 @@ def plan_refit(
         layouts: The layout of some shards, by shard index, when not Megatron's: ``model.layout("hf")``,
             ``model.layout("vllm")`` of a ``manifest_from_hf_config`` model, whose ``.manifest`` is then
             ``manifest``. Each destination rank receives exactly its own slices of its own tensors, in its
-            layout's names and packing (``families.py``); a plan's ``Transfer.target`` names them.
+            layout's names and packing (``families.py``); a plan's ``Transfer.target`` names them. A manifest
+            converting to float8_e4m3fn with block scales is quantized by the destination ranks on landing, with
+            the blocks of their own tensors (``landing.py``): the pieces travel in the source dtype.
 
     Returns:
         A lazy ShardRefitPlan; every check that can fail has been made.
@@ -1081,8 +1103,9 @@ def plan_refit(
             manifest that is not a Manifest, bad ranks_per_node, fan_out without it, or a
             min_piece_bytes that is not a size.
         ManifestError: a tensor, the layers or the experts do not split over a shard; with ``layouts``,
-            layouts of another model than ``manifest``'s, a shard in a layout it cannot hold, or a converting
-            manifest (not yet planned through a layout).
+            layouts of another model than ``manifest``'s, a shard in a layout it cannot hold, or, converting
+            through a layout, a conversion other than fp8 with block scales or a destination tensor whose rank
+            boxes or packed parts cut a scale block (``landing.landed``).
     """
     if not isinstance(layout, Layout):
         raise RefitError(
@@ -1141,14 +1164,16 @@ def _through_layouts(
     if stray is not None:
         raise RefitError(f"layouts names shard {shown(stray)}, which is neither the source nor a destination")
     model = next(iter(layouts.values())).model
-    if manifest.converts:
-        raise ManifestError(
-            f"manifest {manifest.name!r} converts dtypes: a refit through a layout keeps them (convert in a second "
-            f"refit, between Megatron shards)"
-        )
+    converting = manifest
+    if manifest.converts:  # planned in the source dtype: the destinations quantize what lands (``landing.py``)
+        manifest = manifest.as_held()
     model.check_manifest(manifest)
     with gc_paused():
         origin, targets = sides(source, destinations, layouts)
+        if converting.converts:
+            targets = tuple(
+                landed(converting, placement, _packing(layouts, plan)) for placement, plan in zip(targets, destinations)
+            )
         _check_covered(origin, targets)
     return ShardRefitPlan(
         origin,
@@ -1160,6 +1185,15 @@ def _through_layouts(
         layout=layout,
         shards=(source, *destinations),
     )
+
+
+def _packing(layouts: Mapping[int, ModelLayout], plan: ShardPlan) -> WeightMap | None:
+    """The map that packs the HF tensors into destination ``plan``'s (vLLM's), whose packed parts an fp8 landing
+    keeps whole blocks of; None for a layout that packs nothing."""
+    chosen = layouts.get(plan.index)
+    if chosen is None or chosen.kind != "vllm":
+        return None
+    return chosen.model.vllm(plan.spec.tp, plan.spec.expt_tp)[1]
 
 
 def _check_covered(source: Placement, destinations: Sequence[Placement]) -> None:

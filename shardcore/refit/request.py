@@ -103,7 +103,8 @@ class RefitRequest:
             fan_out=self.fan_out,
             layouts=self.layouts(),
         )
-        return plan.subset(tensors_matching(manifest, self.tensors)) if self.tensors else plan
+        # the plan's own tensors: through a layout a converting manifest is planned in the source's dtypes
+        return plan.subset(tensors_matching(plan.manifest, self.tensors)) if self.tensors else plan
 
     def layouts(self) -> dict[int, ModelLayout] | None:
         """``plan_refit``'s ``layouts`` for ``from_layout`` / ``to_layout`` (None: Megatron's on both sides).

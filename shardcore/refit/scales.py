@@ -17,6 +17,10 @@ every source rank that holds part of the weight needs the scales of the part it 
   cp coordinates, in a shard). ``amax_exchange`` says which: it is a tiny exchange of its own, run by the
   executor with the refit's messages and checks, and each rank derives its part from the source placement
   alone, as it derives its transfers.
+
+Through a layout (an engine's names and packing) a block of the destination's tensor gathers elements of
+several source tensors and ranks, so there the destination ranks quantize instead, once their tensors have
+landed (``landing.py``).
 """
 
 from __future__ import annotations

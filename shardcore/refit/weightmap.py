@@ -315,17 +315,20 @@ class MappedPlacement(Placement):
     Args:
         engine: What the destination holds, over ``weights.targets``.
         weights: How the destination's tensors are the source's.
+        landing: ``weights.targets`` as the destination holds them when it quantizes what lands (fp8 through a
+            layout, ``landing.landed``): the converting tensors with their dtype, and their scale tensors.
 
     Raises:
         ManifestError: ``engine`` describes other tensors than ``weights.targets``.
     """
 
-    def __init__(self, engine: Placement, weights: WeightMap) -> None:
+    def __init__(self, engine: Placement, weights: WeightMap, landing: Manifest | None = None) -> None:
         if engine.manifest is not weights.targets:
             raise ManifestError(
                 f"{engine.label}: its tensors are not those {weights.name} fills: build both from one model"
             )
         self.engine, self.weights, self.manifest = engine, weights, weights.sources
+        self.landing = landing
         self.index, self.label = engine.index, engine.label
         self._mapped: dict[int, tuple[tuple[int, Slice], ...]] = {}
         self._by_source: dict[int, dict[int, list[Slice]]] = {}
@@ -337,7 +340,12 @@ class MappedPlacement(Placement):
         return self.engine.ranks
 
     def describe(self) -> str:
-        return f"{self.engine.describe()} through {self.weights.name} (digest {self.weights.digest()})"
+        """The engine's holdings, the map, and what it quantizes on landing (so a refit's ranks agree on it)."""
+        landing = ""
+        if self.landing is not None:
+            scaled = sum(tensor.scale is not None for tensor in self.landing)
+            landing = f", quantizing {scaled} tensors on landing (digest {self.landing.digest()})"
+        return f"{self.engine.describe()} through {self.weights.name} (digest {self.weights.digest()}){landing}"
 
     def _image(self, position: int) -> tuple[_Image, tuple[int, ...]]:
         """Destination tensor ``position``'s image (``_Image``), and the source tensor's position of each of its
@@ -411,8 +419,9 @@ class MappedPlacement(Placement):
                 yield HeldTensor(source, held.shape, tuple(pieces), name)
 
     def local_tensors(self) -> Manifest:
-        """The tensors this side's ranks hold locally (the destination's, by their own names)."""
-        return self.weights.targets
+        """The tensors this side's ranks hold locally (the destination's, by their own names and dtypes, with the
+        scale tensors of those it quantizes on landing)."""
+        return self.weights.targets if self.landing is None else self.landing
 
 
 __all__ = ["Link", "MappedPlacement", "WeightMap", "rows", "translate", "whole"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace
 from math import prod
 from typing import Any
 
@@ -339,3 +340,84 @@ def test_fan_out_and_subsets_compose_with_layouts() -> None:
         "model.layers.0.mlp.experts.w13_weight",
         "model.layers.0.mlp.experts.gate_up_proj",
     }
+
+
+FP8 = {**BASE, "hidden_size": 512, "intermediate_size": 256, "vocab_size": 256, "head_dim": 128}
+"""A model whose vLLM tp=2 tensors are whole 128x128 blocks, packed parts too (q 256, k 128, v 128 rows a rank)."""
+
+
+def test_fp8_through_a_layout_is_planned_in_the_source_dtype() -> None:
+    """A manifest converting to fp8 with block scales plans into vLLM's tensors in the source dtype (the wire's);
+    each destination rank is given its engine tensors in fp8 with a scale tensor of its local blocks, the
+    conversion is in the fingerprint, and a subset keeps every source of a tensor quantized whole."""
+    model = manifest_from_hf_config({**FP8, **CONFIGS["qwen2"]}, vocab_multiple=128)
+    layout = plan_layout(4, "tp=2,role=train + tp=2")
+    fp8 = model.manifest.converted("float8_e4m3fn")
+    plan = plan_refit(layout, 0, [1], fp8, layouts={1: model.layout("vllm")})
+    plain = plan_refit(layout, 0, [1], model.manifest, layouts={1: model.layout("vllm")})
+    assert plan.manifest == model.manifest  # no Megatron scale tensor travels
+    assert sorted(plan.transfers()) == sorted(plain.transfers())
+    assert RefitStats.of(plan).total_bytes == RefitStats.of(plain).total_bytes  # bf16 on the wire
+    shapes = plan.for_rank(2).destination_shapes
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    assert shapes[qkv] == (512, 512) and shapes[f"{qkv}_scale_inv"] == (4, 4)
+    assert shapes["model.embed_tokens.weight_scale_inv"] == (1, 4)
+    assert set(shapes) == {n for name in plain.for_rank(2).destination_shapes for n in (name, f"{name}_scale_inv")}
+    assert plan.destination_tensor(qkv).destination_dtype == "float8_e4m3fn"
+    assert plan.destination_tensor(f"{qkv}_scale_inv").dtype == "float32"
+    assert "quantizing" in plan.fingerprint()["destinations"]
+    assert plan.fingerprint()["destinations"] != plain.fingerprint()["destinations"]
+    one = plan.subset(["decoder.layers.0.self_attention.linear_qkv.weight"])
+    assert set(one.for_rank(3).destination_shapes) == {qkv, f"{qkv}_scale_inv"}
+
+
+def test_fp8_through_a_layout_refuses_what_it_cannot_block() -> None:
+    """Before any plan: a rank's box or a packed part that cuts a scale block, names the tensor (this replaces
+    the refusal of every converting manifest through a layout); per-tensor scales and plain casts, too."""
+    layout = plan_layout(4, "tp=2,role=train + tp=2")
+    # 8 heads of 64 over 2 kv heads: a tp rank's qkv_proj is [256 q; 64 k; 64 v] rows: v starts inside a block
+    narrow = manifest_from_hf_config({**FP8, **CONFIGS["qwen2"], "num_attention_heads": 8, "head_dim": 64},
+                                     vocab_multiple=128)  # fmt: skip
+    packed = r"qkv_proj.weight \[768, 512\]: the engine packs .*k_proj.weight and .*v_proj.weight into it at row 320"
+    with pytest.raises(ManifestError, match=packed):
+        plan_refit(layout, 0, [1], narrow.manifest.converted("float8_e4m3fn"), layouts={1: narrow.layout("vllm")})
+    # a 384-wide ffn: a tp rank's gate_up_proj is [192 gate; 192 up] rows, and its down_proj 192 columns
+    wide = manifest_from_hf_config({**FP8, **CONFIGS["llama"], "intermediate_size": 384}, vocab_multiple=128)
+    with pytest.raises(ManifestError, match=r"gate_up_proj.weight \[768, 512\]: the engine packs .*gate_proj"):
+        plan_refit(layout, 0, [1], wide.manifest.converted("float8_e4m3fn"), layouts={1: wide.layout("vllm")})
+    down = Manifest(
+        tuple(replace(t, to_dtype="float8_e4m3fn") if "linear_fc2" in t.name else t for t in wide.manifest.tensors),
+        layers=2,
+    )
+    cut = r"down_proj.weight \[512, 384\]: rank \d holds \[\d+, \d+\) of dim 1, which cuts"
+    with pytest.raises(ManifestError, match=cut):
+        plan_refit(layout, 0, [1], down, layouts={1: wide.layout("vllm")})
+    model = manifest_from_hf_config({**FP8, **CONFIGS["qwen2"]}, vocab_multiple=128)
+    for converted, words in (
+        (model.manifest.converted("float8_e4m3fn", "tensor"), "with tensor scales is not planned through a layout"),
+        (model.manifest.converted("float16"), "a cast to float16 is not planned through a layout"),
+    ):
+        with pytest.raises(ManifestError, match=words):
+            plan_refit(layout, 0, [1], converted, layouts={1: model.layout("vllm")})
+    moe = model_of("qwen3_moe", hidden_size=128, moe_intermediate_size=128, head_dim=128, vocab_size=256)
+    with pytest.raises(ManifestError, match=r"w13_weight \[4, 256, 128\] stacks experts"):
+        plan_refit(
+            plan_layout(4, "tp=2,role=train + tp=2"), 0, [1], moe.manifest.converted("float8_e4m3fn"),
+            layouts={1: moe.layout("vllm")},
+        )  # fmt: skip
+
+
+def test_cli_says_what_is_quantized_on_landing(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--to-layout vllm --to-dtype float8_e4m3fn``: the summary counts wire bytes in the source dtype and says
+    which tensors the engine ranks quantize; a layout that cuts a block fails as one line, exit 2."""
+    from shardcore.cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**FP8, **CONFIGS["qwen2"]}))
+    shards = ["refit", "--world", "4", "--shards", "tp=2,role=train + tp=2", "--from", "0", "--to", "1"]
+    assert main([*shards, "--model", f"hf:{config}", "--to-layout", "vllm", "--to-dtype", "float8_e4m3fn"]) == 0
+    out = capsys.readouterr().out
+    assert "quantized on landing: 17 destination tensors to float8_e4m3fn" in out and "in the source dtype" in out
+    config.write_text(json.dumps({**FP8, **CONFIGS["qwen2"], "num_attention_heads": 8, "head_dim": 64}))
+    assert main([*shards, "--model", f"hf:{config}", "--to-layout", "vllm", "--to-dtype", "float8_e4m3fn"]) == 2
+    assert "qkv_proj.weight [768, 512]: the engine packs" in capsys.readouterr().err

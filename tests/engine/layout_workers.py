@@ -225,3 +225,125 @@ def check_vllm(results: list[list[dict[str, Any]]], cases: list[tuple[dict[str, 
         assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
         diffs.append((logits(fresh) - logits(reference_model(config, seed=1))).abs().max().item())
     return diffs
+
+
+# fp8 into the vLLM layout: quantized by the engine ranks, checked against the HF tensors sliced the vLLM way
+
+FP8_BASE = {**BASE, "hidden_size": 512, "intermediate_size": 256, "vocab_size": 200, "head_dim": 128,
+            "torch_dtype": "bfloat16"}  # fmt: skip
+"""A model whose vLLM tp=2 tensors are whole 128x128 blocks (q 256, k 128, v 128 rows a rank), in bf16; its
+vocabulary (200) padded to 256, so the second rank quantizes 56 rows of padding (zeros) with its last rows."""
+
+# (family config, Megatron shard spec, ranks per node and fan-out): the world is [Megatron (2) | vLLM tp=2 (2)]
+FP8_CASES: list[tuple[dict[str, Any], str, int | None]] = [
+    ({"model_type": "qwen2"}, "tp=2", None),
+    ({"model_type": "llama", "num_key_value_heads": 1}, "tp=1,dp=2", 2),  # nodes of 2: the engine's node relays
+]
+
+
+def hf_to_vllm(state: dict[str, torch.Tensor], model: HFModel, tp: int, r: int) -> dict[str, torch.Tensor]:
+    """Tp rank r's local tensors of a vLLM engine, from the HF state dict, sliced as vLLM's weight loaders do:
+    qkv_proj = [its q heads; its kv heads] (a kv head replicated over tp / kv ranks), gate_up_proj = [its gate rows;
+    its up rows], o_proj / down_proj split on dim 1, the vocabulary padded with zeros to a multiple of 64 and split
+    on dim 0; the rest whole."""
+    c = model.config
+    d = c.head_dim or c.hidden // c.heads
+    kv = c.kv_heads or c.heads
+    q_heads, kv_heads = c.heads // tp, max(1, kv // tp)
+    first_kv = (r // max(1, tp // kv)) * kv_heads
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        h, _, end = name.rpartition("self_attn.q_proj.")
+        if end != name:
+            q, k, v = (state[f"{h}self_attn.{p}_proj.{end}"] for p in "qkv")
+            kv_rows = slice(first_kv * d, (first_kv + kv_heads) * d)
+            out[f"{h}self_attn.qkv_proj.{end}"] = torch.cat(
+                [q[r * q_heads * d : (r + 1) * q_heads * d], k[kv_rows], v[kv_rows]]
+            )
+        elif name.endswith("mlp.gate_proj.weight"):
+            up = state[name.replace("gate_proj", "up_proj")]
+            share = tensor.shape[0] // tp
+            out[name.replace("gate_proj", "gate_up_proj")] = torch.cat(
+                [tensor[r * share : (r + 1) * share], up[r * share : (r + 1) * share]]
+            )
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            out[name] = tensor.chunk(tp, dim=1)[r]
+        elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            padded = -(-tensor.shape[0] // 64) * 64
+            out[name] = torch.cat([tensor, torch.zeros(padded - tensor.shape[0], tensor.shape[1])]).chunk(tp)[r]
+        elif not name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias", "up_proj.weight")):
+            out[name] = tensor
+    return {name: tensor.to(torch.bfloat16) for name, tensor in out.items()}
+
+
+def fp8_mismatches(destinations: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:
+    """The destination tensors (fp8 weights, their ``_scale_inv``) not bitwise equal to quantizing the expected
+    high-precision local tensors with the project's own functions."""
+    from shardcore.engine.transfer.convert import block_amax, quantize, scale_inv_of
+
+    wrong = []
+    for name, values in expected.items():
+        scale_inv = scale_inv_of(block_amax(values))
+        weight = quantize(values, scale_inv, (0,) * values.dim())
+        got, scale = destinations[name], destinations[f"{name}_scale_inv"]
+        if got.dtype != torch.float8_e4m3fn or not torch.equal(got.view(torch.uint8), weight.view(torch.uint8)):
+            wrong.append(name)
+        if not torch.equal(scale.view(torch.int32), scale_inv.view(torch.int32)):
+            wrong.append(f"{name}_scale_inv")
+    return wrong
+
+
+def run_fp8(rank: int, world_size: int, cases: list[tuple[dict[str, Any], str, int | None]]) -> list[dict[str, Any]]:
+    """Every case: a Megatron shard (ranks 0-1) refit into the vLLM tp=2 layout (ranks 2-3) in fp8 with block
+    scales, at version 1; then a partial refit of layer 0's qkv from new weights, at version 2. The engine ranks
+    report which tensors differ from quantizing the expected local tensors, after each refit. Last, a delta
+    refit, refused on every rank before a byte moves."""
+    from shardcore import ExecuteOptions, RefitInputError, held_version
+
+    results = []
+    for case, megatron_spec, per_node in cases:
+        config = {**FP8_BASE, **case}
+        model = manifest_from_hf_config(config, vocab_multiple=128)
+        layout = plan_layout(4, f"{megatron_spec},role=train + tp=2")
+        plan = plan_refit(
+            layout, 0, [1], model.manifest.converted("float8_e4m3fn", "block"), per_node,
+            fan_out=per_node is not None, layouts={1: model.layout("vllm")}, min_piece_bytes=0,
+        )  # fmt: skip
+        mine = plan.for_rank(rank)
+        states = [{n: t.to(torch.bfloat16) for n, t in reference_model(config, seed).state_dict().items()}
+                  for seed in (1, 2)]  # fmt: skip
+        manifest = plan.manifest
+
+        def sources_of(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            full = megatron_globals(state, model)
+            return {n: cut(full[n].to(torch.bfloat16), manifest.tensor(n), plan.source, rank, manifest)
+                    for n in mine.source_shapes}  # fmt: skip
+
+        destinations = {
+            name: torch.full(shape, -1.0, dtype=getattr(torch, plan.destination_tensor(name).destination_dtype))
+            for name, shape in mine.destination_shapes.items()
+        }
+        result: dict[str, Any] = {"case": case["model_type"], "rank": rank, "hops": sum(t.hop for t in mine.sends)}
+        stats = execute_refit(plan, sources_of(states[0]), destinations, timeout=60, version=1)
+        if rank >= 2:
+            result["names"] = sorted(destinations)
+            result["first"] = fp8_mismatches(destinations, hf_to_vllm(states[0], model, 2, rank - 2))
+            result["landing_peak_bytes"] = stats.landing_peak_bytes
+        qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+        partial = plan.subset([qkv])
+        theirs = partial.for_rank(rank)
+        given = {n: t for n, t in destinations.items() if n in theirs.destination_shapes}
+        execute_refit(partial, sources_of(states[1]), given, timeout=60, version=2)
+        if rank >= 2:
+            expected = hf_to_vllm(states[0], model, 2, rank - 2)
+            renewed = "model.layers.0.self_attn.qkv_proj.weight"
+            expected[renewed] = hf_to_vllm(states[1], model, 2, rank - 2)[renewed]
+            result["partial"] = fp8_mismatches(destinations, expected)
+            result["partial_names"] = sorted(given)
+            result["versions"] = (held_version(given), held_version({"x": destinations["model.norm.weight"]}))
+        try:
+            execute_refit(plan, sources_of(states[1]), destinations, options=ExecuteOptions(60, version=3, delta=True))
+        except RefitInputError as error:
+            result["delta"] = str(error)
+        results.append(result)
+    return results

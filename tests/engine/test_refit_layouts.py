@@ -165,3 +165,46 @@ def test_deepseek_v3_hf_layout_is_the_installed_model_class() -> None:
     kept = {name: (tuple(t.shape), str(t.dtype)) for name, t in state.items() if not name.endswith(UNMAPPED)}
     assert kept == {t.name: (t.shape, f"torch.{t.dtype}") for t in model.hf_manifest}
     assert any(name.endswith(UNMAPPED) for name in state)
+
+
+def test_fp8_into_the_vllm_layout_is_quantized_by_the_engine_ranks() -> None:
+    """Megatron shards refit into vLLM tp=2 in fp8 with block scales: on every engine rank each fp8 weight and
+    its ``_scale_inv`` are bitwise those of quantizing (with the project's functions) the local vLLM tensor
+    built here from the HF tensors, padding zero; with relays (fan-out), and after a partial refit at a new
+    version, which renews the fused ``qkv_proj`` whole and leaves the rest; a delta refit is refused on every
+    rank (the destinations hold fp8, not the wire bytes a delta builds on)."""
+    results = run_world(4, workers.run_fp8, workers.FP8_CASES, timeout=600)
+    for index, (case, _, per_node) in enumerate(workers.FP8_CASES):
+        family = case["model_type"]
+        engine = [results[rank][index] for rank in (2, 3)]
+        for got in engine:
+            weights = [n for n in got["names"] if not n.endswith("_scale_inv")]
+            assert weights and set(got["names"]) == {n for w in weights for n in (w, f"{w}_scale_inv")}, family
+            assert "model.layers.0.self_attn.qkv_proj.weight" in weights
+            assert got["first"] == [] and got["partial"] == [], (family, got["first"], got["partial"])
+            assert got["partial_names"] == [
+                "model.layers.0.self_attn.qkv_proj.weight",
+                "model.layers.0.self_attn.qkv_proj.weight_scale_inv",
+            ]
+            assert [held.version for held in got["versions"]] == [2, 1] and all(h.intact for h in got["versions"])
+            assert got["landing_peak_bytes"] > 0
+        assert all("delta=True with fp8 through a layout" in results[r][index]["delta"] for r in range(4)), family
+        if per_node is not None:  # a relay of the engine's node forwarded from its staging copies
+            assert sum(got["hops"] for got in engine) > 0, family
+
+
+def test_refit_check_fp8_through_a_layout(tmp_path: Path) -> None:
+    """``refit --check --to-layout vllm --to-dtype float8_e4m3fn --scale block`` quantizes the expected local
+    tensors as the engine ranks must, and compares every fp8 byte and scale bitwise."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**workers.FP8_BASE, "model_type": "qwen2"}))
+    command = [sys.executable, "-m", "shardcore", "refit", "--check", "--nproc", "4", "--json"]
+    command += ["--shards", "tp=2,role=train + tp=2", "--from", "0", "--to", "1", "--model", f"hf:{config}"]
+    command += ["--to-layout", "vllm"]
+    command += ["--to-dtype", "float8_e4m3fn", "--scale", "block"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=300)
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["ok"] and [row["shard"] for row in document["shards"]] == [1]
+    assert all(row["ok"] and not row["mismatches"] for row in document["shards"])
+    assert all(row["tensors_checked"] == 2 * 34 for row in document["shards"])  # 34 tensors a rank, with scales

@@ -2,7 +2,8 @@
 
 The reference is built without the planner or the executor: each of the rank's boxes of its own tensors is
 filled, link by link of the weight map, from the source's global tensors; elements no link feeds (an engine's
-vocabulary padding) keep the fill value the check allocates them with.
+vocabulary padding) keep the fill value the check allocates them with, unless the rank quantizes the tensor on
+landing (fp8 through a layout), which writes them as zeros.
 """
 
 from __future__ import annotations
@@ -26,19 +27,21 @@ def _view(tensor: torch.Tensor, start: tuple[int, ...], box: Any) -> torch.Tenso
 
 def through_map(plan: Any, rank: int) -> Callable[[str, Callable[[str], torch.Tensor]], torch.Tensor] | None:
     """For a rank of a destination seen through a weight map: a function giving its expected local tensor
-    ``name`` from the source's global tensors (``full(source name)``); None for any other rank."""
+    ``name`` from the source's global tensors (``full(source name)``); None for any other rank.
+
+    A tensor quantized on landing (fp8 through a layout) is expected as the engine's high-precision local tensor,
+    its padding zero (what the rank quantizes), quantized per block of it; its ``_scale_inv``, as those scales."""
     placement = next((p for p in plan.destination_placements if rank in p.ranks), None)
     if not isinstance(placement, MappedPlacement):
         return None
-    weights, engine = placement.weights, placement.engine
+    weights, engine, local_tensors = placement.weights, placement.engine, placement.local_tensors()
     held = {weights.targets.tensors[h.position].name: h for h in engine.held(rank)}
 
-    def expected(name: str, full: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    def gathered(name: str, full: Callable[[str], torch.Tensor], dtype: str, fill: float) -> torch.Tensor:
         import torch
 
         mine = held[name]
-        dtype = getattr(torch, plan.destination_tensor(name).destination_dtype)
-        local = torch.full(mine.shape, FILL, dtype=dtype)
+        local = torch.full(mine.shape, fill, dtype=getattr(torch, dtype))
         for piece in mine.slices:
             for link in weights.into(name):
                 if meets(piece.box, link.box):
@@ -47,6 +50,17 @@ def through_map(plan: Any, rank: int) -> Callable[[str, Callable[[str], torch.Te
                     origin = translate(shared, link.box, link.origin)
                     target.copy_(full(link.source)[tuple(slice(a, b) for a, b in origin)].reshape(target.shape))
         return local
+
+    def expected(name: str, full: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        from ..transfer.convert import block_amax, quantize, scale_inv_of
+
+        spec = local_tensors.tensor(name)
+        weight = local_tensors.tensor(spec.scale_of or name)
+        if weight.scale is None:
+            return gathered(name, full, spec.destination_dtype, FILL)
+        values = gathered(weight.name, full, weight.dtype, 0.0)
+        scale_inv = scale_inv_of(block_amax(values))
+        return scale_inv if spec.scale_of is not None else quantize(values, scale_inv, (0,) * values.dim())
 
     return expected
 

@@ -8,6 +8,9 @@ of the staging buffer). A ``float8_e4m3fn`` piece is quantized by its sender wit
 magnitude maps to 448, e4m3fn's largest finite value. The source ranks compute the scale tensors before the
 data moves (``shardcore.refit.scales`` says why they can) and send them like any tensor.
 
+Through a layout the destination ranks quantize what lands instead (``transfer.landing``), with the same
+``block_amax``, ``scale_inv_of`` and ``quantize``.
+
 The partial-amax exchange runs first, on the refit's own tag: between two ranks both post every message of
 it before any of the data's, and point-to-point messages between two ranks on one tag are matched in order,
 so neither phase's messages can match the other's. Its batches precede the data's in the order every rank

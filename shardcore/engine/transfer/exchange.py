@@ -146,6 +146,9 @@ class Exchange:
     end byte), by key. Found from the tensors when None; a refit of the schedule's plan part passes what an
     earlier one found (``execute._schedule``): its tensors have the shapes and dtypes checked against the plan,
     so the same messages lie at the same bytes, and finding them (a view per message) is not paid again."""
+    landing: Any = None
+    """The destination tensors this rank quantizes on landing (``transfer.landing.Landing``: fp8 through a layout),
+    whose pieces land in staging copies (``written``), never in place; None when there are none."""
     staging: torch.Tensor | None = None
     draining: str | None = None
     """Why this rank no longer works for the result (its own error, or a failure another rank published)."""
@@ -208,6 +211,8 @@ class Exchange:
             self._land(flight)
         if not self.batches:
             self._guarded(self._copy_locally)
+        if self.landing is not None:
+            self._guarded(self.landing.finish)
 
     def _copy_locally(self) -> None:
         """The pieces this rank holds on both sides, copied from its source tensors into its destinations."""
@@ -218,9 +223,10 @@ class Exchange:
             source = view_of(self.sources[transfer.tensor], offset, shape)
             if self.conversion is not None:  # quantized with its scales, or cast by the copy
                 source = self.conversion.outgoing(transfer.tensor, source, offset)
-            target = view_of(self.destinations[transfer.destination], tuple(transfer.dst_offset), shape)
+            target = view_of(self.written(transfer.destination), tuple(transfer.dst_offset), shape)
             target.copy_(source.reshape(target.shape))
             self.bytes_copied += int(transfer.bytes)
+            self._landed(transfer.destination, target.numel())
 
     def remaining(self) -> timedelta:
         return timedelta(seconds=max(0.001, self.deadline - time.monotonic()))
@@ -419,12 +425,25 @@ class Exchange:
 
     def wire_dtype(self, message: Message, piece: Piece) -> torch.dtype:
         """The dtype a piece of ``message`` travels in (its tensor's, or a converting refit's wire dtype)."""
-        tensor = (self._sent_from(message) if message.send else self.destinations)[self._name(message, piece)]
+        name = self._name(message, piece)
+        tensor = self.sources[name] if message.send and not message.hop else self.written(name)
         return tensor.dtype if self.conversion is None else self.conversion.wire_dtype(piece.tensor, tensor.dtype)
 
     def target_of(self, piece: Piece) -> torch.Tensor:
         """The box of this rank's destination tensor a received piece lands in."""
-        return view_of(self.destinations[piece.destination], piece.dst_offset, piece.shape)
+        return view_of(self.written(piece.destination), piece.dst_offset, piece.shape)
+
+    def written(self, name: str) -> torch.Tensor:
+        """The tensor the pieces of destination ``name`` land in (and a relay forwards from): the destination
+        itself, or its staging copy when it is quantized on landing."""
+        if self.landing is not None and name in self.landing:
+            return self.landing.tensor(name)
+        return self.destinations[name]
+
+    def _landed(self, name: str, elements: int) -> None:
+        """``elements`` of destination ``name`` landed (or were packed for a forward): a landing counts them."""
+        if self.landing is not None and name in self.landing:
+            self.landing.landed(name, elements)
 
     @staticmethod
     def _name(message: Message, piece: Piece) -> str:
@@ -432,9 +451,9 @@ class Exchange:
         sources, else the destination's (another one through a weight map)."""
         return piece.tensor if message.send and not message.hop else piece.destination
 
-    def _sent_from(self, message: Message) -> Mapping[str, torch.Tensor]:
-        """The tensors a send reads: the sources, or for a relay's forward (hop 1) its destinations."""
-        return self.destinations if message.hop else self.sources
+    def _sent_from(self, message: Message, name: str) -> torch.Tensor:
+        """The tensor a send reads ``name`` from: its source, or for a relay's forward (hop 1) its destination."""
+        return self.written(name) if message.hop else self.sources[name]
 
     @cached_property
     def _in_place(self) -> dict[tuple[int, ...], torch.Tensor]:
@@ -470,6 +489,8 @@ class Exchange:
         if self.conversion is not None and not self.conversion.in_place(piece.tensor, reads_source):
             return None  # cast on the way: through the staging buffer
         name = self._name(message, piece)
+        if not reads_source and self.landing is not None and name in self.landing:
+            return None  # lands in a staging copy allocated when its first piece does
         tensor = (self.sources if reads_source else self.destinations).get(name)
         if tensor is None:  # a scale this rank never computed: it drains, and the message is never read
             return None
@@ -488,15 +509,17 @@ class Exchange:
 
     def pack_pieces(self, message: Message, wire: torch.Tensor) -> None:
         """Copy a send's pieces, in the wire's dtype, to their offsets in ``wire``."""
-        tensors = self._sent_from(message)
         for piece, offset in message.pieces:
-            view = view_of(tensors[self._name(message, piece)], piece.src_offset, piece.shape)
+            name = self._name(message, piece)
+            view = view_of(self._sent_from(message, name), piece.src_offset, piece.shape)
             dtype = view.dtype
             if self.conversion is not None:  # cast (by the copy) or quantized into the wire's dtype
                 dtype = self.conversion.wire_dtype(piece.tensor, dtype)
                 if not message.hop:  # a relay forwards its destination's bytes, already converted
                     view = self.conversion.outgoing(piece.tensor, view, piece.src_offset)
             wire[offset : offset + piece.nbytes].view(dtype).view(view.shape).copy_(view)
+            if message.hop:  # a forward of a staging copy has read it
+                self._landed(name, view.numel())
 
     def _ledger_wire(self, message: Message) -> torch.Tensor:
         import torch
@@ -531,9 +554,10 @@ class Exchange:
     def _unpack(self, message: Message, wire: torch.Tensor) -> None:
         """Copy a staged dense message's pieces from ``wire`` into the destinations (cast where they widen)."""
         for piece, offset in message.pieces:
-            target = view_of(self.destinations[piece.destination], piece.dst_offset, piece.shape)
+            target = self.target_of(piece)
             dtype = target.dtype if self.conversion is None else self.conversion.wire_dtype(piece.tensor, target.dtype)
             target.copy_(wire[offset : offset + piece.nbytes].view(dtype).view(target.shape))
+            self._landed(piece.destination, target.numel())
 
     def _check_ledger(self, ledger: Message, wire: torch.Tensor) -> None:
         """Compare what the sender says it sent with what this rank expected and received."""

@@ -13,7 +13,8 @@ The steps:
 2. **Exchange** (``transfer.exchange``), in batches both ends post alike (``transfer.schedule``),
    each message checked against its sender's ledger. A converting refit first computes its fp8
    scales, exchanging partial amaxes where a per-tensor scale needs them, and casts on the way
-   (``transfer.convert``).
+   (``transfer.convert``); through a layout, the destination ranks quantize what lands instead
+   (``transfer.landing``).
 3. **Agree on the outcome** at an end meeting, so that a refit that failed anywhere fails
    everywhere, naming the rank at fault and why.
 
@@ -51,6 +52,7 @@ from ..torch_state import dist, import_torch, is_fake_world
 from .convert import Conversion
 from .delta import DeltaSession, bases_held, snapshot_bytes
 from .exchange import Exchange
+from .landing import Landing
 
 if TYPE_CHECKING:
     import torch
@@ -80,6 +82,8 @@ class TransferStats:
         wire_bytes_sent / wire_bytes_received: Data bytes on the wire: in a delta refit the encoded messages
             (``bytes_sent`` and ``bytes_received`` stay the tensor bytes they carry), else the same.
         snapshot_bytes: A delta refit's memory on this rank between refits: what it last sent, per piece.
+        landing_peak_bytes: fp8 through a layout: the most staging copies of its local tensors this rank held at
+            once, in the wire's dtype, to quantize them once landed (``transfer.landing``).
         version: The version this rank's destinations hold now (None without ``version=``).
         verify: How messages were checked.
     """
@@ -99,6 +103,7 @@ class TransferStats:
     wire_bytes_sent: int = 0
     wire_bytes_received: int = 0
     snapshot_bytes: int = 0
+    landing_peak_bytes: int = 0
 
     @property
     def bytes_moved(self) -> int:
@@ -248,12 +253,15 @@ def execute_refit(
         prepared.delta,
         process_group,
         schedule.places,
+        prepared.landing,
     )
     if prepared.conversion is not None:
         prepared.conversion.prepare(exchange, bucket_bytes, max_ops, world)
     _run(exchange, stats)
     if prepared.conversion is None:  # a conversion's scales are found per refit, and where they lie with them
         schedule.places = exchange.places
+    if prepared.landing is not None:
+        stats.landing_peak_bytes = prepared.landing.peak_bytes
     ended = time.monotonic()
     _finish(party, exchange, epoch, prepared.destinations, version)
     if exchange.delta is not None:  # every rank's receivers now hold what this rank last sent
@@ -276,6 +284,7 @@ class _Prepared(NamedTuple):
     terms: RefitTerms
     conversion: Conversion | None
     delta: DeltaSession | None
+    landing: Landing | None
 
 
 def _prepare(
@@ -304,8 +313,14 @@ def _prepare(
         mine = plan.for_rank(rank)
         conversion = Conversion.of(plan, mine, rank)
         held, wanted = _checked_tensors(rank, backend, mine, plan, sources, destinations, conversion)
+        landing = Landing.of(plan, mine, wanted)
+        if landing is not None and checked.delta:
+            raise RefitInputError(
+                "delta=True with fp8 through a layout: the destinations quantize what lands, so they hold fp8, "
+                "not the wire's bytes a delta builds on; refit without delta"
+            )
         delta = _delta_session(checked, wanted)
-        return _Prepared(wait, checked, mine, held, wanted, _terms(plan, checked), conversion, delta)
+        return _Prepared(wait, checked, mine, held, wanted, _terms(plan, checked), conversion, delta, landing)
     except BaseException as error:
         failure = _as_input_error(rank, error)
         arrive_failed(party, START, None, "open", failure, wait)

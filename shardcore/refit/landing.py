@@ -1,0 +1,137 @@
+"""fp8 through a layout: the destination ranks quantize what lands, with the scales of their own tensors.
+
+Between Megatron shards an fp8 weight is quantized by its senders (``scales.py``): ``check_fits`` keeps every
+scale block in one source part, so each sender knows the scales of what it sends. Through a weight map that no
+longer holds: one 128x128 block of an engine's local tensor (128 rows of vLLM's ``qkv_proj`` on one tp rank)
+gathers elements of several source tensors and ranks (q, k and v of Megatron's interleaved ``linear_qkv``), so
+sender-side scales would need one partial amax per block from each of them, an exchange as large as the
+scale tensors and a phase of its own before any data moves.
+
+So a refit through a layout converts on the *receiver*, as vLLM's online fp8 and verl's fp8 rollout do (the
+engine receives high-precision weights and quantizes them at load): pieces travel in the source dtype (the
+plan's transfers and stats count those wire bytes), each destination rank lands them into a high-precision
+staging copy of its local tensor and, once every piece of that tensor has landed, quantizes it per 128x128
+block of the *local* tensor (for ``qkv_proj``, of the fused tensor) into the fp8 weight and its
+``<name>_scale_inv`` (``shardcore.engine.transfer.landing``). The wire carries twice the bytes of an fp8 one
+(bf16 sources); no partial amax is exchanged, and no block spans two ranks by construction.
+
+Here, torch-free, is what a plan needs of it: which destination tensors convert (those whose source tensors
+convert, all alike: a destination tensor is quantized whole), the engine's tensors as the destination holds them
+(``landed``: each converting one with its dtype and scale tensor, what the executor checks the caller's tensors
+against), and the check that every scale block of a destination rank is the engine's own:
+
+- a rank's box of a split tensor starts and ends on a multiple of 128 (or at the tensor's end) along each
+  blocked dim, so that its local blocks are blocks of the whole tensor and its scale tensor is a slice of the
+  whole's; vLLM refuses a tp share of a block-quantized linear layer that is not whole blocks;
+- where vLLM packs two weights into one tensor (``qkv_proj``'s q, k and v; ``gate_up_proj``'s gate and up)
+  each part is whole blocks: vLLM's ``validate_fp8_block_shape`` refuses a packed part that is not, since one
+  block would mix two weights.
+
+Both are planning errors (``ManifestError``, naming the tensor and the fix), before any byte moves. Per-tensor
+scales (``scale: tensor``) and plain casts are refused through a layout: a per-tensor scale of a fused tensor
+needs the amax of every rank's part of it, and vLLM keeps one per packed part; convert them between Megatron
+shards instead. Stacked experts (vLLM's ``w13_weight``, 3-d) are refused too: their block scales are per
+expert, which ``TensorSpec`` does not describe yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from itertools import pairwise
+
+from ..errors import ManifestError
+from .manifest import SCALE_BLOCK, SCALED, Manifest, TensorSpec, tensor_label
+from .placement import Placement
+from .weightmap import MappedPlacement, WeightMap
+
+FIX = "leave that tensor in its dtype (to_dtype per tensor in a manifest file), or choose sizes or a tp that do"
+"""How to get past a tensor that cannot be block-quantized where the destination holds it."""
+
+
+def landed(source: Manifest, destination: Placement, packing: WeightMap | None) -> MappedPlacement:
+    """``destination`` (a side of a refit through a layout) quantizing on landing what ``source`` converts.
+
+    Args:
+        source: The converting manifest of the refit's source tensors (``Manifest.converted``, or per tensor).
+        destination: A destination's placement through its weight map (``families.sides``).
+        packing: The map from the HF tensors into the destination's (vLLM's packing), whose parts each converting
+            tensor must keep whole blocks of; None for a layout that packs nothing.
+
+    Raises:
+        ManifestError: a destination in Megatron's own layout, a conversion other than float8_e4m3fn with block
+            scales, a destination tensor fed by tensors converted unlike, a stacked (3-d) one, or one whose rank
+            boxes or packed parts cut a scale block; each naming the tensor and the fix.
+    """
+    if not isinstance(destination, MappedPlacement):
+        raise ManifestError(
+            f"{destination.label} holds the source's own layout: a refit through a layout converts on the engine "
+            f"ranks only; convert into Megatron shards in a refit of its own (without layouts)"
+        )
+    weights = destination.weights
+    converting: list[TensorSpec] = []
+    for target in weights.targets:
+        kinds = {
+            (spec.to_dtype, spec.scale): spec.name
+            for position in weights.feeds(target.name)
+            for spec in (source.tensor(weights.sources.tensors[position].name),)
+        }
+        if len(kinds) > 1:
+            shown = ", ".join(f"{name} to {to or 'its dtype'}" for (to, _), name in kinds.items())
+            raise ManifestError(
+                f"{destination.label}: tensor {tensor_label(target.name)} is made of tensors converted unlike "
+                f"({shown}): convert all the tensors that feed one destination tensor alike"
+            )
+        ((to_dtype, scale),) = kinds
+        if to_dtype is None:
+            continue
+        if to_dtype != SCALED or scale != "block":
+            what = f"{to_dtype} with {scale} scales" if scale else f"a cast to {to_dtype}"
+            raise ManifestError(
+                f"{destination.label}: tensor {tensor_label(target.name)}: {what} is not planned through a layout "
+                f"(only {SCALED} with block scales, quantized by the destination ranks); convert it in a refit "
+                f"between Megatron shards"
+            )
+        if len(target.shape) > 2:
+            raise ManifestError(
+                f"{destination.label}: tensor {tensor_label(target.name)} {list(target.shape)} stacks experts, whose "
+                f"block scales (per expert) a refit through a layout does not make yet: {FIX}"
+            )
+        _check_boxes(destination, target)
+        _check_parts(destination, target, packing)
+        converting.append(target)
+    chosen = {spec.name for spec in converting}
+    tensors = tuple(
+        replace(spec, to_dtype=SCALED, scale="block") if spec.name in chosen else spec for spec in weights.targets
+    )
+    return MappedPlacement(destination.engine, weights, replace(weights.targets, tensors=tensors))
+
+
+def _check_boxes(destination: MappedPlacement, target: TensorSpec) -> None:
+    """Every rank's box of ``target`` is whole scale blocks along each blocked dim (ends at the tensor's end)."""
+    engine = destination.engine
+    for piece in engine.slices(engine.manifest.index(target.name)):
+        for dim, ((start, stop), size) in enumerate(zip(piece.box, target.shape)):
+            if start % SCALE_BLOCK or (stop % SCALE_BLOCK and stop != size):
+                raise ManifestError(
+                    f"{destination.label}: tensor {tensor_label(target.name)} {list(target.shape)}: rank "
+                    f"{piece.holders.ranks[0]} holds [{start}, {stop}) of dim {dim}, which cuts a {SCALE_BLOCK}x"
+                    f"{SCALE_BLOCK} scale block (its local blocks would not be the tensor's): {FIX}"
+                )
+
+
+def _check_parts(destination: MappedPlacement, target: TensorSpec, packing: WeightMap | None) -> None:
+    """Where ``packing`` puts two weights side by side in ``target``, the seam is on a scale block's edge."""
+    if packing is None:
+        return
+    links = sorted(packing.into(target.name), key=lambda link: link.box)
+    for before, link in pairwise(links):
+        seam = link.box[0][0]
+        if link.source != before.source and before.box[0][1] == seam and seam % SCALE_BLOCK:
+            raise ManifestError(
+                f"{destination.label}: tensor {tensor_label(target.name)} {list(target.shape)}: the engine packs "
+                f"{before.source} and {link.source} into it at row {seam}, inside a {SCALE_BLOCK}-row scale block "
+                f"(vLLM takes block-scaled fp8 only where each packed part is whole blocks): {FIX}"
+            )
+
+
+__all__ = ["landed"]
