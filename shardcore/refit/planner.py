@@ -98,11 +98,12 @@ def gc_paused() -> Iterator[None]:
         gc.enable()
 
 
-@dataclass(frozen=True, order=True)
-class Transfer:
+class Transfer(NamedTuple):
     """One dense box of one tensor, moved (or copied, when src == dst) from a source rank to a destination rank.
 
-    The box lies inside one packed block, so it is one dense box in both ranks' local tensors.
+    The box lies inside one packed block, so it is one dense box in both ranks' local tensors. A named tuple,
+    ordered field by field: a rank's part holds tens of thousands, and a tuple is made in a fraction of the time a
+    frozen dataclass takes (``_transfer`` makes them without even the keyword handling).
 
     Attributes:
         tensor: The tensor's name in the manifest.
@@ -624,12 +625,13 @@ class RefitPlan:
         found = self._routes[key] = Routes(local, tuple(line for line in lines if line[0]), far_nodes)
         return found
 
-    def _cut_runs(self, tiles: Iterable[Tile]) -> list[TileRun]:
+    def _cut_runs(self, tiles: Iterable[Tile], keys: Iterable[tuple[Any, ...]] | None = None) -> list[TileRun]:
         """The runs of the routes of ``tiles``, in the order they first appear; a route not cut yet is cut from
-        its tiles among ``tiles``, which must be all of them (a rank's own tiles hold every tile of its routes)."""
+        its tiles among ``tiles``, which must be all of them (a rank's own tiles hold every tile of its routes).
+        ``keys``: the tiles' route keys (``_route_key``), when the caller has them."""
         found: dict[tuple[Any, ...], list[Tile] | None] = {}
-        for tile in tiles:
-            key = self._route_key(tile)
+        tiles = list(tiles)
+        for tile, key in zip(tiles, keys if keys is not None else map(self._route_key, tiles)):
             if key not in found:
                 found[key] = None if key in self._runs else []
             pending = found[key]
@@ -772,19 +774,22 @@ class RefitPlan:
             origin = self._offset_in(tile, src) if hop else tile.src_offset
             target = tile.dst_offset if dst in tile.needers.members else self._offset_in(tile, dst)
             if lo == 0 and hi == tile.rows:  # the whole tile, as most travel
-                yield Transfer(name, src, dst, tile.box, origin, target, hi * row_bytes, hop, tile.target)
+                yield _new(Transfer, (name, src, dst, tile.box, origin, target, hi * row_bytes, hop, tile.target))
                 continue
             box = ((first + lo, first + hi), *rest)
-            yield Transfer(
-                name,
-                src,
-                dst,
-                box,
-                moved(origin, tile.box, box),
-                moved(target, tile.box, box),
-                (hi - lo) * row_bytes,
-                hop,
-                tile.target,
+            yield _new(
+                Transfer,
+                (
+                    name,
+                    src,
+                    dst,
+                    box,
+                    moved(origin, tile.box, box),
+                    moved(target, tile.box, box),
+                    (hi - lo) * row_bytes,
+                    hop,
+                    tile.target,
+                ),
             )
 
     # -- public ------------------------------------------------------------------------------
@@ -913,7 +918,8 @@ class RefitPlan:
 
     def _rank_part(self, rank: int) -> RankRefit:
         tensors = self.manifest.tensors
-        wanted: list[tuple[Tile, bool]] = []  # each tile, and whether the rank receives (or sends) on it
+        receiving: list[Tile] = []  # the tiles the rank receives (or copies) on
+        sending: list[Tile] = []  # and those it sends from its source slices
         destination_shapes: dict[str, tuple[int, ...]] = {}
         chosen = self.tensors
         found: dict[tuple[int, ...], Any] = {}  # tiles of tensors with the same slices (``_alike``): received,
@@ -927,10 +933,9 @@ class RefitPlan:
                 destination_shapes[held.name or tensors[position].name] = held.shape
                 if landing is not None and landing.tensor(held.name).scale is not None:  # quantized on landing
                     destination_shapes[f"{held.name}_scale_inv"] = scale_shape(held.shape)
-                tiles = self._tiles_alike(
+                receiving += self._tiles_alike(
                     found, position, shard, held.slices, self.source_placement.slices(position), self._context(position)
                 )
-                wanted += ((tile, True) for tile in tiles)
         source_shapes: dict[str, tuple[int, ...]] = {}
         shards = range(len(self.destination_placements))
         for held in self.source_placement.held(rank):
@@ -942,22 +947,28 @@ class RefitPlan:
             context = self._context(position)
             for source in held.slices:
                 for shard in shards:
-                    wanted += ((tile, False) for tile in self._tiles_out(sent, position, shard, source, context))
-        self._cut_runs(tile for tile, _ in wanted)
-        keyed: list[tuple[int, int, int, Box, int, str, Transfer]] = []
-        for tile, receiving in wanted:
-            if receiving:
-                pieces = self._pieces(tile, dst=rank) + self._forwards(tile, rank)
-                keyed += (
-                    (t.src, t.dst, tile.position, t.box, t.hop, t.target, t) for t in self._transfers(tile, pieces)
-                )
-        for run in self._cut_runs(tile for tile, receiving in wanted if not receiving):
+                    sending += self._tiles_out(sent, position, shard, source, context)
+        keys = [self._route_key(tile) for tile in receiving]
+        self._cut_runs(receiving + sending, keys + [self._route_key(tile) for tile in sending])
+        part = _Part(self.world_size, len(tensors))
+        runs, whole = self._runs, {}  # whole: each run's ``_whole`` sources for this rank
+        for tile, key in zip(receiving, keys):
+            if rank in tile.sources.members:  # held already: a local copy
+                part.add(tensors, tile, rank, rank, tile.dst_offset)
+                continue
+            run = runs[key]
+            sources = whole.get(key)
+            if sources is None:
+                sources = whole[key] = self._whole(run, rank)
+            if sources and not tile.group:  # the tile comes whole from each line's one sender, as most do
+                for src in sources:
+                    part.add(tensors, tile, src, rank, tile.dst_offset)
+            else:
+                part.extend(tile.position, self._transfers(tile, self._pieces(tile, dst=rank) + self._forwards(tile, rank)))
+        for run in self._cut_runs(sending):
             for tile, piece in self._sends(run, rank):
-                keyed += (
-                    (t.src, t.dst, tile.position, t.box, t.hop, t.target, t) for t in self._transfers(tile, (piece,))
-                )
-        keyed.sort(key=lambda item: item[:6])  # by (src, dst, tensor, box, hop, target): no two transfers share them
-        ordered = [item[6] for item in keyed]
+                part.extend(tile.position, self._transfers(tile, (piece,)))
+        ordered = part.ordered()
         return RankRefit(
             rank=rank,
             sends=tuple(t for t in ordered if t.src == rank and t.dst != rank),
@@ -966,6 +977,81 @@ class RefitPlan:
             source_shapes=source_shapes,
             destination_shapes=destination_shapes,
         )
+
+    @staticmethod
+    def _whole(run: TileRun, rank: int) -> tuple[int, ...]:
+        """The sender of ``rank``'s copy on each line of ``run`` it is a needer on, when no segment ends inside that
+        copy: then each tile of the run comes whole from those senders (``_spread``'s pieces, found once per run).
+        Empty when a copy is cut (or with fan-out's relays' line): the tile's pieces are cut one by one."""
+        if run.routes.far:
+            return ()
+        width, senders = run.starts[-1], []
+        for line in run.lines:
+            if rank in run.members(line.needers):
+                start = run.at(line.needers, rank) * width
+                k = bisect_right(line.cuts, start) - 1
+                if line.cuts[k + 1] < start + width:
+                    return ()
+                senders.append(line.sources[(k + line.seed) % len(line.sources)])
+        return tuple(senders)
+
+
+class _Part:
+    """One rank's transfers as they are found, put in the order of ``RankRefit`` at the end: by (src, dst, tensor
+    position, box, hop, target), no two transfers sharing them. (src, dst, position) is one number, sorted as
+    such; the few transfers sharing it (one tensor's boxes between one pair) are ordered among themselves."""
+
+    def __init__(self, world_size: int, tensors: int) -> None:
+        self.transfers: list[Transfer] = []
+        self.keys: list[int] = []
+        self.world_size, self.tensors = world_size, tensors
+
+    def add(self, tensors: Sequence[TensorSpec], tile: Tile, src: int, dst: int, dst_offset: tuple[int, ...]) -> None:
+        """The whole of ``tile``, from ``src``'s source tensor (hop 0)."""
+        position = tile.position
+        self.keys.append((src * self.world_size + dst) * self.tensors + position)
+        self.transfers.append(
+            _new(
+                Transfer,
+                (
+                    tensors[position].name,
+                    src,
+                    dst,
+                    tile.box,
+                    tile.src_offset,
+                    dst_offset,
+                    tile.rows * tile.row_bytes,
+                    0,
+                    tile.target,
+                ),
+            )
+        )
+
+    def extend(self, position: int, transfers: Iterable[Transfer]) -> None:
+        """Transfers of tensor ``position``."""
+        for t in transfers:
+            self.keys.append((t.src * self.world_size + t.dst) * self.tensors + position)
+            self.transfers.append(t)
+
+    def ordered(self) -> list[Transfer]:
+        keys, transfers = self.keys, self.transfers
+        order = sorted(range(len(keys)), key=keys.__getitem__)
+        ordered = [transfers[i] for i in order]
+        ranked = [keys[i] for i in order]
+        start = 0
+        for i in range(1, len(ranked) + 1):
+            if i == len(ranked) or ranked[i] != ranked[start]:
+                if i - start > 1:
+                    ordered[start:i] = sorted(ordered[start:i], key=_after_peers)
+                start = i
+        return ordered
+
+
+_new = tuple.__new__
+"""Makes a named tuple from a tuple of its fields, skipping the keyword handling of its class's constructor."""
+
+_after_peers = attrgetter("box", "hop", "target")
+"""The order of one tensor's transfers between one pair of ranks."""
 
 
 def _scale_partners(manifest: Manifest, kept: set[int], chosen: set[int]) -> set[int]:
