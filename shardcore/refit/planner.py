@@ -542,42 +542,53 @@ class RefitPlan:
             key = (*key, *map(id, targets), -1, *map(id, sources), -2, *map(id, context))
         else:
             key = (
-                *key,
-                *((target.box, target.block, target.part) for target in targets),
-                -1,
-                *((source.box, source.offset, source.part) for source in sources),
+                key,
+                tuple([(target.box, target.block, target.part) for target in targets]),
+                tuple([(source.box, source.offset, source.part) for source in sources]),
             )
         itemsize = self.manifest.tensors[position].wire_itemsize
         known = found.get(key)
         if known is None:
             made = make()
-            kept = [(j, i, tile, tile.row_bytes // itemsize) for j, i, tile in made]
+            kept = [
+                (
+                    j,
+                    i,
+                    tile.shard,
+                    tile.box,
+                    tile.src_offset,
+                    tile.seed - tile.position,
+                    tile.rows,
+                    tile.row_bytes // itemsize,
+                    tile.group,
+                )
+                for j, i, tile in made
+            ]
             found[key] = ((targets, sources, context), kept)
             return [tile for _, _, tile in made]
+        # another tensor's tiles, moved here: the same boxes; the seed (which starts from the position, ``_tile``),
+        # the bytes of a row, the destination's offset, the holders and the local tensor are this tensor's
         return [
-            self._moved(tile, position, per_row * itemsize, targets[j], sources[i]) for j, i, tile, per_row in known[1]
+            _new(
+                Tile,
+                (
+                    position,
+                    shard,
+                    box,
+                    src_offset,
+                    target.offset if target.box == box else moved(target.offset, target.box, box),
+                    sources[i].holders,
+                    target.holders,
+                    seed + position,
+                    rows,
+                    per_row * itemsize,
+                    group,
+                    target.target,
+                ),
+            )
+            for j, i, shard, box, src_offset, seed, rows, per_row, group in known[1]
+            for target in (targets[j],)
         ]
-
-    @staticmethod
-    def _moved(tile: Tile, position: int, row_bytes: int, target: Slice, source: Slice) -> Tile:
-        """``tile``, of another tensor whose slices have the same boxes, for tensor ``position`` between ``source``
-        and ``target`` (its slices at the same places): the same boxes; the seed (which starts from the position,
-        ``_tile``), the bytes of a row, the destination's offset, the holders and the local tensor move."""
-        box = tile.box
-        return Tile(
-            position,
-            tile.shard,
-            box,
-            tile.src_offset,
-            target.offset if target.box == box else moved(target.offset, target.box, box),
-            source.holders,
-            target.holders,
-            tile.seed - tile.position + position,
-            tile.rows,
-            row_bytes,
-            tile.group,
-            target.target,
-        )
 
     # -- pieces ------------------------------------------------------------------------------
 
@@ -641,9 +652,10 @@ class RefitPlan:
             if pending is not None:
                 # a box's tile once: a rank that both sends and receives on a route finds each of its tiles twice,
                 # and with fan-out a box has a tile per destination of its group
-                pending.sort(key=_place)  # stable: the first found of a box's tiles stays first
-                pending = [t for i, t in enumerate(pending) if not i or _place(pending[i - 1]) != _place(t)]
-                self._runs[key] = self._run(pending)
+                places = list(map(_place, pending))
+                order = sorted(range(len(pending)), key=places.__getitem__)  # stable: a box's first tile stays first
+                kept = [pending[j] for n, j in enumerate(order) if not n or places[order[n - 1]] != places[j]]
+                self._runs[key] = self._run(kept)
         return [self._runs[key] for key in found]
 
     def _run(self, tiles: Sequence[Tile]) -> TileRun:
@@ -964,7 +976,9 @@ class RefitPlan:
                 for src in sources:
                     part.add(tensors, tile, src, rank, tile.dst_offset)
             else:
-                part.extend(tile.position, self._transfers(tile, self._pieces(tile, dst=rank) + self._forwards(tile, rank)))
+                part.extend(
+                    tile.position, self._transfers(tile, self._pieces(tile, dst=rank) + self._forwards(tile, rank))
+                )
         for run in self._cut_runs(sending):
             for tile, piece in self._sends(run, rank):
                 part.extend(tile.position, self._transfers(tile, (piece,)))

@@ -298,10 +298,22 @@ class _Image(NamedTuple):
         entries: (link number, source box, offset in the destination's local tensor, holders, block) of each
             slice, in order (a slice's ``part``).
         by_holders: The slices' orders, by holder set (the set's members first).
+        ranks: Per rank asked for, the (order, entry) of each slice it holds, in order (``of_rank``).
     """
 
     entries: list[tuple[int, Box, tuple[int, ...], HolderSet, int]]
     by_holders: list[tuple[frozenset[int], list[int]]]
+    ranks: dict[int, list[tuple[int, tuple[int, Box, tuple[int, ...], HolderSet, int]]]]
+
+    def of_rank(self, rank: int) -> list[tuple[int, tuple[int, Box, tuple[int, ...], HolderSet, int]]]:
+        """The (order, entry) of each slice ``rank`` holds, in order: found once per image and rank (a layer's
+        tensor has the same as every other layer's)."""
+        found = self.ranks.get(rank)
+        if found is None:
+            mine = [orders for members, orders in self.by_holders if rank in members]
+            orders = mine[0] if len(mine) == 1 else sorted(order for group in mine for order in group)
+            found = self.ranks[rank] = [(order, self.entries[order]) for order in orders]
+        return found
 
 
 class MappedPlacement(Placement):
@@ -370,7 +382,7 @@ class MappedPlacement(Placement):
             by_holders: dict[int, tuple[frozenset[int], list[int]]] = {}
             for order, entry in enumerate(entries):
                 by_holders.setdefault(entry[3].key, (entry[3].members, []))[1].append(order)
-            found = self._images[key] = _Image(entries, list(by_holders.values()))
+            found = self._images[key] = _Image(entries, list(by_holders.values()), {})
         return found, self.weights.feeds(name)
 
     def _of_target(self, position: int) -> tuple[tuple[int, Slice], ...]:
@@ -407,21 +419,23 @@ class MappedPlacement(Placement):
             position = held.position
             name = self.weights.targets.tensors[position].name
             image, feeds = self._image(position)
-            mine = [orders for members, orders in image.by_holders if rank in members]
-            orders = mine[0] if len(mine) == 1 else sorted(order for group in mine for order in group)
             made = self._mapped.get(position)
             by_source: dict[int, list[Slice]] = {}
-            for order in orders:
-                number, box, offset, holders, block = image.entries[order]
-                piece = made[order][1] if made is not None else Slice(box, offset, holders, block, order, name)
+            for order, (number, box, offset, holders, block) in image.of_rank(rank):
+                piece = made[order][1] if made is not None else _new(Slice, (box, offset, holders, block, order, name))
                 by_source.setdefault(feeds[number], []).append(piece)
+            shape = held.shape
             for source, pieces in sorted(by_source.items()):
-                yield HeldTensor(source, held.shape, tuple(pieces), name)
+                yield _new(HeldTensor, (source, shape, tuple(pieces), name))
 
     def local_tensors(self) -> Manifest:
         """The tensors this side's ranks hold locally (the destination's, by their own names and dtypes, with the
         scale tensors of those it quantizes on landing)."""
         return self.weights.targets if self.landing is None else self.landing
 
+
+_new = tuple.__new__
+"""Makes a named tuple from a tuple of its fields, skipping the keyword handling of its class's constructor (an
+engine rank's part makes tens of thousands of slices)."""
 
 __all__ = ["Link", "MappedPlacement", "WeightMap", "rows", "translate", "whole"]
