@@ -52,6 +52,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from itertools import pairwise
 from operator import attrgetter
 from typing import Any, NamedTuple, Self, cast
 
@@ -982,12 +983,12 @@ class RefitPlan:
         for run in self._cut_runs(sending):
             for tile, piece in self._sends(run, rank):
                 part.extend(tile.position, self._transfers(tile, (piece,)))
-        ordered = part.ordered()
+        sends, recvs, copies = part.split(rank)
         return RankRefit(
             rank=rank,
-            sends=tuple(t for t in ordered if t.src == rank and t.dst != rank),
-            recvs=tuple(t for t in ordered if t.dst == rank and t.src != rank),
-            copies=tuple(t for t in ordered if t.src == rank == t.dst),
+            sends=sends,
+            recvs=recvs,
+            copies=copies,
             source_shapes=source_shapes,
             destination_shapes=destination_shapes,
         )
@@ -1012,18 +1013,19 @@ class RefitPlan:
 
 class _Part:
     """One rank's transfers as they are found, put in the order of ``RankRefit`` at the end: by (src, dst, tensor
-    position, box, hop, target), no two transfers sharing them. (src, dst, position) is one number, sorted as
-    such; the few transfers sharing it (one tensor's boxes between one pair) are ordered among themselves."""
+    position, box, hop, target), no two transfers sharing them. (src, dst, position, first row of the box) is one
+    number, sorted as such; the few transfers sharing it (boxes of one tensor between one pair that start on the
+    same row) are ordered among themselves."""
 
     def __init__(self, world_size: int, tensors: int) -> None:
         self.transfers: list[Transfer] = []
-        self.keys: list[int] = []
+        self.pairs: list[int] = []  # (src, dst, position) of each transfer, as one number
         self.world_size, self.tensors = world_size, tensors
 
     def add(self, tensors: Sequence[TensorSpec], tile: Tile, src: int, dst: int, dst_offset: tuple[int, ...]) -> None:
         """The whole of ``tile``, from ``src``'s source tensor (hop 0)."""
         position = tile.position
-        self.keys.append((src * self.world_size + dst) * self.tensors + position)
+        self.pairs.append((src * self.world_size + dst) * self.tensors + position)
         self.transfers.append(
             _new(
                 Transfer,
@@ -1044,21 +1046,36 @@ class _Part:
     def extend(self, position: int, transfers: Iterable[Transfer]) -> None:
         """Transfers of tensor ``position``."""
         for t in transfers:
-            self.keys.append((t.src * self.world_size + t.dst) * self.tensors + position)
+            self.pairs.append((t.src * self.world_size + t.dst) * self.tensors + position)
             self.transfers.append(t)
 
-    def ordered(self) -> list[Transfer]:
-        keys, transfers = self.keys, self.transfers
+    def split(self, rank: int) -> tuple[tuple[Transfer, ...], tuple[Transfer, ...], tuple[Transfer, ...]]:
+        """The part's sends, receives and local copies, each in order. Every transfer of a rank's part has the rank
+        at one end, so those from it (sends and copies) lie together in the order, its copies together among them,
+        and every other one is a receive."""
+        transfers = self.transfers
+        firsts = [t.box[0][0] for t in transfers]
+        rows = max(firsts, default=0) + 1
+        keys = [pair * rows + first for pair, first in zip(self.pairs, firsts)]
         order = sorted(range(len(keys)), key=keys.__getitem__)
-        ordered = [transfers[i] for i in order]
         ranked = [keys[i] for i in order]
-        start = 0
-        for i in range(1, len(ranked) + 1):
-            if i == len(ranked) or ranked[i] != ranked[start]:
-                if i - start > 1:
-                    ordered[start:i] = sorted(ordered[start:i], key=_after_peers)
-                start = i
-        return ordered
+        ordered = [transfers[i] for i in order]
+        ties = [n for n, (a, b) in enumerate(pairwise(ranked), 1) if a == b]
+        n = 0
+        while n < len(ties):  # each stretch of transfers sharing their number, by (box, hop, target)
+            start, stop = ties[n] - 1, ties[n] + 1
+            n += 1
+            while n < len(ties) and ties[n] == stop:
+                stop, n = stop + 1, n + 1
+            ordered[start:stop] = sorted(ordered[start:stop], key=_after_peers)
+        span, pair = self.world_size * self.tensors, (rank * self.world_size + rank) * self.tensors
+        first, last = bisect_left(ranked, rank * span * rows), bisect_left(ranked, (rank + 1) * span * rows)
+        low, high = bisect_left(ranked, pair * rows), bisect_left(ranked, (pair + self.tensors) * rows)
+        return (
+            (*ordered[first:low], *ordered[high:last]),
+            (*ordered[:first], *ordered[last:]),
+            tuple(ordered[low:high]),
+        )
 
 
 _new = tuple.__new__
