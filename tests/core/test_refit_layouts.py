@@ -418,6 +418,19 @@ def test_cli_says_what_is_quantized_on_landing(tmp_path: Any, capsys: pytest.Cap
     assert main([*shards, "--model", f"hf:{config}", "--to-layout", "vllm", "--to-dtype", "float8_e4m3fn"]) == 0
     out = capsys.readouterr().out
     assert "quantized on landing: 17 destination tensors to float8_e4m3fn" in out and "in the source dtype" in out
+    assert (
+        main([*shards, "--model", f"hf:{config}", "--to-layout", "vllm", "--to-dtype", "float8_e4m3fn", "--json"]) == 0
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert (
+        data["to_layout"] == "vllm" and data["from_layout"] == "megatron" and list(data["destination_tensors"]) == ["1"]
+    )
+    engine = data["destination_tensors"]["1"]
+    qkv = engine["model.layers.0.self_attn.qkv_proj.weight"]
+    assert qkv["dtype"] == "bfloat16" and qkv["to_dtype"] == "float8_e4m3fn" and qkv["scale"] == "block"
+    scale = engine["model.layers.0.self_attn.qkv_proj.weight_scale_inv"]
+    assert scale["scale_of"] == "model.layers.0.self_attn.qkv_proj.weight" and scale["dtype"] == "float32"
+    assert sum("scale" in entry for entry in engine.values()) == 17  # the same count as the summary's
     config.write_text(json.dumps({**FP8, **CONFIGS["qwen2"], "num_attention_heads": 8, "head_dim": 64}))
     assert main([*shards, "--model", f"hf:{config}", "--to-layout", "vllm", "--to-dtype", "float8_e4m3fn"]) == 2
     assert "qkv_proj.weight [768, 512]: the engine packs" in capsys.readouterr().err
