@@ -21,7 +21,7 @@ from shardcore.refit import RefitStats
 from shardcore.refit.families import FAMILIES, HFModel, manifest_from_hf_config
 from shardcore.refit.manifest import Manifest, TensorSpec
 from shardcore.refit.placement import fitted, holdings
-from shardcore.refit.planner import RefitPlan, plan_refit
+from shardcore.refit.planner import RefitPlan, plan_refit, plan_refit_from
 from shardcore.refit.weightmap import Link, WeightMap, rows, whole
 
 BASE = {
@@ -369,6 +369,23 @@ def test_fp8_through_a_layout_is_planned_in_the_source_dtype() -> None:
     assert plan.fingerprint()["destinations"] != plain.fingerprint()["destinations"]
     one = plan.subset(["decoder.layers.0.self_attention.linear_qkv.weight"])
     assert set(one.for_rank(3).destination_shapes) == {qkv, f"{qkv}_scale_inv"}
+
+
+def test_a_restricted_engine_destination_keeps_its_tensors_and_landing() -> None:
+    """``restrict`` on an engine's side (the engine's workers renumbered, as in a group of their own) keeps its
+    local tensors and what it quantizes on landing: the same receives, into the same fp8 tensors and scales."""
+    model = manifest_from_hf_config({**FP8, **CONFIGS["qwen2"]}, vocab_multiple=128)
+    plan = plan_refit(plan_layout(4, "tp=2,role=train + tp=2"), 0, [1], model.manifest.converted("float8_e4m3fn"),
+                      layouts={1: model.layout("vllm")})  # fmt: skip
+    engine = plan.destination_placements[0].restrict({2: 5, 3: 4})
+    moved = plan_refit_from(plan.source_placement, [engine], min_piece_bytes=plan.min_piece_bytes)
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    assert moved.destination_tensor(qkv).destination_dtype == "float8_e4m3fn"
+    assert "quantizing" in moved.fingerprint()["destinations"]
+    for old, new in ((2, 5), (3, 4)):
+        assert moved.for_rank(new).destination_shapes == plan.for_rank(old).destination_shapes
+        landed = Counter((t.target, t.dst_offset, t.box, t.tensor) for t in moved.for_rank(new).recvs)  # any sender
+        assert landed == Counter((t.target, t.dst_offset, t.box, t.tensor) for t in plan.for_rank(old).recvs)
 
 
 def test_fp8_through_a_layout_refuses_what_it_cannot_block() -> None:
