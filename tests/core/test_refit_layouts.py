@@ -420,6 +420,8 @@ def test_fp8_stacked_experts_are_blocked_per_expert() -> None:
         plan = plan_refit(layout, 0, [1], fp8, layouts={1: model.layout("vllm")})
         plain = plan_refit(layout, 0, [1], model.manifest, layouts={1: model.layout("vllm")})
         assert sorted(plan.transfers()) == sorted(plain.transfers())  # the source dtype on the wire
+        fingerprint = plan.fingerprint()["destinations"]
+        assert "quantizing" in fingerprint and fingerprint != plain.fingerprint()["destinations"]
         for rank in (2, 3):
             local = plan.for_rank(rank).destination_shapes
             for name, shape in shapes.items():
