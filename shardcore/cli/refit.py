@@ -403,6 +403,8 @@ def run(args: argparse.Namespace) -> int:
         data["min_piece_bytes"], data["fan_out"] = plan.min_piece_bytes, plan.fan_out
         data["refitted_tensors"] = len(plan.manifest) if plan.tensors is None else len(plan.tensors)
         data["tensors"] = {t.name: _tensor_entry(t) for t in plan.manifest}
+        data["from_layout"], data["to_layout"] = args.from_layout, args.to_layout
+        data["destination_tensors"] = _destination_tensors(plan)
         if args.transfers:
             data["transfers"] = [transfer.to_dict() for transfer in plan.transfers()]
         if mine is not None:
@@ -446,6 +448,18 @@ _CHECK_ONLY = {
 """The executor's flags (their defaults None, so a given one is seen)."""
 _DELTA_ONLY = {"--anchor-every": "anchor_every", "--delta-checksum": "delta_checksum", "--changed": "changed"}
 """The flags that shape a delta check."""
+
+
+def _destination_tensors(plan: ShardRefitPlan) -> dict[str, dict[str, dict[str, Any]]]:
+    """``--json``: per destination shard holding another layout than the source's, its own local tensors (names,
+    shapes, dtypes), with what it quantizes on landing and the scale tensors it makes; a destination in the
+    source's layout holds ``tensors`` and is left out."""
+    found: dict[str, dict[str, dict[str, Any]]] = {}
+    for placement in plan.destination_placements:
+        local = placement.local_tensors()
+        if local is not plan.manifest:
+            found[str(placement.index)] = {t.name: _tensor_entry(t) for t in local}
+    return found
 
 
 def _tensor_entry(tensor: TensorSpec) -> dict[str, Any]:

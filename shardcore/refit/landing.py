@@ -23,15 +23,22 @@ against), and the check that every scale block of a destination rank is the engi
 - a rank's box of a split tensor starts and ends on a multiple of 128 (or at the tensor's end) along each
   blocked dim, so that its local blocks are blocks of the whole tensor and its scale tensor is a slice of the
   whole's; vLLM refuses a tp share of a block-quantized linear layer that is not whole blocks;
-- where vLLM packs two weights into one tensor (``qkv_proj``'s q, k and v; ``gate_up_proj``'s gate and up)
-  each part is whole blocks: vLLM's ``validate_fp8_block_shape`` refuses a packed part that is not, since one
-  block would mix two weights.
+- where vLLM packs two weights into one tensor (``qkv_proj``'s q, k and v; ``gate_up_proj``'s gate and up;
+  each expert's gate and up in ``w13_weight``) each part is whole blocks: vLLM's ``validate_fp8_block_shape``
+  refuses a packed part that is not, since one block would mix two weights.
 
 Both are planning errors (``ManifestError``, naming the tensor and the fix), before any byte moves. Per-tensor
 scales (``scale: tensor``) and plain casts are refused through a layout: a per-tensor scale of a fused tensor
 needs the amax of every rank's part of it, and vLLM keeps one per packed part; convert them between Megatron
-shards instead. Stacked experts (vLLM's ``w13_weight``, 3-d) are refused too: their block scales are per
-expert, which ``TensorSpec`` does not describe yet.
+shards instead.
+
+Stacked experts (vLLM's ``w13_weight [local experts, 2*moe_ffn/tp, hidden]`` and ``w2_weight``, the
+``hf-stacked`` layout's ``gate_up_proj`` and ``down_proj``) are blocked per expert, as vLLM's block-quantized
+``FusedMoE`` holds them: the leading dim is batch, each expert's matrix has blocks of its own, so
+``w13_weight_scale_inv`` is [local experts, ceil(2*moe_ffn/tp / 128), ceil(hidden / 128)]
+(``manifest.blocked_from`` and ``scale_shape`` say it once; the amax and quantize functions follow them). The
+checks above apply to the last two dims; an expert dim is split over ep anywhere, since no block spans two
+experts.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from dataclasses import replace
 from itertools import pairwise
 
 from ..errors import ManifestError
-from .manifest import SCALE_BLOCK, SCALED, Manifest, TensorSpec, tensor_label
+from .manifest import SCALE_BLOCK, SCALED, Manifest, TensorSpec, blocked_from, tensor_label
 from .placement import Placement
 from .weightmap import MappedPlacement, WeightMap
 
@@ -59,8 +66,8 @@ def landed(source: Manifest, destination: Placement, packing: WeightMap | None) 
 
     Raises:
         ManifestError: a destination in Megatron's own layout, a conversion other than float8_e4m3fn with block
-            scales, a destination tensor fed by tensors converted unlike, a stacked (3-d) one, or one whose rank
-            boxes or packed parts cut a scale block; each naming the tensor and the fix.
+            scales, a destination tensor fed by tensors converted unlike, or one whose rank boxes or packed parts
+            cut a scale block (of one expert's matrix, in stacked experts); each naming the tensor and the fix.
     """
     if not isinstance(destination, MappedPlacement):
         raise ManifestError(
@@ -91,11 +98,6 @@ def landed(source: Manifest, destination: Placement, packing: WeightMap | None) 
                 f"(only {SCALED} with block scales, quantized by the destination ranks); convert it in a refit "
                 f"between Megatron shards"
             )
-        if len(target.shape) > 2:
-            raise ManifestError(
-                f"{destination.label}: tensor {tensor_label(target.name)} {list(target.shape)} stacks experts, whose "
-                f"block scales (per expert) a refit through a layout does not make yet: {FIX}"
-            )
         _check_boxes(destination, target)
         _check_parts(destination, target, packing)
         converting.append(target)
@@ -107,10 +109,14 @@ def landed(source: Manifest, destination: Placement, packing: WeightMap | None) 
 
 
 def _check_boxes(destination: MappedPlacement, target: TensorSpec) -> None:
-    """Every rank's box of ``target`` is whole scale blocks along each blocked dim (ends at the tensor's end)."""
+    """Every rank's box of ``target`` is whole scale blocks along each blocked dim (ends at the tensor's end);
+    a stacked tensor's expert dim is batch, cut anywhere (``blocked_from``)."""
     engine = destination.engine
+    first = blocked_from(len(target.shape))
     for piece in engine.slices(engine.manifest.index(target.name)):
         for dim, ((start, stop), size) in enumerate(zip(piece.box, target.shape)):
+            if dim < first:
+                continue
             if start % SCALE_BLOCK or (stop % SCALE_BLOCK and stop != size):
                 raise ManifestError(
                     f"{destination.label}: tensor {tensor_label(target.name)} {list(target.shape)}: rank "
@@ -120,13 +126,16 @@ def _check_boxes(destination: MappedPlacement, target: TensorSpec) -> None:
 
 
 def _check_parts(destination: MappedPlacement, target: TensorSpec, packing: WeightMap | None) -> None:
-    """Where ``packing`` puts two weights side by side in ``target``, the seam is on a scale block's edge."""
+    """Where ``packing`` puts two weights one above the other in ``target`` (in one expert's matrix of a stacked
+    tensor: vLLM's ``w13_weight`` = per expert [gate; up]), the seam is on a scale block's edge."""
     if packing is None:
         return
+    rows = blocked_from(len(target.shape))  # the packed dim: the first blocked one, after an expert dim
     links = sorted(packing.into(target.name), key=lambda link: link.box)
     for before, link in pairwise(links):
-        seam = link.box[0][0]
-        if link.source != before.source and before.box[0][1] == seam and seam % SCALE_BLOCK:
+        seam = link.box[rows][0]
+        beside = before.box[:rows] == link.box[:rows] and before.box[rows][1] == seam
+        if link.source != before.source and beside and seam % SCALE_BLOCK:
             raise ManifestError(
                 f"{destination.label}: tensor {tensor_label(target.name)} {list(target.shape)}: the engine packs "
                 f"{before.source} and {link.source} into it at row {seam}, inside a {SCALE_BLOCK}-row scale block "

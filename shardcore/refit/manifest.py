@@ -63,7 +63,7 @@ SCALES = ("block", "tensor")
 ``weight_block_size = [128, 128]``), or one for the whole tensor."""
 
 SCALE_BLOCK = 128
-"""Elements per dim of one scaling block (of the first two dims; a 1-D tensor has blocks of 128)."""
+"""Elements per dim of one scaling block, along a tensor's blocked dims (``blocked_from``)."""
 
 STAGES = ("first", "last", "all")
 """Pipeline placements that are not a decoder layer: the first stage, the last, or every stage."""
@@ -234,12 +234,8 @@ class TensorSpec:
             object.__setattr__(self, "scale", "block" if self.scale is None else self.scale)
             if self.scale not in SCALES:
                 raise ManifestError(f"{label}: scale {shown(self.scale)} is not one of {', '.join(SCALES)}")
-            if self.scale == "block" and len(self.shape) > 2:
-                raise ManifestError(
-                    f"{label} {shown(list(self.shape))}: block scales cover 1-d and 2-d tensors; "
-                    f"give it scale: tensor (--scale tensor)"
-                )
-            cut = self.blocks[:-1] if self.tp_dim is not None and self.scale == "block" else ()
+            blocked = self.tp_dim is not None and self.tp_dim >= blocked_from(len(self.shape))
+            cut = self.blocks[:-1] if blocked and self.scale == "block" else ()
             if any(size % SCALE_BLOCK for size in cut):
                 raise ManifestError(
                     f"{label} {shown(list(self.shape))}: packed blocks {shown(list(self.blocks))} must be multiples of "
@@ -271,8 +267,9 @@ class TensorSpec:
     def scale_spec(self) -> TensorSpec | None:
         """Its scale tensor, placed like it (same stage, expert and split dim), or None when it has none.
 
-        ``<name>_scale_inv``, float32: shape [1] for a per-tensor scale; per block, one value per 128 elements of
-        each of its (at most two) dims, rounded up, and along the split dim one block of scales per packed block.
+        ``<name>_scale_inv``, float32: shape [1] for a per-tensor scale; per block, ``scale_shape`` (one value per
+        128 elements of each blocked dim, rounded up; a stacked tensor's leading dims as they are), and along a
+        blocked split dim one block of scales per packed block.
         """
         if self.scale is None:
             return None
@@ -283,7 +280,8 @@ class TensorSpec:
             shape = scale_shape(self.shape)
             split = {"tp_dim": self.tp_dim, "blocks": (), "unit": 1}
             if self.tp_dim is not None and len(self.blocks) > 1:
-                split["blocks"] = tuple(-(-size // SCALE_BLOCK) for size in self.blocks)
+                blocked = self.tp_dim >= blocked_from(len(self.shape))
+                split["blocks"] = tuple(-(-size // SCALE_BLOCK) if blocked else size for size in self.blocks)
         return replace(
             self,
             name=f"{self.name}_scale_inv",
@@ -504,10 +502,20 @@ class Manifest:
         return out
 
 
+def blocked_from(ndim: int) -> int:
+    """The first of the dims a block scale covers in a tensor of ``ndim`` dims: its last two (its one dim when
+    1-d). The dims before them are batch: a stacked tensor (vLLM's ``w13_weight [experts, 2*ffn, hidden]``) is
+    one matrix per expert, each with blocks of its own, as vLLM's block-quantized ``FusedMoE`` scales it
+    (``w13_weight_scale_inv [experts, 2*ffn/128, hidden/128]``); no block spans two experts."""
+    return max(0, ndim - 2)
+
+
 def scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape of the block scales of a tensor (or of a rank's local tensor) of ``shape``: one float32 per
-    128 elements of each dim, rounded up (a block cut by the tensor's end covers what there is of it)."""
-    return tuple(-(-size // SCALE_BLOCK) for size in shape)
+    128 elements of each blocked dim (``blocked_from``), rounded up (a block cut by the tensor's end covers what
+    there is of it); the batch dims before them as they are."""
+    first = blocked_from(len(shape))
+    return tuple(shape[:first]) + tuple(-(-size // SCALE_BLOCK) for size in shape[first:])
 
 
 def check_conversion(to_dtype: object, scale: object) -> None:
@@ -607,6 +615,7 @@ __all__ = [
     "STAGES",
     "Manifest",
     "TensorSpec",
+    "blocked_from",
     "check_conversion",
     "check_dtype",
     "scale_shape",

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 from ..errors import ManifestError, RefitError
 from ..plan.arguments import MAX_WORLD_SIZE, check_count, shown
 from ..plan.layout import ShardPlan
-from .manifest import SCALE_BLOCK, Manifest, TensorSpec, tensor_label
+from .manifest import SCALE_BLOCK, Manifest, TensorSpec, blocked_from, tensor_label
 
 Box = tuple[tuple[int, int], ...]
 """A global box: [start, stop) per dim."""
@@ -381,14 +381,15 @@ def check_fits(manifest: Manifest, plan: ShardPlan) -> None:
 
 def _check_scale_blocks(manifest: Manifest, plan: ShardPlan, where: str) -> None:
     """A block-scaled tensor's tp parts must be whole 128-element blocks: then every block lies in one part, on
-    both sides of a refit, and its scale is computed where it is (no part holds half a block).
+    both sides of a refit, and its scale is computed where it is (no part holds half a block). A split along a
+    stacked tensor's batch dim (``blocked_from``) cuts between blocks by construction.
 
     Raises:
         ManifestError: naming the tensor, the shard and the fix.
     """
     seen: set[tuple[object, ...]] = set()
     for tensor in manifest:
-        if tensor.scale != "block" or tensor.tp_dim is None:
+        if tensor.scale != "block" or tensor.tp_dim is None or tensor.tp_dim < blocked_from(len(tensor.shape)):
             continue
         tp = tp_size(tensor, plan)
         if tp == 1 or (tensor.blocks, tp) in seen:

@@ -433,6 +433,15 @@ class MappedPlacement(Placement):
         scale tensors of those it quantizes on landing)."""
         return self.weights.targets if self.landing is None else self.landing
 
+    def restrict(self, renumber: Mapping[int, int]) -> MappedPlacement:
+        """The engine's holdings on the ranks ``renumber`` names, renumbered, through the same map and landing: a
+        restricted destination still holds (and quantizes) the engine's own tensors.
+
+        Raises:
+            RefitError: as ``Placement.restrict``.
+        """
+        return MappedPlacement(self.engine.restrict(renumber), self.weights, self.landing)
+
 
 _new = tuple.__new__
 """Makes a named tuple from a tuple of its fields, skipping the keyword handling of its class's constructor (an

@@ -29,6 +29,8 @@ from shardcore.refit import (
     tensors_matching,
 )
 from shardcore.refit.documents import manifest_from_dict
+from shardcore.refit.manifest import blocked_from, scale_shape
+from shardcore.refit.placement import check_fits
 from shardcore.refit.scales import amax_exchange
 
 # a model whose tp parts are whole 128x128 blocks at tp <= 2: head_dim 128, hidden 256
@@ -142,7 +144,10 @@ tensors:
         ({"to_dtype": "float8_e8m0fnu"}, "cannot convert bfloat16 to float8_e8m0fnu"),
         ({"to_dtype": "bfloat16", "dtype": "float32", "scale": "block"}, "scale='block' needs to_dtype float8_e4m3fn"),
         ({"to_dtype": "float8_e4m3fn", "scale": "row"}, "scale 'row' is not one of block, tensor"),
-        ({"to_dtype": "float8_e4m3fn", "shape": (4, 4, 4)}, r"block scales cover 1-d and 2-d .*--scale tensor"),
+        (
+            {"to_dtype": "float8_e4m3fn", "shape": (2, 256, 128), "tp_dim": 1, "blocks": (100, 156)},
+            r"w \[2, 256, 128\]: packed blocks \[100, 156\] must be",
+        ),
         ({"to_dtype": "float8_e4m3fn", "tp_dim": 0, "blocks": (100, 156)}, r"packed blocks \[100, 156\] must be"),
         ({"to_dtype": "x" * 5000}, "is not a dtype"),
     ],
@@ -214,6 +219,40 @@ def test_the_plan_and_the_cost_model_count_wire_bytes() -> None:
         plan.fingerprint()["manifest"]
         != plan_refit(layout, 0, [1, 2], manifest_from_config(BLOCKY)).fingerprint()["manifest"]
     )
+
+
+def test_stacked_tensors_are_blocked_per_matrix() -> None:
+    """A tensor of more than 2 dims (stacked experts) has block scales per matrix: its leading dims are batch,
+    kept as they are in the scale tensor; only its last two are blocked, so only a split along those must keep
+    whole blocks (a split of the experts may fall anywhere), and packed blocks along a batch dim are not scaled."""
+    assert [blocked_from(n) for n in (1, 2, 3, 4)] == [0, 0, 1, 2]
+    assert scale_shape((300,)) == (3,) and scale_shape((300, 200)) == (3, 2)
+    assert scale_shape((6, 512, 200)) == (6, 4, 2) and scale_shape((2, 3, 129, 128)) == (2, 3, 2, 1)
+    rows = TensorSpec("w13", (6, 512, 256), tp_dim=1, blocks=(256, 256), stage="all", to_dtype="float8_e4m3fn")
+    experts = TensorSpec("w2", (6, 256, 384), tp_dim=0, blocks=(2, 4), stage="all", to_dtype="float8_e4m3fn")
+    scales = Manifest((rows, experts))
+    assert (scales.tensor("w13_scale_inv").shape, scales.tensor("w13_scale_inv").blocks) == ((6, 4, 2), (2, 2))
+    assert (scales.tensor("w2_scale_inv").shape, scales.tensor("w2_scale_inv").blocks) == ((6, 2, 3), (2, 4))
+    for spec in ("tp=2,dp=2", "tp=1,dp=4"):  # experts 1 and 2 of each packed block a tp=2 rank
+        plan = plan_layout(4, spec).shards[0]
+        check_fits(scales, plan)
+        for weight in (rows, experts):
+            for rank in range(4):
+                held = holdings(weight, plan, rank, scales)
+                cells = tuple(
+                    (
+                        (box[0], *((start // 128, -(-stop // 128)) for start, stop in box[1:])),
+                        (offset[0], *(o // 128 for o in offset[1:])),
+                    )
+                    for box, offset in held
+                )
+                assert holdings(scales.tensor(f"{weight.name}_scale_inv"), plan, rank, scales) == cells
+    odd = Manifest((TensorSpec("w", (2, 200, 128), tp_dim=1, stage="all", to_dtype="float8_e4m3fn"),))
+    with pytest.raises(ManifestError, match=r"w \[2, 200, 128\]: its dim 1 \(200\) splits into parts of 100"):
+        check_fits(odd, plan_layout(2, "tp=2").shards[0])
+    assert _moved(plan_refit(plan_layout(4, "tp=2,role=train + tp=1,dp=2"), 0, 1, scales)) == {
+        "w13", "w2", "w13_scale_inv", "w2_scale_inv"
+    }  # fmt: skip
 
 
 def test_block_scales_lie_with_their_blocks_on_every_rank() -> None:

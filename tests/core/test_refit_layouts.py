@@ -21,7 +21,7 @@ from shardcore.refit import RefitStats
 from shardcore.refit.families import FAMILIES, HFModel, manifest_from_hf_config
 from shardcore.refit.manifest import Manifest, TensorSpec
 from shardcore.refit.placement import fitted, holdings
-from shardcore.refit.planner import RefitPlan, plan_refit
+from shardcore.refit.planner import RefitPlan, plan_refit, plan_refit_from
 from shardcore.refit.weightmap import Link, WeightMap, rows, whole
 
 BASE = {
@@ -371,6 +371,23 @@ def test_fp8_through_a_layout_is_planned_in_the_source_dtype() -> None:
     assert set(one.for_rank(3).destination_shapes) == {qkv, f"{qkv}_scale_inv"}
 
 
+def test_a_restricted_engine_destination_keeps_its_tensors_and_landing() -> None:
+    """``restrict`` on an engine's side (the engine's workers renumbered, as in a group of their own) keeps its
+    local tensors and what it quantizes on landing: the same receives, into the same fp8 tensors and scales."""
+    model = manifest_from_hf_config({**FP8, **CONFIGS["qwen2"]}, vocab_multiple=128)
+    plan = plan_refit(plan_layout(4, "tp=2,role=train + tp=2"), 0, [1], model.manifest.converted("float8_e4m3fn"),
+                      layouts={1: model.layout("vllm")})  # fmt: skip
+    engine = plan.destination_placements[0].restrict({2: 5, 3: 4})
+    moved = plan_refit_from(plan.source_placement, [engine], min_piece_bytes=plan.min_piece_bytes)
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    assert moved.destination_tensor(qkv).destination_dtype == "float8_e4m3fn"
+    assert "quantizing" in moved.fingerprint()["destinations"]
+    for old, new in ((2, 5), (3, 4)):
+        assert moved.for_rank(new).destination_shapes == plan.for_rank(old).destination_shapes
+        landed = Counter((t.target, t.dst_offset, t.box, t.tensor) for t in moved.for_rank(new).recvs)  # any sender
+        assert landed == Counter((t.target, t.dst_offset, t.box, t.tensor) for t in plan.for_rank(old).recvs)
+
+
 def test_fp8_through_a_layout_refuses_what_it_cannot_block() -> None:
     """Before any plan: a rank's box or a packed part that cuts a scale block, names the tensor (this replaces
     the refusal of every converting manifest through a layout); per-tensor scales and plain casts, too."""
@@ -399,12 +416,67 @@ def test_fp8_through_a_layout_refuses_what_it_cannot_block() -> None:
     ):
         with pytest.raises(ManifestError, match=words):
             plan_refit(layout, 0, [1], converted, layouts={1: model.layout("vllm")})
-    moe = model_of("qwen3_moe", hidden_size=128, moe_intermediate_size=128, head_dim=128, vocab_size=256)
-    with pytest.raises(ManifestError, match=r"w13_weight \[4, 256, 128\] stacks experts"):
-        plan_refit(
-            plan_layout(4, "tp=2,role=train + tp=2"), 0, [1], moe.manifest.converted("float8_e4m3fn"),
-            layouts={1: moe.layout("vllm")},
-        )  # fmt: skip
+
+
+FP8_MOE = {**FP8, **CONFIGS["qwen3_moe"], "head_dim": 128, "moe_intermediate_size": 256}
+"""A Qwen3-MoE model whose experts are whole 128x128 blocks in vLLM at expt_tp <= 2 (and hf-stacked)."""
+
+
+def test_fp8_stacked_experts_are_blocked_per_expert() -> None:
+    """Stacked experts quantized on landing have block scales per expert, as vLLM's block-quantized FusedMoE
+    holds them (``w13_weight_scale_inv [local experts, 2*ffn/tp / 128, hidden / 128]``), in vLLM with ep or
+    expt_tp and in hf-stacked; the expert dim is split anywhere (2 experts a rank), never blocked."""
+    model = manifest_from_hf_config(FP8_MOE, vocab_multiple=128)
+    fp8 = model.manifest.converted("float8_e4m3fn")
+    w13, w2 = "model.layers.1.mlp.experts.w13_weight", "model.layers.1.mlp.experts.w2_weight"
+    for engine, shapes in (
+        ("tp=2,ep=2,expt_tp=1", {w13: (2, 512, 512), w2: (2, 512, 256)}),
+        ("tp=2,expt_tp=2", {w13: (4, 256, 512), w2: (4, 512, 128)}),
+    ):
+        layout = plan_layout(4, f"tp=2,ep=2,expt_tp=1,role=train + {engine}")
+        plan = plan_refit(layout, 0, [1], fp8, layouts={1: model.layout("vllm")})
+        plain = plan_refit(layout, 0, [1], model.manifest, layouts={1: model.layout("vllm")})
+        assert sorted(plan.transfers()) == sorted(plain.transfers())  # the source dtype on the wire
+        fingerprint = plan.fingerprint()["destinations"]
+        assert "quantizing" in fingerprint and fingerprint != plain.fingerprint()["destinations"]
+        for rank in (2, 3):
+            local = plan.for_rank(rank).destination_shapes
+            for name, shape in shapes.items():
+                blocks = (shape[0], shape[1] // 128, shape[2] // 128)
+                assert local[name] == shape and local[f"{name}_scale_inv"] == blocks, (engine, rank, name)
+        scale = plan.destination_tensor(f"{w13}_scale_inv")
+        assert (scale.shape, scale.dtype, scale.scale_of) == ((4, 4, 4), "float32", w13)  # the engine's whole
+        assert plan.destination_tensor(w2).destination_dtype == "float8_e4m3fn"
+        expert = plan.subset(["decoder.layers.1.mlp.experts.linear_fc1.weight3"])  # w13 is quantized whole
+        assert {t.tensor for t in expert.transfers()} == {
+            f"decoder.layers.1.mlp.experts.linear_fc1.weight{e}" for e in range(4)
+        }
+    stacked = plan_refit(plan_layout(3, "tp=2,ep=2,expt_tp=1,role=train + dp=1"), 0, [1], fp8,
+                         layouts={1: model.layout("hf-stacked")})  # fmt: skip
+    local = stacked.for_rank(2).destination_shapes
+    assert local["model.layers.0.mlp.experts.gate_up_proj_scale_inv"] == (4, 4, 4)
+    assert local["model.layers.0.mlp.experts.down_proj_scale_inv"] == (4, 4, 2)
+
+
+def test_fp8_stacked_experts_refuse_what_cuts_an_experts_block() -> None:
+    """Each expert's gate and up in ``w13_weight`` are whole blocks, and a rank's box is whole blocks along the
+    last two dims: else a ManifestError names the tensor and the fix, before any plan."""
+    layout = plan_layout(4, "tp=2,ep=2,expt_tp=1,role=train + tp=2,expt_tp=2")
+    wide = manifest_from_hf_config({**FP8_MOE, "moe_intermediate_size": 384}, vocab_multiple=128)
+    packed = (
+        r"w13_weight \[4, 768, 512\]: the engine packs model.layers.0.mlp.experts.0.gate_proj.weight and "
+        r"model.layers.0.mlp.experts.0.up_proj.weight into it at row 192, inside a 128-row scale block"
+    )
+    with pytest.raises(ManifestError, match=packed):
+        plan_refit(layout, 0, [1], wide.manifest.converted("float8_e4m3fn"), layouts={1: wide.layout("vllm")})
+    down = Manifest(
+        tuple(replace(t, to_dtype="float8_e4m3fn") if "linear_fc2" in t.name else t for t in wide.manifest.tensors),
+        layers=2,
+        experts=4,
+    )
+    cut = r"w2_weight \[4, 512, 384\]: rank \d holds \[\d+, \d+\) of dim 2, which cuts a 128x128 scale block"
+    with pytest.raises(ManifestError, match=cut):
+        plan_refit(layout, 0, [1], down, layouts={1: wide.layout("vllm")})
 
 
 def test_cli_says_what_is_quantized_on_landing(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
@@ -418,6 +490,19 @@ def test_cli_says_what_is_quantized_on_landing(tmp_path: Any, capsys: pytest.Cap
     assert main([*shards, "--model", f"hf:{config}", "--to-layout", "vllm", "--to-dtype", "float8_e4m3fn"]) == 0
     out = capsys.readouterr().out
     assert "quantized on landing: 17 destination tensors to float8_e4m3fn" in out and "in the source dtype" in out
+    assert (
+        main([*shards, "--model", f"hf:{config}", "--to-layout", "vllm", "--to-dtype", "float8_e4m3fn", "--json"]) == 0
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert (
+        data["to_layout"] == "vllm" and data["from_layout"] == "megatron" and list(data["destination_tensors"]) == ["1"]
+    )
+    engine = data["destination_tensors"]["1"]
+    qkv = engine["model.layers.0.self_attn.qkv_proj.weight"]
+    assert qkv["dtype"] == "bfloat16" and qkv["to_dtype"] == "float8_e4m3fn" and qkv["scale"] == "block"
+    scale = engine["model.layers.0.self_attn.qkv_proj.weight_scale_inv"]
+    assert scale["scale_of"] == "model.layers.0.self_attn.qkv_proj.weight" and scale["dtype"] == "float32"
+    assert sum("scale" in entry for entry in engine.values()) == 17  # the same count as the summary's
     config.write_text(json.dumps({**FP8, **CONFIGS["qwen2"], "num_attention_heads": 8, "head_dim": 64}))
     assert main([*shards, "--model", f"hf:{config}", "--to-layout", "vllm", "--to-dtype", "float8_e4m3fn"]) == 2
     assert "qkv_proj.weight [768, 512]: the engine packs" in capsys.readouterr().err

@@ -9,7 +9,7 @@ from typing import Any
 from shardcore import execute_refit
 from shardcore.engine.live.refit_check import check_refit
 from shardcore.errors import ShardcoreError
-from shardcore.refit import Manifest, RefitRequest, TransformerConfig, manifest_from_config, preset
+from shardcore.refit import Manifest, RefitRequest, TensorSpec, TransformerConfig, manifest_from_config, preset
 from tests.engine.refit_workers import timed_outcome
 
 BLOCKY = TransformerConfig(layers=2, hidden=256, ffn=512, heads=2, kv_heads=2, vocab=1024, dtype="bfloat16")
@@ -52,11 +52,29 @@ CASES = [
         [1, 2],
     ),
     ("bf16 -> fp8 per block, collocated", "blocky", ("float8_e4m3fn", "block"), "tp=2,dp=4", "tp=1,dp=8", [0]),
+    (
+        "bf16 -> fp8 per block of each stacked matrix, tp 2 -> 1 and 2",
+        "stacked",
+        ("float8_e4m3fn", "block"),
+        "tp=2,dp=2,role=train + tp=1,dp=2 + tp=2",
+        None,
+        [1, 2],
+    ),
 ]
+
+STACKED = Manifest(
+    (
+        TensorSpec("experts.w13", (4, 512, 256), tp_dim=1, blocks=(256, 256), stage="all"),  # tp parts: whole blocks
+        TensorSpec("experts.w2", (6, 256, 200), tp_dim=0, stage="all"),  # 3 experts a tp part; blocks cut at 200
+    ),
+    name="stacked",
+)
+"""Stacked experts split over tp along a blocked dim and along the expert dim (which any split keeps whole)."""
 
 
 def manifest_of(model: str, conversion: tuple[str, str | None] | None) -> Manifest:
-    manifest = manifest_from_config(BLOCKY, name="blocky") if model == "blocky" else preset(model)
+    models = {"blocky": manifest_from_config(BLOCKY, name="blocky"), "stacked": STACKED}
+    manifest = models[model] if model in models else preset(model)
     return manifest if conversion is None else manifest.converted(*conversion)
 
 

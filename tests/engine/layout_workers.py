@@ -234,24 +234,49 @@ FP8_BASE = {**BASE, "hidden_size": 512, "intermediate_size": 256, "vocab_size": 
 """A model whose vLLM tp=2 tensors are whole 128x128 blocks (q 256, k 128, v 128 rows a rank), in bf16; its
 vocabulary (200) padded to 256, so the second rank quantizes 56 rows of padding (zeros) with its last rows."""
 
-# (family config, Megatron shard spec, ranks per node and fan-out): the world is [Megatron (2) | vLLM tp=2 (2)]
-FP8_CASES: list[tuple[dict[str, Any], str, int | None]] = [
-    ({"model_type": "qwen2"}, "tp=2", None),
-    ({"model_type": "llama", "num_key_value_heads": 1}, "tp=1,dp=2", 2),  # nodes of 2: the engine's node relays
+FP8_MOE = {"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+           "norm_topk_prob": True}  # fmt: skip
+"""Qwen3-MoE whose experts are whole 128x128 blocks in vLLM at expt_tp <= 2: per expert gate and up 256 rows
+(128 a rank at expt_tp=2), hidden 512."""
+
+# (family config, Megatron shard spec, ranks per node and fan-out, vLLM shard spec): the world is
+# [Megatron (2) | vLLM (2)]
+FP8_CASES: list[tuple[dict[str, Any], str, int | None, str]] = [
+    ({"model_type": "qwen2"}, "tp=2", None, "tp=2"),
+    ({"model_type": "llama", "num_key_value_heads": 1}, "tp=1,dp=2", 2, "tp=2"),  # nodes of 2: the engine's relays
+    (FP8_MOE, "tp=2,ep=2,expt_tp=1", None, "tp=2,ep=2,expt_tp=1"),  # 2 experts an engine rank
+    (FP8_MOE, "tp=2,ep=2,expt_tp=1", 2, "tp=2,expt_tp=2"),  # each expert's w13 split, relayed
 ]
 
 
-def hf_to_vllm(state: dict[str, torch.Tensor], model: HFModel, tp: int, r: int) -> dict[str, torch.Tensor]:
+def hf_to_vllm(
+    state: dict[str, torch.Tensor], model: HFModel, tp: int, r: int, ep: int = 1, expt_tp: int = 1
+) -> dict[str, torch.Tensor]:
     """Tp rank r's local tensors of a vLLM engine, from the HF state dict, sliced as vLLM's weight loaders do:
     qkv_proj = [its q heads; its kv heads] (a kv head replicated over tp / kv ranks), gate_up_proj = [its gate rows;
     its up rows], o_proj / down_proj split on dim 1, the vocabulary padded with zeros to a multiple of 64 and split
-    on dim 0; the rest whole."""
+    on dim 0; FusedMoE's w13_weight = for each of its ep rank's experts (a contiguous range) [its gate rows; its up
+    rows] of its expt_tp rank (r % expt_tp), w2_weight = each one's down_proj split on dim 1; the rest whole."""
     c = model.config
     d = c.head_dim or c.hidden // c.heads
     kv = c.kv_heads or c.heads
     q_heads, kv_heads = c.heads // tp, max(1, kv // tp)
     first_kv = (r // max(1, tp // kv)) * kv_heads
     out: dict[str, torch.Tensor] = {}
+    state = per_expert(state)
+    for layer in range(c.layers if c.experts else 0):
+        prefix, local = f"model.layers.{layer}.mlp.experts.", c.experts // ep
+        mine = range(r // expt_tp % ep * local, (r // expt_tp % ep + 1) * local)
+        gate_up, down = [], []
+        for e in range(c.experts):
+            gate, up, w2 = (state.pop(f"{prefix}{e}.{p}_proj.weight") for p in ("gate", "up", "down"))
+            if e not in mine:
+                continue
+            share = gate.shape[0] // expt_tp
+            rows = slice(r % expt_tp * share, (r % expt_tp + 1) * share)
+            gate_up.append(torch.cat([gate[rows], up[rows]]))
+            down.append(w2[:, rows])
+        out[f"{prefix}w13_weight"], out[f"{prefix}w2_weight"] = torch.stack(gate_up), torch.stack(down)
     for name, tensor in state.items():
         h, _, end = name.rpartition("self_attn.q_proj.")
         if end != name:
@@ -293,18 +318,26 @@ def fp8_mismatches(destinations: dict[str, torch.Tensor], expected: dict[str, to
     return wrong
 
 
-def run_fp8(rank: int, world_size: int, cases: list[tuple[dict[str, Any], str, int | None]]) -> list[dict[str, Any]]:
+def run_fp8(
+    rank: int, world_size: int, cases: list[tuple[dict[str, Any], str, int | None, str]]
+) -> list[dict[str, Any]]:
     """Every case: a Megatron shard (ranks 0-1) refit into the vLLM tp=2 layout (ranks 2-3) in fp8 with block
-    scales, at version 1; then a partial refit of layer 0's qkv from new weights, at version 2. The engine ranks
-    report which tensors differ from quantizing the expected local tensors, after each refit. Last, a delta
-    refit, refused on every rank before a byte moves."""
+    scales, at version 1; then a partial refit of layer 0's qkv (and of a MoE's expert 3's linear_fc1, whose
+    w13_weight is quantized whole) from new weights, at version 2. The engine ranks report which tensors differ
+    from quantizing the expected local tensors, after each refit. Last, a delta refit, refused on every rank
+    before a byte moves."""
     from shardcore import ExecuteOptions, RefitInputError, held_version
 
     results = []
-    for case, megatron_spec, per_node in cases:
+    for case, megatron_spec, per_node, vllm_spec in cases:
         config = {**FP8_BASE, **case}
         model = manifest_from_hf_config(config, vocab_multiple=128)
-        layout = plan_layout(4, f"{megatron_spec},role=train + tp=2")
+        layout = plan_layout(4, f"{megatron_spec},role=train + {vllm_spec}")
+        engine = layout.shards[1].spec
+
+        def expected_of(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return hf_to_vllm(state, model, engine.tp, rank - 2, engine.ep, engine.expt_tp)
+
         plan = plan_refit(
             layout, 0, [1], model.manifest.converted("float8_e4m3fn", "block"), per_node,
             fan_out=per_node is not None, layouts={1: model.layout("vllm")}, min_piece_bytes=0,
@@ -327,17 +360,20 @@ def run_fp8(rank: int, world_size: int, cases: list[tuple[dict[str, Any], str, i
         stats = execute_refit(plan, sources_of(states[0]), destinations, timeout=60, version=1)
         if rank >= 2:
             result["names"] = sorted(destinations)
-            result["first"] = fp8_mismatches(destinations, hf_to_vllm(states[0], model, 2, rank - 2))
+            result["first"] = fp8_mismatches(destinations, expected_of(states[0]))
             result["landing_peak_bytes"] = stats.landing_peak_bytes
-        qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
-        partial = plan.subset([qkv])
+        chosen = ["decoder.layers.0.self_attention.linear_qkv.weight"]
+        renewed = ["model.layers.0.self_attn.qkv_proj.weight"]
+        if model.config.experts:
+            chosen.append("decoder.layers.0.mlp.experts.linear_fc1.weight3")
+            renewed.append("model.layers.0.mlp.experts.w13_weight")
+        partial = plan.subset(chosen)
         theirs = partial.for_rank(rank)
         given = {n: t for n, t in destinations.items() if n in theirs.destination_shapes}
         execute_refit(partial, sources_of(states[1]), given, timeout=60, version=2)
         if rank >= 2:
-            expected = hf_to_vllm(states[0], model, 2, rank - 2)
-            renewed = "model.layers.0.self_attn.qkv_proj.weight"
-            expected[renewed] = hf_to_vllm(states[1], model, 2, rank - 2)[renewed]
+            expected, new = expected_of(states[0]), expected_of(states[1])
+            expected.update({name: new[name] for name in renewed})
             result["partial"] = fp8_mismatches(destinations, expected)
             result["partial_names"] = sorted(given)
             result["versions"] = (held_version(given), held_version({"x": destinations["model.norm.weight"]}))

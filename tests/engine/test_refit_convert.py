@@ -18,6 +18,7 @@ from shardcore.engine.live.refit_check import cut, known_tensor, reference
 from shardcore.engine.transfer.convert import E4M3_MAX, amax_of, block_amax, quantize, scale_inv_of
 from shardcore.plan.layout import plan_layout
 from shardcore.refit import RefitStats
+from shardcore.refit.manifest import scale_shape
 from shardcore.testing import run_world
 from tests.engine import convert_workers as workers
 from tests.engine.test_check import ROOT, _env
@@ -65,6 +66,25 @@ def test_a_piece_quantized_where_it_lies_equals_the_global_reference(shape: tupl
         local = quantize(values[cut], scale_inv, start)
         assert torch.equal(local.view(torch.uint8), by_definition[cut]), box
     assert not torch.equal(values.to(torch.float8_e4m3fn).view(torch.uint8), by_definition)  # scales matter
+
+
+def test_stacked_matrices_are_blocked_and_quantized_each_on_its_own() -> None:
+    """A stacked tensor (experts) has the block scales of each of its matrices, stacked (``scale_shape``), and
+    quantizes as they do one by one, a box at an offset too; a per-tensor scale still scales it whole."""
+    values = torch.randn(3, 300, 200, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(3))
+    values[1] *= 100  # one expert's magnitudes do not reach another's blocks
+    scale_inv = scale_inv_of(block_amax(values))
+    assert scale_inv.shape == scale_shape(values.shape) == (3, 3, 2)
+    q = quantize(values, scale_inv, (0, 0, 0)).view(torch.uint8)
+    for e in range(3):
+        own = scale_inv_of(block_amax(values[e]))
+        assert torch.equal(scale_inv[e], own)
+        assert torch.equal(q[e], quantize(values[e], own, (0, 0)).view(torch.uint8))
+    box = (slice(1, 3), slice(128, 300), slice(3, 200))
+    assert torch.equal(quantize(values[box], scale_inv, (1, 128, 3)).view(torch.uint8), q[box])
+    whole = scale_inv_of(amax_of(values))
+    by_definition = (values.float() / whole).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(quantize(values, whole, (0, 0, 0)).view(torch.uint8), by_definition)
 
 
 def test_a_per_tensor_scale_needs_every_tp_parts_amax() -> None:

@@ -26,8 +26,9 @@ from shardcore.engine.transfer.delta import (
     apply_piece,
     changed_elements,
     cheapest,
+    encode_piece,
     piece_bytes,
-    write_piece,
+    write_encoding,
 )
 from shardcore.errors import RefitInputError
 from shardcore.testing import run_world
@@ -38,6 +39,18 @@ from tests.engine import delta_workers as workers
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(-1).view(torch.uint8)
+
+
+def _encoded(after: torch.Tensor, before: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+    """``after`` encoded against a snapshot of ``before`` as the executor encodes a piece: (kind, changed elements,
+    the bytes on the wire); the snapshot is then ``after``'s bytes, the next step's base."""
+    snapshot = _bytes(before).clone()
+    kind, count, parts = encode_piece(_bytes(after), snapshot, after.element_size())
+    assert torch.equal(snapshot, _bytes(after))
+    if parts is None:
+        return kind, count, _bytes(after)
+    out = torch.zeros(after.numel() * after.element_size() + 4096, dtype=torch.uint8)
+    return kind, count, out[: write_encoding(out, *parts)]
 
 
 def _changed(before: torch.Tensor, fraction: float, seed: int) -> torch.Tensor:
@@ -54,15 +67,16 @@ def test_a_piece_encoded_and_applied_is_bitwise_the_new_piece(dtype: torch.dtype
     itemsize = before.element_size()
     changed = changed_elements(_bytes(after), _bytes(before), itemsize)
     truth = torch.ne(_bytes(after).view(-1, itemsize), _bytes(before).view(-1, itemsize)).any(1).nonzero().view(-1)
-    kind = DENSE if changed is None else cheapest(changed.count, after.numel(), itemsize)
     if changed is not None:
         assert torch.equal(changed.indices(), truth) and changed.count == truth.numel()
         assert torch.equal(changed.mask()[: after.numel()].nonzero().view(-1), truth)
-    out = torch.zeros(after.numel() * itemsize + 4096, dtype=torch.uint8)
-    size = write_piece(out, kind, changed, _bytes(after), itemsize)
-    assert size == piece_bytes(kind, truth.numel(), after.numel(), itemsize)
+    kind, count, wire = _encoded(after, before)
+    assert kind == (DENSE if changed is None else cheapest(changed.count, after.numel(), itemsize))
+    if kind != DENSE:
+        assert count == truth.numel() and wire.numel() == piece_bytes(kind, count, after.numel(), itemsize)
+    size = wire.numel()
     target = before.clone()
-    assert apply_piece(target, out[:size], kind, truth.numel(), dtype) is None
+    assert apply_piece(target, wire, kind, count, dtype) is None
     assert torch.equal(_bytes(target), _bytes(after))
     if fraction == 0.001:
         assert kind == INDICES and size < after.numel() * itemsize // 10
@@ -73,15 +87,11 @@ def test_a_piece_encoded_and_applied_is_bitwise_the_new_piece(dtype: torch.dtype
 def test_a_piece_lands_in_a_strided_box_and_widens_where_the_refit_casts() -> None:
     before = torch.randn(40, 64).to(torch.bfloat16)
     after = _changed(before, 0.3, 5)
-    changed = changed_elements(_bytes(after), _bytes(before), 2)
-    assert changed is not None
-    kind = cheapest(changed.count, after.numel(), 2)
+    kind, count, wire = _encoded(after, before)
     assert kind == BITMAP
-    out = torch.zeros(after.numel() * 2, dtype=torch.uint8)
-    size = write_piece(out, kind, changed, _bytes(after), 2)
     whole = torch.zeros(40, 100, dtype=torch.float32)
     whole[:, 10:74] = before.float()
-    assert apply_piece(whole[:, 10:74], out[:size], kind, changed.count, torch.bfloat16) is None  # strided, fp32
+    assert apply_piece(whole[:, 10:74], wire, kind, count, torch.bfloat16) is None  # strided, fp32
     assert torch.equal(whole[:, 10:74], after.float()) and not whole[:, :10].any() and not whole[:, 74:].any()
 
 

@@ -172,20 +172,22 @@ def test_fp8_into_the_vllm_layout_is_quantized_by_the_engine_ranks() -> None:
     its ``_scale_inv`` are bitwise those of quantizing (with the project's functions) the local vLLM tensor
     built here from the HF tensors, padding zero; with relays (fan-out), and after a partial refit at a new
     version, which renews the fused ``qkv_proj`` whole and leaves the rest; a delta refit is refused on every
-    rank (the destinations hold fp8, not the wire bytes a delta builds on)."""
+    rank (the destinations hold fp8, not the wire bytes a delta builds on). A MoE's stacked experts (from
+    Megatron with ep, into vLLM with ep or expt_tp) are blocked per expert, ``w13_weight_scale_inv`` [local
+    experts, 2*ffn/tp / 128, hidden / 128], and a partial refit of one expert renews its layer's w13 whole."""
     results = run_world(4, workers.run_fp8, workers.FP8_CASES, timeout=600)
-    for index, (case, _, per_node) in enumerate(workers.FP8_CASES):
-        family = case["model_type"]
+    for index, (case, _, per_node, engine_spec) in enumerate(workers.FP8_CASES):
+        family = (case["model_type"], engine_spec)
         engine = [results[rank][index] for rank in (2, 3)]
+        renewed = ["model.layers.0.self_attn.qkv_proj.weight"]
+        if "num_experts" in case:
+            renewed.append("model.layers.0.mlp.experts.w13_weight")
         for got in engine:
             weights = [n for n in got["names"] if not n.endswith("_scale_inv")]
             assert weights and set(got["names"]) == {n for w in weights for n in (w, f"{w}_scale_inv")}, family
-            assert "model.layers.0.self_attn.qkv_proj.weight" in weights
+            assert set(renewed) <= set(weights), family
             assert got["first"] == [] and got["partial"] == [], (family, got["first"], got["partial"])
-            assert got["partial_names"] == [
-                "model.layers.0.self_attn.qkv_proj.weight",
-                "model.layers.0.self_attn.qkv_proj.weight_scale_inv",
-            ]
+            assert got["partial_names"] == sorted(n for w in renewed for n in (w, f"{w}_scale_inv")), family
             assert [held.version for held in got["versions"]] == [2, 1] and all(h.intact for h in got["versions"])
             assert got["landing_peak_bytes"] > 0
         assert all("delta=True with fp8 through a layout" in results[r][index]["delta"] for r in range(4)), family
@@ -193,18 +195,29 @@ def test_fp8_into_the_vllm_layout_is_quantized_by_the_engine_ranks() -> None:
             assert sum(got["hops"] for got in engine) > 0, family
 
 
-def test_refit_check_fp8_through_a_layout(tmp_path: Path) -> None:
-    """``refit --check --to-layout vllm --to-dtype float8_e4m3fn --scale block`` quantizes the expected local
-    tensors as the engine ranks must, and compares every fp8 byte and scale bitwise."""
+@pytest.mark.parametrize(
+    ("case", "shards", "nproc", "layout", "checked"),
+    [
+        ({"model_type": "qwen2"}, "tp=2,role=train + tp=2", 4, "vllm", 2 * 34),  # 17 tensors a rank, with scales
+        (workers.FP8_MOE, "tp=2,ep=2,expt_tp=1,role=train + tp=2,expt_tp=2", 4, "vllm", 2 * 42),  # w13, w2 per expert
+        (workers.FP8_MOE, "tp=2,ep=2,expt_tp=1,role=train + dp=1", 3, "hf-stacked", 50),  # gate_up_proj [4, 512, 512]
+    ],
+)
+def test_refit_check_fp8_through_a_layout(
+    tmp_path: Path, case: dict[str, Any], shards: str, nproc: int, layout: str, checked: int
+) -> None:
+    """``refit --check --to-layout vllm|hf-stacked --to-dtype float8_e4m3fn --scale block`` quantizes the expected local
+    tensors as the engine ranks must, and compares every fp8 byte and scale bitwise; a MoE's stacked experts
+    (vLLM's w13/w2, hf-stacked's gate_up_proj/down_proj) blocked per expert."""
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({**workers.FP8_BASE, "model_type": "qwen2"}))
-    command = [sys.executable, "-m", "shardcore", "refit", "--check", "--nproc", "4", "--json"]
-    command += ["--shards", "tp=2,role=train + tp=2", "--from", "0", "--to", "1", "--model", f"hf:{config}"]
-    command += ["--to-layout", "vllm"]
+    config.write_text(json.dumps({**workers.FP8_BASE, **case}))
+    command = [sys.executable, "-m", "shardcore", "refit", "--check", "--nproc", str(nproc), "--json"]
+    command += ["--shards", shards, "--from", "0", "--to", "1", "--model", f"hf:{config}"]
+    command += ["--to-layout", layout]
     command += ["--to-dtype", "float8_e4m3fn", "--scale", "block"]
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=300)
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout)
     assert document["ok"] and [row["shard"] for row in document["shards"]] == [1]
     assert all(row["ok"] and not row["mismatches"] for row in document["shards"])
-    assert all(row["tensors_checked"] == 2 * 34 for row in document["shards"])  # 34 tensors a rank, with scales
+    assert [row["tensors_checked"] for row in document["shards"]] == [checked]

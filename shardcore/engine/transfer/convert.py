@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ...refit.manifest import SCALE_BLOCK
+from ...refit.manifest import SCALE_BLOCK, blocked_from
 from ...refit.scales import AmaxExchange, amax_exchange
 from ...refit.schedule import rank_batches
 from ..agreement import publish_failure
@@ -57,21 +57,26 @@ def amax_of(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def block_amax(tensor: torch.Tensor) -> torch.Tensor:
-    """The amax of each 128x128 block (128 for a 1-d tensor) as float32, shape ceil(shape / 128); a block
-    cut by the tensor's end covers what there is of it."""
+    """The amax of each 128x128 block (128 for a 1-d tensor) as float32, shape ``scale_shape(tensor.shape)``: a
+    stacked tensor's leading dims are batch, each matrix blocked on its own (``blocked_from``); a block cut by the
+    tensor's end covers what there is of it."""
     import torch
 
-    cells = [-(-size // SCALE_BLOCK) for size in tensor.shape]
+    first = blocked_from(tensor.dim())
+    lead, blocked = tuple(tensor.shape[:first]), tuple(tensor.shape[first:])
+    cells = [-(-size // SCALE_BLOCK) for size in blocked]
     tensor = _comparable(tensor)
-    if any(size % SCALE_BLOCK for size in tensor.shape):  # padded with zeros: no magnitude's maximum changes
-        magnitudes = torch.zeros([n * SCALE_BLOCK for n in cells], dtype=tensor.dtype, device=tensor.device)
+    if any(size % SCALE_BLOCK for size in blocked):  # padded with zeros: no magnitude's maximum changes
+        padded = [*lead, *(n * SCALE_BLOCK for n in cells)]
+        magnitudes = torch.zeros(padded, dtype=tensor.dtype, device=tensor.device)
         magnitudes[tuple(slice(0, size) for size in tensor.shape)] = tensor
         magnitudes.abs_()
     else:
         magnitudes = tensor.abs()
     if len(cells) == 1:
-        return magnitudes.reshape(cells[0], SCALE_BLOCK).amax(dim=1).float()
-    return magnitudes.reshape(cells[0], SCALE_BLOCK, cells[1], SCALE_BLOCK).amax(dim=3).amax(dim=1).float()
+        return magnitudes.reshape(*lead, cells[0], SCALE_BLOCK).amax(dim=-1).float()
+    grid = magnitudes.reshape(*lead, cells[0], SCALE_BLOCK, cells[1], SCALE_BLOCK)
+    return grid.amax(dim=-1).amax(dim=-2).float()
 
 
 def _comparable(tensor: torch.Tensor) -> torch.Tensor:
@@ -82,10 +87,15 @@ def _comparable(tensor: torch.Tensor) -> torch.Tensor:
 def quantize(values: torch.Tensor, scale_inv: torch.Tensor, offset: tuple[int, ...]) -> torch.Tensor:
     """``values``, the box at ``offset`` of a local tensor whose scales are ``scale_inv`` (its blocks', or a [1]
     per-tensor scale), as float8_e4m3fn: each element / its block's scale_inv in float32, then cast; in chunks
-    of rows, elementwise alike whatever the chunks."""
+    of rows, elementwise alike whatever the chunks. A stacked tensor's block scales are one matrix's per index
+    of its batch dims (``blocked_from``): each matrix is quantized with its own."""
     import torch
 
     out = torch.empty(values.shape, dtype=torch.float8_e4m3fn, device=values.device)
+    if blocked_from(values.dim()) and scale_inv.dim() == values.dim():  # per block of each stacked matrix
+        for index in range(values.shape[0]):
+            out[index] = quantize(values[index], scale_inv[offset[0] + index], offset[1:])
+        return out
     step = max(1, QUANTIZE_ELEMENTS // max(1, values[0].numel()))
     for start in range(0, values.shape[0], step):
         chunk = values[start : start + step]

@@ -266,15 +266,6 @@ def encode_piece(
     return kind, changes.count, (head, values)
 
 
-def write_piece(out: torch.Tensor, kind: int, changes: Changes | None, data: torch.Tensor, itemsize: int) -> int:
-    """Encode a piece into ``out`` (bytes, at an aligned offset): ``data`` is its bytes now, ``changes`` its
-    changed elements (unread for a dense piece); returns the bytes written (``piece_bytes``)."""
-    if kind == DENSE or changes is None:
-        out[: data.numel()].copy_(data)
-        return aligned(data.numel())
-    return write_encoding(out, *encoding(kind, changes, data, itemsize))
-
-
 def write_encoding(out: torch.Tensor, head: torch.Tensor, values: torch.Tensor) -> int:
     """Lay an encoding's head and values into ``out`` (bytes, at an aligned offset), each at an aligned offset
     so the receiver views them as int32 indices and wire-dtype values without copying; returns the bytes
@@ -678,5 +669,4 @@ __all__ = [
     "piece_bytes",
     "snapshot_bytes",
     "write_encoding",
-    "write_piece",
 ]

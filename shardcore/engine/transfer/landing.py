@@ -5,9 +5,10 @@ it. A converting destination tensor's pieces (received, copied locally) land in 
 local tensor, in the engine's high-precision dtype (the wire's), allocated at its first piece and zero-filled,
 so that elements no piece feeds (an engine's vocabulary padding, which vLLM zeroes) quantize to zero. When its
 last piece has landed, and a relay's last forward of it (fan-out: forwards read the staging) has been packed,
-the rank computes the 128x128 block amax of the whole local tensor, writes the fp8 weight and its
-``<name>_scale_inv`` with the same functions and formula as a sender-side conversion (``convert.block_amax``,
-``scale_inv_of``, ``quantize``), and frees the staging.
+the rank computes the 128x128 block amax of the whole local tensor (of each expert's matrix, in stacked
+experts: ``manifest.blocked_from``), writes the fp8 weight and its ``<name>_scale_inv`` with the same functions
+and formula as a sender-side conversion (``convert.block_amax``, ``scale_inv_of``, ``quantize``), and frees the
+staging.
 
 Memory: at peak, the staging holds every converting local tensor that has begun to land and not finished, in
 the source dtype (``peak_bytes``, ``TransferStats.landing_peak_bytes``). The schedule orders messages by peer
