@@ -641,16 +641,12 @@ class RefitPlan:
         """The runs of the routes of ``tiles``, in the order they first appear; a route not cut yet is cut from
         its tiles among ``tiles``, which must be all of them (a rank's own tiles hold every tile of its routes).
         ``keys``: the tiles' route keys (``_route_key``), when the caller has them."""
-        found: dict[tuple[Any, ...], list[Tile] | None] = {}
+        found: dict[tuple[Any, ...], list[Tile]] = {}
         tiles = list(tiles)
         for tile, key in zip(tiles, keys if keys is not None else map(self._route_key, tiles)):
-            if key not in found:
-                found[key] = None if key in self._runs else []
-            pending = found[key]
-            if pending is not None:
-                pending.append(tile)
+            found.setdefault(key, []).append(tile)
         for key, pending in found.items():
-            if pending is not None:
+            if key not in self._runs:
                 # a box's tile once: a rank that both sends and receives on a route finds each of its tiles twice,
                 # and with fan-out a box has a tile per destination of its group
                 places = list(map(_place, pending))
