@@ -104,7 +104,7 @@ class Transfer(NamedTuple):
 
     The box lies inside one packed block, so it is one dense box in both ranks' local tensors. A named tuple,
     ordered field by field: a rank's part holds tens of thousands, and a tuple is made in a fraction of the time a
-    frozen dataclass takes (``_transfer`` makes them without even the keyword handling).
+    frozen dataclass takes (``_new`` makes them without even the keyword handling).
 
     Attributes:
         tensor: The tensor's name in the manifest.
@@ -959,19 +959,20 @@ class RefitPlan:
                     sending += self._tiles_out(sent, position, shard, source, context)
         keys = [self._route_key(tile) for tile in receiving]
         self._cut_runs(receiving + sending, keys + [self._route_key(tile) for tile in sending])
-        part = _Part(self.world_size, len(tensors))
-        runs, whole = self._runs, {}  # whole: each run's ``_whole`` sources for this rank
+        part = _Part(self.world_size, tensors)
+        whole: dict[tuple[Any, ...], tuple[int, ...]] = {}  # each run's ``_whole`` senders for this rank
         for tile, key in zip(receiving, keys):
-            if rank in tile.sources.members:  # held already: a local copy
-                part.add(tensors, tile, rank, rank, tile.dst_offset)
-                continue
-            run = runs[key]
-            sources = whole.get(key)
-            if sources is None:
-                sources = whole[key] = self._whole(run, rank)
-            if sources and not tile.group:  # the tile comes whole from each line's one sender, as most do
-                for src in sources:
-                    part.add(tensors, tile, src, rank, tile.dst_offset)
+            if tile.group:  # fan-out: the pieces of the tile's group
+                senders: tuple[int, ...] = ()
+            elif rank in tile.sources.members:  # held already: a local copy
+                senders = (rank,)
+            else:
+                senders = whole.get(key, ())
+                if key not in whole:
+                    senders = whole[key] = self._whole(self._runs[key], rank)
+            if senders:  # the tile comes whole from each sender, as most do
+                for src in senders:
+                    part.add(tile, src, rank)
             else:
                 part.extend(
                     tile.position, self._transfers(tile, self._pieces(tile, dst=rank) + self._forwards(tile, rank))
@@ -1013,25 +1014,25 @@ class _Part:
     number, sorted as such; the few transfers sharing it (boxes of one tensor between one pair that start on the
     same row) are ordered among themselves."""
 
-    def __init__(self, world_size: int, tensors: int) -> None:
+    def __init__(self, world_size: int, tensors: Sequence[TensorSpec]) -> None:
         self.transfers: list[Transfer] = []
         self.pairs: list[int] = []  # (src, dst, position) of each transfer, as one number
-        self.world_size, self.tensors = world_size, tensors
+        self.world_size, self.specs, self.tensors = world_size, tensors, len(tensors)
 
-    def add(self, tensors: Sequence[TensorSpec], tile: Tile, src: int, dst: int, dst_offset: tuple[int, ...]) -> None:
-        """The whole of ``tile``, from ``src``'s source tensor (hop 0)."""
+    def add(self, tile: Tile, src: int, dst: int) -> None:
+        """The whole of ``tile``, from ``src``'s source tensor (hop 0) to a needer of it (``dst``, of its slice)."""
         position = tile.position
         self.pairs.append((src * self.world_size + dst) * self.tensors + position)
         self.transfers.append(
             _new(
                 Transfer,
                 (
-                    tensors[position].name,
+                    self.specs[position].name,
                     src,
                     dst,
                     tile.box,
                     tile.src_offset,
-                    dst_offset,
+                    tile.dst_offset,
                     tile.rows * tile.row_bytes,
                     0,
                     tile.target,
