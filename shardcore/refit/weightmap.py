@@ -393,7 +393,7 @@ class MappedPlacement(Placement):
         name = self.weights.targets.tensors[position].name
         image, feeds = self._image(position)
         found = self._mapped[position] = tuple(
-            (feeds[number], Slice(box, offset, holders, block, order, name))
+            (feeds[number], _new(Slice, (box, offset, holders, block, order, name)))
             for order, (number, box, offset, holders, block) in enumerate(image.entries)
         )
         by_source = self._by_source[position] = {}
