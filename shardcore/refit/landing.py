@@ -12,8 +12,10 @@ engine receives high-precision weights and quantizes them at load): pieces trave
 plan's transfers and stats count those wire bytes), each destination rank lands them into a high-precision
 staging copy of its local tensor and, once every piece of that tensor has landed, quantizes it per 128x128
 block of the *local* tensor (for ``qkv_proj``, of the fused tensor) into the fp8 weight and its
-``<name>_scale_inv`` (``shardcore.engine.transfer.landing``). The wire carries twice the bytes of an fp8 one
-(bf16 sources); no partial amax is exchanged, and no block spans two ranks by construction.
+``<name>_scale_inv`` (``shardcore.engine.transfer.landing``). For the weights it quantizes the wire carries twice
+the bytes of an fp8 one (bf16 sources); no partial amax is exchanged, and no block spans two ranks by construction.
+What converts is the source manifest's choice (``Manifest.converted`` quantizes the linear layers' weights only), so
+an engine's embedding, head, norms, biases and router land in the model's dtype, with no scale tensor.
 
 Here, torch-free, is what a plan needs of it: which destination tensors convert (those whose source tensors
 convert, all alike: a destination tensor is quantized whole), the engine's tensors as the destination holds them
