@@ -557,3 +557,23 @@ def test_cli_says_what_is_quantized_on_landing(tmp_path: Any, capsys: pytest.Cap
     assert main([*shards, "--model", f"hf:{config}", "--to-layout", "vllm", "--to-dtype", "float8_e4m3fn"]) == 2
     assert "qkv_proj.weight [768, 512]: the engine packs" in capsys.readouterr().err
 
+
+def test_fp8_from_the_hf_layout_is_refused_naming_the_fix(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """A converting manifest names Megatron's tensors, which a refit from the hf layout does not send: fp8 on
+    landing from it is a ManifestError naming the destination and the fix, before any plan (the CLI: one line)."""
+    from shardcore.cli import main
+
+    model = manifest_from_hf_config({**FP8, **CONFIGS["qwen2"]}, vocab_multiple=128)
+    words = r"fp8 through a layout converts what Megatron shards send \(--from-layout megatron\); .* without --to-dtype"
+    for kind in ("vllm", "megatron"):
+        layouts = {0: model.layout("hf"), **({1: model.layout(kind)} if kind != "megatron" else {})}
+        with pytest.raises(ManifestError, match=words):
+            plan_refit(plan_layout(3, "dp=1,role=train + tp=2"), 0, [1], model.manifest.converted("float8_e4m3fn"),
+                       layouts=layouts)  # fmt: skip
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**FP8, **CONFIGS["qwen2"]}))
+    argv = ["refit", "--world", "3", "--shards", "dp=1,role=train + tp=2", "--from", "0", "--to", "1"]
+    argv += ["--model", f"hf:{config}", "--from-layout", "hf", "--to-layout", "vllm", "--to-dtype", "float8_e4m3fn"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "filled from 'qwen2-2x512 (hf)'" in err
