@@ -83,9 +83,10 @@ def landed(source: Manifest, destination: Placement, packing: WeightMap | None) 
     stranger = next((tensor.name for tensor in weights.sources if tensor.name not in named), None)
     if stranger is not None:
         raise ManifestError(
-            f"{destination.label}: fp8 through a layout converts what Megatron shards send (--from-layout megatron); "
-            f"this destination is filled from {weights.sources.name!r}, whose tensors (such as {stranger}) the "
-            f"converting manifest {source.name!r} does not name: refit from that layout without --to-dtype"
+            f"{destination.label}: a refit through a layout converts what Megatron shards send (--from-layout "
+            f"megatron); this destination is filled from {weights.sources.name!r}, whose tensors (such as "
+            f"{stranger}) the converting manifest {source.name!r} does not name: refit from that layout without "
+            f"--to-dtype"
         )
     converting: list[TensorSpec] = []
     for target in weights.targets:

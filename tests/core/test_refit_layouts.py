@@ -564,7 +564,7 @@ def test_fp8_from_the_hf_layout_is_refused_naming_the_fix(tmp_path: Any, capsys:
     from shardcore.cli import main
 
     model = manifest_from_hf_config({**FP8, **CONFIGS["qwen2"]}, vocab_multiple=128)
-    words = r"fp8 through a layout converts what Megatron shards send \(--from-layout megatron\); .* without --to-dtype"
+    words = r"a refit through a layout converts what Megatron shards send \(--from-layout megatron\); .* --to-dtype"
     for kind in ("vllm", "megatron"):
         layouts = {0: model.layout("hf"), **({1: model.layout(kind)} if kind != "megatron" else {})}
         with pytest.raises(ManifestError, match=words):
