@@ -556,7 +556,11 @@ def _add_conversion_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--to-dtype",
         metavar="DTYPE",
-        help="destination dtype of every floating tensor (e.g. bfloat16, float8_e4m3fn), in the plan and in --check",
+        help=(
+            "destination dtype, in the plan and in --check: a cast (e.g. bfloat16) converts every floating tensor, "
+            "float8_e4m3fn the linear layers' weights only (norms, biases, embeddings, output layer and router keep "
+            "their dtype)"
+        ),
     )
     parser.add_argument(
         "--scale",

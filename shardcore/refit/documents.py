@@ -15,7 +15,7 @@ from ..errors import ManifestError
 from ..plan.arguments import did_you_mean, shown
 from ..plan.loading import load_document, read_text, shown_path
 from .families import HF_PREFIX, hf_model_of
-from .manifest import CONVERTIBLE, SCALED, Manifest, TensorSpec, check_conversion, check_dtype, tensor_label
+from .manifest import SCALED, Manifest, TensorSpec, check_conversion, check_dtype, tensor_label
 from .models import PRESET_CONFIGS, PRESETS, TransformerConfig, manifest_from_config, preset
 
 TENSOR_KEYS = ("name", "shape", "dtype", "tp_dim", "blocks", "unit", "layer", "stage", "expert", "to_dtype", "scale")
@@ -37,7 +37,8 @@ def manifest_from_dict(data: Mapping[str, Any], source: str = "the manifest") ->
     """Build a manifest from its file form: a ``tensors`` list, or a ``config`` to generate one.
 
     A top-level ``dtype`` is the default of tensors that give none; a top-level ``to_dtype`` (and ``scale``)
-    the destination dtype of every floating tensor that gives none.
+    the destination dtype of the tensors that give none, as ``Manifest.converted`` sets it: every floating tensor
+    for a cast, the linear layers' weights for fp8.
 
     Args:
         data: the document (see README, "Refit").
@@ -88,7 +89,8 @@ def _from_mapping(data: Mapping[str, Any]) -> Manifest:
 
 def _tensor(position: int, entry: object, defaults: Mapping[str, Any]) -> TensorSpec:
     """One entry of ``tensors``; its checks are TensorSpec's, once it has a name. ``defaults``: the dtype, and the
-    conversion of a floating tensor (to_dtype, scale) when the manifest gives one."""
+    model-wide conversion (to_dtype, scale) when the manifest gives one, for the tensors it converts
+    (``TensorSpec.converts_by_default``) that give no to_dtype of their own."""
     if not isinstance(entry, Mapping):
         raise ManifestError(f"tensor entry {position} must be a mapping (name, shape, ...), got {shown(entry)}")
     if "name" not in entry or "shape" not in entry:
@@ -102,8 +104,10 @@ def _tensor(position: int, entry: object, defaults: Mapping[str, Any]) -> Tensor
             f"tensor {tensor_label(name)} has unknown key {shown(bad[0])}; allowed keys are {', '.join(TENSOR_KEYS)}"
         )
     fields = {"dtype": defaults["dtype"], **entry}
-    if "to_dtype" in defaults and "to_dtype" not in entry and fields["dtype"] in CONVERTIBLE:
-        fields["to_dtype"] = defaults["to_dtype"]
+    if "to_dtype" in defaults and "to_dtype" not in entry:
+        unconverted = TensorSpec(**{key: value for key, value in fields.items() if key != "scale"})
+        if unconverted.converts_by_default(defaults["to_dtype"]):
+            fields["to_dtype"] = defaults["to_dtype"]
     if (
         defaults.get("scale") is not None
         and "scale" not in entry

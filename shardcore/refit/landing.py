@@ -12,8 +12,10 @@ engine receives high-precision weights and quantizes them at load): pieces trave
 plan's transfers and stats count those wire bytes), each destination rank lands them into a high-precision
 staging copy of its local tensor and, once every piece of that tensor has landed, quantizes it per 128x128
 block of the *local* tensor (for ``qkv_proj``, of the fused tensor) into the fp8 weight and its
-``<name>_scale_inv`` (``shardcore.engine.transfer.landing``). The wire carries twice the bytes of an fp8 one
-(bf16 sources); no partial amax is exchanged, and no block spans two ranks by construction.
+``<name>_scale_inv`` (``shardcore.engine.transfer.landing``). For the weights it quantizes the wire carries twice
+the bytes of an fp8 one (bf16 sources); no partial amax is exchanged, and no block spans two ranks by construction.
+What converts is the source manifest's choice (``Manifest.converted`` quantizes the linear layers' weights only), so
+an engine's embedding, head, norms, biases and router land in the model's dtype, with no scale tensor.
 
 Here, torch-free, is what a plan needs of it: which destination tensors convert (those whose source tensors
 convert, all alike: a destination tensor is quantized whole), the engine's tensors as the destination holds them
@@ -30,7 +32,8 @@ against), and the check that every scale block of a destination rank is the engi
 Both are planning errors (``ManifestError``, naming the tensor and the fix), before any byte moves. Per-tensor
 scales (``scale: tensor``) and plain casts are refused through a layout: a per-tensor scale of a fused tensor
 needs the amax of every rank's part of it, and vLLM keeps one per packed part; convert them between Megatron
-shards instead.
+shards instead. So is a source in another layout than Megatron's (``hf``): the converting manifest names
+Megatron's tensors, which such a source does not send.
 
 Stacked experts (vLLM's ``w13_weight [local experts, 2*moe_ffn/tp, hidden]`` and ``w2_weight``, the
 ``hf-stacked`` layout's ``gate_up_proj`` and ``down_proj``) are blocked per expert, as vLLM's block-quantized
@@ -65,7 +68,8 @@ def landed(source: Manifest, destination: Placement, packing: WeightMap | None) 
             tensor must keep whole blocks of; None for a layout that packs nothing.
 
     Raises:
-        ManifestError: a destination in Megatron's own layout, a conversion other than float8_e4m3fn with block
+        ManifestError: a destination in Megatron's own layout, one filled from a source in another layout (the
+            converting manifest names Megatron's tensors), a conversion other than float8_e4m3fn with block
             scales, a destination tensor fed by tensors converted unlike, or one whose rank boxes or packed parts
             cut a scale block (of one expert's matrix, in stacked experts); each naming the tensor and the fix.
     """
@@ -75,6 +79,15 @@ def landed(source: Manifest, destination: Placement, packing: WeightMap | None) 
             f"ranks only; convert into Megatron shards in a refit of its own (without layouts)"
         )
     weights = destination.weights
+    named = {tensor.name for tensor in source}
+    stranger = next((tensor.name for tensor in weights.sources if tensor.name not in named), None)
+    if stranger is not None:
+        raise ManifestError(
+            f"{destination.label}: a refit through a layout converts what Megatron shards send (--from-layout "
+            f"megatron); this destination is filled from {weights.sources.name!r}, whose tensors (such as "
+            f"{stranger}) the converting manifest {source.name!r} does not name: refit from that layout without "
+            f"--to-dtype"
+        )
     converting: list[TensorSpec] = []
     for target in weights.targets:
         kinds = {

@@ -58,6 +58,26 @@ CONVERTIBLE = (
 SCALED = "float8_e4m3fn"
 """The destination dtype that carries scales (DeepSeek-V3's fp8 weights): ``<name>_scale_inv`` beside the weight."""
 
+QUANTIZED = tuple(dtype for dtype in CONVERTIBLE if ITEMSIZES[dtype] == 1)
+"""The 8-bit floating dtypes: a model-wide conversion to one of them (``Manifest.converted``) quantizes the linear
+layers' weights only (``TensorSpec.linear``); a wider dtype converts every floating tensor."""
+
+NOT_LINEAR = (
+    "word_embeddings.weight",
+    "position_embeddings.weight",
+    "output_layer.weight",
+    "router.weight",
+    "embed_tokens.weight",
+    "lm_head.weight",
+    "mlp.gate.weight",
+)
+"""Ends of the names (after a dot, or the whole name) of the matrices that are not a linear layer's weight, so a
+model-wide fp8 conversion leaves them in their dtype: the embeddings, the output head and the MoE router, by
+Megatron-Core's names (``models.manifest_from_config``) and Hugging Face's and vLLM's (``families``). Transformer
+Engine's fp8 parameters and vLLM's fp8 (online, and the block-quantized checkpoints of DeepSeek-V3 and Qwen3)
+quantize only the weights of linear layers: the router is a linear layer vLLM builds unquantized, and the
+vocabulary-parallel embedding and head are not linear layers there."""
+
 SCALES = ("block", "tensor")
 """How a ``float8_e4m3fn`` destination is scaled: one float32 per 128x128 block (the default, DeepSeek-V3's
 ``weight_block_size = [128, 128]``), or one for the whole tensor."""
@@ -246,6 +266,20 @@ class TensorSpec:
             raise ManifestError(f"{label}: scale_of={shown(self.scale_of)}: expected the name of its weight")
         if self.scale_of is not None and (self.dtype != "float32" or to_dtype is not None):
             raise ManifestError(f"{label}: a scale tensor (scale_of={shown(self.scale_of)}) is float32 both sides")
+
+    @property
+    def linear(self) -> bool:
+        """Whether it is a linear layer's weight, which a model-wide fp8 conversion quantizes: a matrix (or a stack
+        of them: experts) whose name does not end in one of ``NOT_LINEAR``. Norms and biases (1-d), embeddings, the
+        output head and the router are not. Read off the name and shape, so a manifest file needs no field for it;
+        its per-tensor ``to_dtype`` decides a tensor the rule gets wrong."""
+        return len(self.shape) >= 2 and not any(self.name == end or self.name.endswith(f".{end}") for end in NOT_LINEAR)
+
+    def converts_by_default(self, to_dtype: str) -> bool:
+        """Whether a model-wide conversion to ``to_dtype`` converts it (``Manifest.converted``, ``--to-dtype``, a
+        manifest file's top-level ``to_dtype``): a floating tensor, and for an 8-bit float (``QUANTIZED``) a linear
+        layer's weight (``linear``)."""
+        return self.dtype in CONVERTIBLE and (to_dtype not in QUANTIZED or self.linear)
 
     @property
     def destination_dtype(self) -> str:
@@ -445,7 +479,10 @@ class Manifest:
         return replace(self, tensors=held)
 
     def converted(self, to_dtype: str, scale: str | None = None) -> Manifest:
-        """This model with every floating tensor's destination dtype set to ``to_dtype`` (``--to-dtype``).
+        """This model with its destination dtype set to ``to_dtype`` (``--to-dtype``): for a cast (16 bits or
+        wider) on every floating tensor; for an 8-bit float (``QUANTIZED``: ``float8_e4m3fn`` with its scales) on
+        the linear layers' weights only (``TensorSpec.linear``), as Transformer Engine and vLLM quantize a model:
+        norms, biases, embeddings, the output head and the router keep their dtype (and their own ``to_dtype``).
 
         Args:
             to_dtype: A dtype of ``CONVERTIBLE``, torch's name.
@@ -458,7 +495,7 @@ class Manifest:
         check_conversion(to_dtype, scale)
         given = tuple(
             replace(tensor, to_dtype=to_dtype, scale=None if tensor.dtype == to_dtype else scale)
-            if tensor.dtype in CONVERTIBLE
+            if tensor.converts_by_default(to_dtype)
             else tensor
             for tensor in self.tensors
             if tensor.scale_of is None
@@ -519,7 +556,7 @@ def scale_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def check_conversion(to_dtype: object, scale: object) -> None:
-    """A conversion every floating tensor can take (``Manifest.converted``, a manifest file's defaults).
+    """That ``to_dtype`` and ``scale`` make a model-wide conversion (``Manifest.converted``, a file's defaults).
 
     Raises:
         ManifestError: an unknown dtype or one that does not convert, or a scale without float8_e4m3fn.
@@ -609,6 +646,8 @@ __all__ = [
     "CONVERTIBLE",
     "ITEMSIZES",
     "MAX_ELEMENTS",
+    "NOT_LINEAR",
+    "QUANTIZED",
     "SCALED",
     "SCALES",
     "SCALE_BLOCK",

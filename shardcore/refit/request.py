@@ -34,7 +34,8 @@ class RefitRequest:
         allow_idle: Whether ranks after the last shard may stay idle (in both layouts).
         ranks_per_node, min_piece_bytes, fan_out: The planner's options (``plan_refit``).
         tensors: Name patterns of a partial refit (``tensors_matching``); empty: every tensor.
-        to_dtype: The destination dtype of every floating tensor, or None for the manifest's own.
+        to_dtype: The model-wide destination dtype (``Manifest.converted``: every floating tensor for a cast, the
+            linear layers' weights for fp8), or None for the manifest's own.
         scale: With a ``float8_e4m3fn`` ``to_dtype``: ``block`` (the default) or ``tensor``.
         from_layout / to_layout: How the source / the destinations hold their weights (``families.LAYOUTS``:
             ``megatron``, ``hf``, ``hf-stacked``, ``vllm``); another than megatron needs ``model`` = ``hf:PATH``.

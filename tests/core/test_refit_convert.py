@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -61,10 +62,19 @@ def test_wire_dtype_is_the_narrower_and_the_destination_when_as_wide() -> None:
     )
 
 
+LINEAR = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
+"""The linear layers' weights of a dense Megatron layer: what a model-wide fp8 conversion quantizes."""
+
+
 def test_fp8_weights_bring_their_scale_tensors() -> None:
     plain = manifest_from_config(BLOCKY)
     blocks, per_tensor = _blocky(), _blocky(scale="tensor")
-    assert len(blocks) == len(per_tensor) == 2 * len(plain)  # every floating tensor, one scale tensor each
+    linear = [t.name for t in plain if t.name.endswith(LINEAR)]
+    assert len(linear) == 4 * BLOCKY.layers
+    for manifest in (blocks, per_tensor):  # the linear weights, one scale tensor each; nothing else converts
+        assert [t.name for t in manifest if t.to_dtype is not None] == linear
+        assert [t.scale_of for t in manifest if t.scale_of is not None] == linear
+    assert len(blocks) == len(per_tensor) == len(plain) + len(linear)
     assert blocks.tensors[: len(plain)] != plain.tensors and blocks.nbytes == plain.nbytes  # scales not counted
     fc1 = blocks.tensor("decoder.layers.1.mlp.linear_fc1.weight")
     assert (fc1.shape, fc1.blocks, fc1.scale) == ((1024, 256), (512, 512), "block")
@@ -78,12 +88,41 @@ def test_fp8_weights_bring_their_scale_tensors() -> None:
         fc1.name,
     )
     assert blocks.index(scale.name) >= len(plain)  # appended: the weights keep their positions
-    norm = blocks.tensor("decoder.layers.0.input_layernorm.weight_scale_inv")
-    assert norm.shape == (2,) and norm.tp_dim is None  # 1-d: one scale per 128 elements
+    norm = Manifest((TensorSpec("norm", (256,), stage="all", to_dtype="float8_e4m3fn"),)).tensor("norm_scale_inv")
+    assert norm.shape == (2,) and norm.tp_dim is None  # 1-d, converted on its own: one scale per 128 elements
     proj = per_tensor.tensor("decoder.layers.0.self_attention.linear_proj.weight_scale_inv")
     assert (proj.shape, proj.tp_dim, proj.layer) == ((1,), None, 0)
     assert Manifest(blocks.tensors, layers=2, name="blocky") == blocks  # a manifest of its own tensors is itself
     assert blocks.digest() != plain.digest() != per_tensor.digest() != blocks.digest()
+
+
+def test_fp8_by_default_converts_the_linear_layers_weights_only() -> None:
+    """``converted`` to fp8 (``--to-dtype``, a file's top-level ``to_dtype``) quantizes the linear layers' weights,
+    as Transformer Engine and vLLM do: attention (MLA's projections too), MLP, expert and shared-expert weights;
+    norms, q/k norms, biases, the embedding, the output layer and the router keep their dtype. A cast converts every
+    floating tensor, and a tensor fp8 leaves alone keeps a conversion of its own."""
+    qwen = TransformerConfig(layers=2, hidden=128, ffn=256, heads=2, vocab=256, qkv_bias=True, qk_norm=True)
+    mla = TransformerConfig(
+        layers=2, hidden=128, ffn=256, heads=2, vocab=256, experts=4, moe_ffn=64, shared_experts=1, dense_layers=1,
+        q_lora_rank=64, kv_lora_rank=32, qk_head_dim=32, qk_pos_emb_head_dim=16, v_head_dim=32,
+    )  # fmt: skip
+    for model in (manifest_from_config(qwen), preset("tiny-moe"), manifest_from_config(mla)):
+        fp8 = model.converted("float8_e4m3fn", "tensor")  # tiny-moe: gate and up of 64 rows each
+        kept = {t.name for t in fp8 if t.to_dtype is None and t.scale_of is None}
+        linear = {t.name for t in model if t.name not in kept}
+        assert all(t.linear == (t.name in linear) for t in model)
+        assert kept == {t.name for t in model if t.name.endswith(("norm.weight", "bias"))} | {
+            t.name for t in model if t.name.endswith(("router.weight", "embeddings.weight", "output_layer.weight"))
+        }, model.name
+        assert all(".linear_" in name for name in linear), model.name
+        assert all(t.to_dtype == "float16" for t in model.converted("float16") if t.dtype != "float16")
+    mixed = preset("tiny-moe").converted("bfloat16").converted("float8_e4m3fn", "tensor")
+    assert mixed.tensor("decoder.layers.1.mlp.router.weight").to_dtype == "bfloat16"
+    assert mixed.tensor("decoder.layers.1.mlp.experts.linear_fc2.weight7").scale == "tensor"
+    stacked = TensorSpec("mlp.experts.w13_weight", (4, 256, 128), stage="all")
+    assert stacked.linear and not TensorSpec("model.layers.0.mlp.gate.weight", (4, 128), stage="all").linear
+    assert not TensorSpec("lm_head.weight", (256, 128), stage="last").linear
+    assert TensorSpec("model.layers.0.mlp.gate_proj.weight", (256, 128), stage="all").linear
 
 
 def test_converted_leaves_non_floating_tensors_alone() -> None:
@@ -106,17 +145,26 @@ tensors:
   - {name: fc1, shape: [256, 128], tp_dim: 0, blocks: [128, 128], layer: 0, scale: block}
   - {name: norm, shape: [128], layer: 0, to_dtype: bfloat16, dtype: float32}
   - {name: ids, shape: [8], layer: 0, dtype: int32}
+  - {name: embedding.word_embeddings.weight, shape: [256, 128], tp_dim: 0, stage: first}
+  - {name: fc2, shape: [128, 128], tp_dim: 1, layer: 0, to_dtype: null}
+  - {name: q_norm, shape: [128], layer: 0, to_dtype: float8_e4m3fn}
+  - {name: k_norm, shape: [128], layer: 0}
 """
     path = tmp_path / "m.yaml"
     path.write_text(yaml_text)
     loaded = load_manifest(path)
     assert [(t.name, t.to_dtype, t.scale) for t in loaded] == [
-        ("emb", "float8_e4m3fn", "tensor"),
+        ("emb", "float8_e4m3fn", "tensor"),  # a matrix by a name the rule does not know: a linear weight
         ("fc1", "float8_e4m3fn", "block"),
         ("norm", "bfloat16", None),
         ("ids", None, None),
+        ("embedding.word_embeddings.weight", None, None),  # fp8 by default: linear layers' weights only
+        ("fc2", None, None),  # a tensor's own to_dtype wins, both ways
+        ("q_norm", "float8_e4m3fn", "tensor"),
+        ("k_norm", None, None),
         ("emb_scale_inv", None, None),
         ("fc1_scale_inv", None, None),
+        ("q_norm_scale_inv", None, None),
     ]
     assert loaded.to_dict()["tensors"][1] == {
         "name": "fc1",
@@ -166,6 +214,10 @@ def test_bad_conversions_are_typed_errors_naming_the_tensor(fields: dict[str, ob
         ({"scale": "tensor", "tensors": [{"name": "w", "shape": [4], "stage": "all"}]}, "scale='tensor' needs"),
         ({"config": BLOCKY.__dict__, "to_dtype": "int8"}, "'int8' is not a floating dtype a refit converts to"),
         (
+            {"to_dtype": "float8_e4m3fn", "tensors": [{"name": "n", "shape": [4], "stage": "all", "scale": "block"}]},
+            "tensor n: scale='block' needs to_dtype float8_e4m3fn",  # fp8 by default leaves a norm alone
+        ),
+        (
             {
                 "tensors": [
                     {"name": "w", "shape": [4], "stage": "all", "to_dtype": "float8_e4m3fn"},
@@ -204,11 +256,14 @@ def test_the_plan_and_the_cost_model_count_wire_bytes() -> None:
     wide = manifest_from_config(BLOCKY.__class__(**{**BLOCKY.__dict__, "dtype": "float32"}))
     assert _stats(wide).total_bytes == 2 * base.total_bytes
     assert _stats(wide.converted("bfloat16")).total_bytes == base.total_bytes  # narrowing: bf16 on the wire
-    for scale in ("block", "tensor"):
-        fp8 = _stats(_blocky(scale=scale))
-        assert fp8.scale_bytes > 0 and fp8.total_bytes == base.total_bytes // 2 + fp8.scale_bytes
-        assert fp8.to_dict()["scale_bytes"] == fp8.scale_bytes
     layout = plan_layout(8, "tp=2,dp=2,role=train + tp=1,dp=2 + tp=2")
+    sent = [t for t in plan_refit(layout, 0, [1, 2], plain).transfers() if not t.is_local]
+    linear = sum(t.bytes for t in sent if t.tensor.endswith(LINEAR))
+    assert 0 < linear < base.total_bytes
+    for scale in ("block", "tensor"):  # the linear weights in fp8 and their scales, the rest in bf16
+        fp8 = _stats(_blocky(scale=scale))
+        assert fp8.scale_bytes > 0 and fp8.total_bytes == base.total_bytes - linear // 2 + fp8.scale_bytes
+        assert fp8.to_dict()["scale_bytes"] == fp8.scale_bytes
     plan = plan_refit(layout, 0, [1, 2], _blocky())
     scales = [t for t in plan.transfers() if t.tensor.endswith("_scale_inv")]
     assert sum(t.bytes for t in scales if not t.is_local) == RefitStats.of(plan).scale_bytes
@@ -347,7 +402,10 @@ def _moved(plan: RefitPlan) -> set[str]:
 
 def test_every_holder_gets_every_other_parts_amax_from_its_own_replica() -> None:
     layout = plan_layout(12, "tp=2,dp=2,cp=2,role=train + tp=2,dp=2")
-    plan = plan_refit(layout, 0, 1, _blocky(scale="tensor"))
+    whole = "decoder.layers.0.input_layernorm.weight"  # converted on its own: a tensor every tp rank holds whole
+    manifest = _blocky(scale="tensor")
+    tensors = tuple(replace(t, to_dtype="float8_e4m3fn", scale="tensor") if t.name == whole else t for t in manifest)
+    plan = plan_refit(layout, 0, 1, Manifest(tensors, layers=BLOCKY.layers))
     parts = {rank: amax_exchange(plan, rank) for rank in range(12)}
     sends = sorted(t for part in parts.values() for t in part.sends)
     assert sends == sorted(t for part in parts.values() for t in part.recvs)  # both ends derive each message
@@ -356,7 +414,6 @@ def test_every_holder_gets_every_other_parts_amax_from_its_own_replica() -> None
         a, b = grid.coords(transfer.src), grid.coords(transfer.dst)
         assert (a["dp"], a["cp"], a["pp"]) == (b["dp"], b["cp"], b["pp"]) and a["tp"] != b["tp"]
     split = "decoder.layers.0.mlp.linear_fc1.weight"
-    whole = "decoder.layers.0.input_layernorm.weight"
     for rank in range(8):
         assert parts[rank].parts[split] == (grid.coords(rank)["tp"], 2) and parts[rank].parts[whole] == (0, 1)
         assert [t.src for t in parts[rank].recvs if t.tensor == split] == [rank ^ 1]  # the other tp rank
@@ -408,12 +465,15 @@ def test_cli_to_dtype_plans_wire_bytes(capsys: pytest.CaptureFixture[str]) -> No
     code, out, err = _run(capsys, *BASE, "--to-dtype", "bfloat16")
     assert code == 0 and err == ""
     assert "converting 26 tensors (26 float32 -> bfloat16): bytes are wire bytes" in out
+    code, out, _ = _run(capsys, *BASE, "--to-dtype", "float8_e4m3fn", "--scale", "tensor")
+    assert "converting 16 tensors (16 float32 -> float8_e4m3fn with tensor scales)" in out  # 4 linear weights a layer
     code, out, _ = _run(capsys, *BASE, "--to-dtype", "float8_e4m3fn", "--scale", "tensor", "--json")
     data = json.loads(out)
     manifest = preset("tiny-dense").converted("float8_e4m3fn", "tensor")
     stats = RefitStats.of(plan_refit(plan_layout(4, SPEC), 0, 1, manifest))
     assert data["total_bytes"] == stats.total_bytes and data["scale_bytes"] == stats.scale_bytes > 0
-    assert data["tensors"]["embedding.word_embeddings.weight"] == {
+    fc1 = "decoder.layers.0.mlp.linear_fc1.weight"
+    assert data["tensors"][fc1] == {
         "shape": [1024, 128],
         "dtype": "float32",
         "itemsize": 4,
@@ -422,9 +482,9 @@ def test_cli_to_dtype_plans_wire_bytes(capsys: pytest.CaptureFixture[str]) -> No
         "wire_itemsize": 1,
         "scale": "tensor",
     }
-    assert (
-        data["tensors"]["embedding.word_embeddings.weight_scale_inv"]["scale_of"] == "embedding.word_embeddings.weight"
-    )
+    assert data["tensors"][f"{fc1}_scale_inv"]["scale_of"] == fc1
+    for kept in ("embedding.word_embeddings.weight", "decoder.layers.0.input_layernorm.weight"):
+        assert "to_dtype" not in data["tensors"][kept] and f"{kept}_scale_inv" not in data["tensors"]
 
 
 @pytest.mark.parametrize(

@@ -361,8 +361,8 @@ def test_fp8_through_a_layout_is_planned_in_the_source_dtype() -> None:
     shapes = plan.for_rank(2).destination_shapes
     qkv = "model.layers.0.self_attn.qkv_proj.weight"
     assert shapes[qkv] == (512, 512) and shapes[f"{qkv}_scale_inv"] == (4, 4)
-    assert shapes["model.embed_tokens.weight_scale_inv"] == (1, 4)
-    assert set(shapes) == {n for name in plain.for_rank(2).destination_shapes for n in (name, f"{name}_scale_inv")}
+    linear = {name for name in plain.for_rank(2).destination_shapes if name.endswith(VLLM_LINEAR)}
+    assert set(shapes) == {*plain.for_rank(2).destination_shapes, *(f"{name}_scale_inv" for name in linear)}
     assert plan.destination_tensor(qkv).destination_dtype == "float8_e4m3fn"
     assert plan.destination_tensor(f"{qkv}_scale_inv").dtype == "float32"
     assert "quantizing" in plan.fingerprint()["destinations"]
@@ -420,6 +420,54 @@ def test_fp8_through_a_layout_refuses_what_it_cannot_block() -> None:
 
 FP8_MOE = {**FP8, **CONFIGS["qwen3_moe"], "head_dim": 128, "moe_intermediate_size": 256}
 """A Qwen3-MoE model whose experts are whole 128x128 blocks in vLLM at expt_tp <= 2 (and hf-stacked)."""
+
+FP8_MLA = {
+    **FP8, **CONFIGS["deepseek_v3"], "q_lora_rank": 256, "kv_lora_rank": 128, "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 64, "v_head_dim": 64, "moe_intermediate_size": 256,
+}  # fmt: skip
+"""A DeepSeek-V3 model whose vLLM tensors at tp <= 2 are whole 128x128 blocks (q_a_proj's rows in fused_qkv_a_proj)."""
+
+VLLM_LINEAR = (
+    "qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight", "w13_weight", "w2_weight",
+    "fused_qkv_a_proj.weight", "q_b_proj.weight", "kv_b_proj.weight",
+)  # fmt: skip
+"""The weights of vLLM's linear layers (``LinearBase``) and experts (``FusedMoE``), which its fp8 quantizes: not its
+embedding or head (``VocabParallelEmbedding``, ``ParallelLMHead``), norms, biases or router (``mlp.gate``, built
+without a quantization config)."""
+
+
+@pytest.mark.parametrize(
+    ("config", "shards"),
+    [
+        ({**FP8, **CONFIGS["qwen2"]}, "tp=2"),
+        ({**FP8, **CONFIGS["llama"]}, "tp=2"),
+        (FP8_MOE, "tp=2,ep=2,expt_tp=1"),
+        (FP8_MLA, "tp=2,ep=2,expt_tp=1"),
+    ],
+    ids=["qwen2", "llama", "qwen3_moe", "deepseek_v3"],
+)
+def test_fp8_into_vllm_quantizes_its_linear_weights_only(config: dict[str, Any], shards: str) -> None:
+    """``--to-layout vllm --to-dtype float8_e4m3fn``: the engine ranks quantize exactly vLLM's linear and expert
+    weights on landing; its embedding, head, norms (q/k and MLA's too), qkv bias and router land in the model's dtype,
+    with no scale tensor vLLM would have no place for."""
+    model = manifest_from_hf_config(config, vocab_multiple=128)
+    plan = plan_refit(plan_layout(4, f"{shards},role=train + {shards}"), 0, [1], model.manifest.converted(
+        "float8_e4m3fn"), layouts={1: model.layout("vllm")})  # fmt: skip
+    (engine,) = plan.destination_placements
+    landing = engine.landing
+    assert landing is not None
+    quantized = {t.name for t in landing if t.scale is not None}
+    assert quantized == {t.name for t in engine.weights.targets if t.name.endswith(VLLM_LINEAR)}
+    assert {t.scale_of for t in landing if t.scale_of is not None} == quantized
+    kept = [t for t in landing if t.scale_of is None and t.name not in quantized]
+    assert kept and all(t.destination_dtype == "bfloat16" and t.to_dtype is None for t in kept)
+    unquantized = ("embed_tokens.weight", "lm_head.weight", "norm.weight", "layernorm.weight", "qkv_proj.bias")
+    assert all(t.name.endswith((*unquantized, "mlp.gate.weight")) for t in kept)
+    assert any(t.name.endswith("mlp.gate.weight") for t in kept) == bool(model.config.experts)
+    for rank in (2, 3):
+        local = plan.for_rank(rank).destination_shapes
+        scales = {name.removesuffix("_scale_inv") for name in local if name.endswith("_scale_inv")}
+        assert scales == {name for name in local if name in quantized}
 
 
 def test_fp8_stacked_experts_are_blocked_per_expert() -> None:
@@ -489,7 +537,7 @@ def test_cli_says_what_is_quantized_on_landing(tmp_path: Any, capsys: pytest.Cap
     shards = ["refit", "--world", "4", "--shards", "tp=2,role=train + tp=2", "--from", "0", "--to", "1"]
     assert main([*shards, "--model", f"hf:{config}", "--to-layout", "vllm", "--to-dtype", "float8_e4m3fn"]) == 0
     out = capsys.readouterr().out
-    assert "quantized on landing: 17 destination tensors to float8_e4m3fn" in out and "in the source dtype" in out
+    assert "quantized on landing: 8 destination tensors to float8_e4m3fn" in out and "in the source dtype" in out
     assert (
         main([*shards, "--model", f"hf:{config}", "--to-layout", "vllm", "--to-dtype", "float8_e4m3fn", "--json"]) == 0
     )
@@ -502,7 +550,30 @@ def test_cli_says_what_is_quantized_on_landing(tmp_path: Any, capsys: pytest.Cap
     assert qkv["dtype"] == "bfloat16" and qkv["to_dtype"] == "float8_e4m3fn" and qkv["scale"] == "block"
     scale = engine["model.layers.0.self_attn.qkv_proj.weight_scale_inv"]
     assert scale["scale_of"] == "model.layers.0.self_attn.qkv_proj.weight" and scale["dtype"] == "float32"
-    assert sum("scale" in entry for entry in engine.values()) == 17  # the same count as the summary's
+    assert sum("scale" in entry for entry in engine.values()) == 8  # the same count as the summary's
+    for kept in ("model.embed_tokens.weight", "model.layers.0.self_attn.qkv_proj.bias", "model.norm.weight"):
+        assert "to_dtype" not in engine[kept] and f"{kept}_scale_inv" not in engine[kept]
     config.write_text(json.dumps({**FP8, **CONFIGS["qwen2"], "num_attention_heads": 8, "head_dim": 64}))
     assert main([*shards, "--model", f"hf:{config}", "--to-layout", "vllm", "--to-dtype", "float8_e4m3fn"]) == 2
     assert "qkv_proj.weight [768, 512]: the engine packs" in capsys.readouterr().err
+
+
+def test_fp8_from_the_hf_layout_is_refused_naming_the_fix(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """A converting manifest names Megatron's tensors, which a refit from the hf layout does not send: fp8 on
+    landing from it is a ManifestError naming the destination and the fix, before any plan (the CLI: one line)."""
+    from shardcore.cli import main
+
+    model = manifest_from_hf_config({**FP8, **CONFIGS["qwen2"]}, vocab_multiple=128)
+    words = r"a refit through a layout converts what Megatron shards send \(--from-layout megatron\); .* --to-dtype"
+    for kind in ("vllm", "megatron"):
+        layouts = {0: model.layout("hf"), **({1: model.layout(kind)} if kind != "megatron" else {})}
+        with pytest.raises(ManifestError, match=words):
+            plan_refit(plan_layout(3, "dp=1,role=train + tp=2"), 0, [1], model.manifest.converted("float8_e4m3fn"),
+                       layouts=layouts)  # fmt: skip
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**FP8, **CONFIGS["qwen2"]}))
+    argv = ["refit", "--world", "3", "--shards", "dp=1,role=train + tp=2", "--from", "0", "--to", "1"]
+    argv += ["--model", f"hf:{config}", "--from-layout", "hf", "--to-layout", "vllm", "--to-dtype", "float8_e4m3fn"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "filled from 'qwen2-2x512 (hf)'" in err

@@ -302,15 +302,21 @@ def hf_to_vllm(
 
 
 def fp8_mismatches(destinations: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:
-    """The destination tensors (fp8 weights, their ``_scale_inv``) not bitwise equal to quantizing the expected
-    high-precision local tensors with the project's own functions."""
+    """The destination tensors not bitwise equal to what they should hold: a quantized one (it has a
+    ``_scale_inv``) and its scales to quantizing the expected high-precision local tensor with the project's own
+    functions, any other (norms, embeddings, biases, the router) to the expected local tensor itself."""
     from shardcore.engine.transfer.convert import block_amax, quantize, scale_inv_of
 
     wrong = []
     for name, values in expected.items():
+        got, scale = destinations[name], destinations.get(f"{name}_scale_inv")
+        if scale is None:  # landed as sent
+            bits = values.contiguous().view(torch.uint8)
+            if got.dtype != values.dtype or not torch.equal(got.view(torch.uint8), bits):
+                wrong.append(name)
+            continue
         scale_inv = scale_inv_of(block_amax(values))
         weight = quantize(values, scale_inv, (0,) * values.dim())
-        got, scale = destinations[name], destinations[f"{name}_scale_inv"]
         if got.dtype != torch.float8_e4m3fn or not torch.equal(got.view(torch.uint8), weight.view(torch.uint8)):
             wrong.append(name)
         if not torch.equal(scale.view(torch.int32), scale_inv.view(torch.int32)):
@@ -352,14 +358,15 @@ def run_fp8(
             return {n: cut(full[n].to(torch.bfloat16), manifest.tensor(n), plan.source, rank, manifest)
                     for n in mine.source_shapes}  # fmt: skip
 
-        destinations = {
-            name: torch.full(shape, -1.0, dtype=getattr(torch, plan.destination_tensor(name).destination_dtype))
+        destinations = {  # -1 where no refit writes shows; the engine zeroes its vocabulary padding itself
+            name: torch.full(shape, 0.0 if name.endswith(("embed_tokens.weight", "lm_head.weight")) else -1.0,
+                             dtype=getattr(torch, plan.destination_tensor(name).destination_dtype))
             for name, shape in mine.destination_shapes.items()
-        }
+        }  # fmt: skip
         result: dict[str, Any] = {"case": case["model_type"], "rank": rank, "hops": sum(t.hop for t in mine.sends)}
         stats = execute_refit(plan, sources_of(states[0]), destinations, timeout=60, version=1)
         if rank >= 2:
-            result["names"] = sorted(destinations)
+            result["dtypes"] = {name: str(tensor.dtype) for name, tensor in destinations.items()}
             result["first"] = fp8_mismatches(destinations, expected_of(states[0]))
             result["landing_peak_bytes"] = stats.landing_peak_bytes
         chosen = ["decoder.layers.0.self_attention.linear_qkv.weight"]

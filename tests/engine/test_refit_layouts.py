@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from shardcore.testing import run_world
+from tests.core.test_refit_layouts import VLLM_LINEAR
 
 from . import layout_workers as workers
 
@@ -168,9 +169,11 @@ def test_deepseek_v3_hf_layout_is_the_installed_model_class() -> None:
 
 
 def test_fp8_into_the_vllm_layout_is_quantized_by_the_engine_ranks() -> None:
-    """Megatron shards refit into vLLM tp=2 in fp8 with block scales: on every engine rank each fp8 weight and
-    its ``_scale_inv`` are bitwise those of quantizing (with the project's functions) the local vLLM tensor
-    built here from the HF tensors, padding zero; with relays (fan-out), and after a partial refit at a new
+    """Megatron shards refit into vLLM tp=2 in fp8 with block scales: on every engine rank exactly vLLM's linear and
+    expert weights are fp8, each with its ``_scale_inv``, bitwise those of quantizing (with the project's
+    functions) the local vLLM tensor built here from the HF tensors, padding zero; its embedding, head, norms, qkv
+    bias and router land in bf16 with no scale tensor, bitwise the local tensors; with relays (fan-out), and after
+    a partial refit at a new
     version, which renews the fused ``qkv_proj`` whole and leaves the rest; a delta refit is refused on every
     rank (the destinations hold fp8, not the wire bytes a delta builds on). A MoE's stacked experts (from
     Megatron with ep, into vLLM with ep or expt_tp) are blocked per expert, ``w13_weight_scale_inv`` [local
@@ -183,9 +186,15 @@ def test_fp8_into_the_vllm_layout_is_quantized_by_the_engine_ranks() -> None:
         if "num_experts" in case:
             renewed.append("model.layers.0.mlp.experts.w13_weight")
         for got in engine:
-            weights = [n for n in got["names"] if not n.endswith("_scale_inv")]
-            assert weights and set(got["names"]) == {n for w in weights for n in (w, f"{w}_scale_inv")}, family
-            assert set(renewed) <= set(weights), family
+            dtypes = got["dtypes"]
+            weights = {n for n in dtypes if n.endswith(VLLM_LINEAR)}
+            scales = {n for n in dtypes if n.endswith("_scale_inv")}
+            assert weights and scales == {f"{w}_scale_inv" for w in weights}, family
+            assert all(dtypes[w] == "torch.float8_e4m3fn" for w in weights), family
+            kept = set(dtypes) - weights - scales
+            assert kept and all(dtypes[n] == "torch.bfloat16" for n in kept), family
+            assert any(n.endswith("mlp.gate.weight") for n in kept) == ("num_experts" in case), family
+            assert set(renewed) <= weights, family
             assert got["first"] == [] and got["partial"] == [], (family, got["first"], got["partial"])
             assert got["partial_names"] == sorted(n for w in renewed for n in (w, f"{w}_scale_inv")), family
             assert [held.version for held in got["versions"]] == [2, 1] and all(h.intact for h in got["versions"])
@@ -198,17 +207,21 @@ def test_fp8_into_the_vllm_layout_is_quantized_by_the_engine_ranks() -> None:
 @pytest.mark.parametrize(
     ("case", "shards", "nproc", "layout", "checked"),
     [
-        ({"model_type": "qwen2"}, "tp=2,role=train + tp=2", 4, "vllm", 2 * 34),  # 17 tensors a rank, with scales
-        (workers.FP8_MOE, "tp=2,ep=2,expt_tp=1,role=train + tp=2,expt_tp=2", 4, "vllm", 2 * 42),  # w13, w2 per expert
-        (workers.FP8_MOE, "tp=2,ep=2,expt_tp=1,role=train + dp=1", 3, "hf-stacked", 50),  # gate_up_proj [4, 512, 512]
+        # 17 tensors a rank, 8 of them (qkv_proj, o_proj, gate_up_proj, down_proj) quantized with a scale tensor
+        ({"model_type": "qwen2"}, "tp=2,role=train + tp=2", 4, "vllm", 2 * (17 + 8)),
+        # 21 tensors a rank, 8 quantized: qkv_proj, o_proj, w13 and w2 (stacked experts, blocked per expert)
+        (workers.FP8_MOE, "tp=2,ep=2,expt_tp=1,role=train + tp=2,expt_tp=2", 4, "vllm", 2 * (21 + 8)),
+        # 25 tensors, 12 quantized: q, k, v and o_proj, gate_up_proj [4, 512, 512] and down_proj
+        (workers.FP8_MOE, "tp=2,ep=2,expt_tp=1,role=train + dp=1", 3, "hf-stacked", 25 + 12),
     ],
 )
 def test_refit_check_fp8_through_a_layout(
     tmp_path: Path, case: dict[str, Any], shards: str, nproc: int, layout: str, checked: int
 ) -> None:
     """``refit --check --to-layout vllm|hf-stacked --to-dtype float8_e4m3fn --scale block`` quantizes the expected local
-    tensors as the engine ranks must, and compares every fp8 byte and scale bitwise; a MoE's stacked experts
-    (vLLM's w13/w2, hf-stacked's gate_up_proj/down_proj) blocked per expert."""
+    linear weights as the engine ranks must, and compares every fp8 byte and scale bitwise, and every norm,
+    embedding, head and router byte as sent; a MoE's stacked experts (vLLM's w13/w2, hf-stacked's
+    gate_up_proj/down_proj) blocked per expert."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps({**workers.FP8_BASE, **case}))
     command = [sys.executable, "-m", "shardcore", "refit", "--check", "--nproc", str(nproc), "--json"]
