@@ -508,8 +508,11 @@ class RefitPlan:
         self, found: dict[tuple[Any, ...], Any], position: int, shard: int, source: Slice, context: tuple[Slice, ...]
     ) -> list[Tile]:
         """The tiles of source slice ``source`` toward destination ``shard`` (``_tiles_from``), found once per
-        distinct (source slice, destination's slices, ``context``) as ``_tiles_alike`` finds them."""
-        targets = self.destination_placements[shard].slices(position)
+        distinct (source slice, destination's slices, ``context``) as ``_tiles_alike`` finds them. Without fan-out
+        the destination's slices are only those meeting ``source`` (a rank's sends cost its own tiles, not every
+        slice of an engine's image); with fan-out, all of them (the ``context``'s, whose identity keys the tiles)."""
+        placement = self.destination_placements[shard]
+        targets = placement.slices(position) if self.fan_out else tuple(placement.overlapping(position, source.box))
         return self._alike(
             found,
             (shard, -2),

@@ -108,12 +108,14 @@ class WeightMap:
     _into: dict[str, tuple[Link, ...]] = field(init=False, repr=False, compare=False)
     _from: dict[str, tuple[Link, ...]] = field(init=False, repr=False, compare=False)
     _feeds: dict[str, tuple[int, ...]] = field(init=False, repr=False, compare=False)
+    _numbers: dict[str, tuple[int, ...]] = field(init=False, repr=False, compare=False)
     _patterns: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         into: dict[str, list[Link]] = {}
         out: dict[str, list[Link]] = {}
         feeds: dict[str, list[int]] = {}
+        numbers: dict[str, list[int]] = {}
         for link in self.links:
             position = self.sources.index(link.source)
             source, target = self.sources.tensors[position], self.targets.tensor(link.target)
@@ -124,7 +126,9 @@ class WeightMap:
                 )
             if _extents(link.box) != _extents(link.origin):
                 raise ManifestError(f"{self._where(link)}: the two boxes differ in extent")
-            into.setdefault(link.target, []).append(link)
+            filling = into.setdefault(link.target, [])
+            numbers.setdefault(link.source, []).append(len(filling))
+            filling.append(link)
             out.setdefault(link.source, []).append(link)
             feeds.setdefault(link.target, []).append(position)
         for name, boxes in self.padding.items():
@@ -136,6 +140,7 @@ class WeightMap:
         object.__setattr__(self, "_into", {k: tuple(v) for k, v in into.items()})
         object.__setattr__(self, "_from", {k: tuple(v) for k, v in out.items()})
         object.__setattr__(self, "_feeds", {k: tuple(v) for k, v in feeds.items()})
+        object.__setattr__(self, "_numbers", {k: tuple(v) for k, v in numbers.items()})
         patterns: dict[tuple[object, ...], int] = {}
         object.__setattr__(
             self,
@@ -194,6 +199,11 @@ class WeightMap:
     def out_of(self, source: str) -> tuple[Link, ...]:
         """The links that read source tensor ``source``."""
         return self._from.get(source, ())
+
+    def numbers(self, source: str) -> tuple[int, ...]:
+        """The number of each link that reads ``source`` among the links filling its destination tensor (``out_of``'s
+        order; ``into``'s numbering): a source tensor's part of a destination's image is found without the rest."""
+        return self._numbers.get(source, ())
 
     def then(self, after: WeightMap) -> WeightMap:
         """This map followed by ``after`` (whose sources are this map's targets): one map from this map's
@@ -297,11 +307,13 @@ class _Image(NamedTuple):
     Attributes:
         entries: (link number, source box, offset in the destination's local tensor, holders, block) of each
             slice, in order (a slice's ``part``).
+        starts: Where each link's slices start among ``entries`` (by link number; one more at the end).
         by_holders: The slices' orders, by holder set (the set's members first).
         ranks: Per rank asked for, the (order, entry) of each slice it holds, in order (``of_rank``).
     """
 
     entries: list[tuple[int, Box, tuple[int, ...], HolderSet, int]]
+    starts: list[int]
     by_holders: list[tuple[frozenset[int], list[int]]]
     ranks: dict[int, list[tuple[int, tuple[int, Box, tuple[int, ...], HolderSet, int]]]]
 
@@ -346,6 +358,8 @@ class MappedPlacement(Placement):
         self._by_source: dict[int, dict[int, list[Slice]]] = {}
         self._slices: dict[int, tuple[Slice, ...]] = {}
         self._images: dict[tuple[object, ...], _Image] = {}
+        self._image_of: dict[int, tuple[_Image, tuple[int, ...]]] = {}
+        self._reads: dict[int, list[tuple[int, int]]] = {}
 
     @property
     def ranks(self) -> Collection[int]:
@@ -362,7 +376,11 @@ class MappedPlacement(Placement):
     def _image(self, position: int) -> tuple[_Image, tuple[int, ...]]:
         """Destination tensor ``position``'s image (``_Image``), and the source tensor's position of each of its
         links. An image is found once per distinct (engine slices, ``WeightMap.pattern``): the same weight of every
-        layer (a MoE layer's 4,096 expert links) has the same, only the tensors' names differ."""
+        layer (a MoE layer's 4,096 expert links) has the same, only the tensors' names differ; and kept per position
+        (a training rank's slices ask for their destination tensors' images many times)."""
+        known = self._image_of.get(position)
+        if known is not None:
+            return known
         name = self.weights.targets.tensors[position].name
         engine = self.engine.slices(position)
         key = (
@@ -373,17 +391,21 @@ class MappedPlacement(Placement):
         if found is None:
             links = self.weights.into(name)
             entries: list[tuple[int, Box, tuple[int, ...], HolderSet, int]] = []
+            starts = []
             for number, link in enumerate(links):
+                starts.append(len(entries))
                 for piece in self.engine.overlapping(position, link.box):
                     shared = overlap(piece.box, link.box)
                     box = translate(shared, link.box, link.origin)
                     offset = tuple(o + lo - a for o, (lo, _), (a, _) in zip(piece.offset, shared, piece.box))
                     entries.append((number, box, offset, piece.holders, piece.block))
+            starts.append(len(entries))
             by_holders: dict[int, tuple[frozenset[int], list[int]]] = {}
             for order, entry in enumerate(entries):
                 by_holders.setdefault(entry[3].key, (entry[3].members, []))[1].append(order)
-            found = self._images[key] = _Image(entries, list(by_holders.values()), {})
-        return found, self.weights.feeds(name)
+            found = self._images[key] = _Image(entries, starts, list(by_holders.values()), {})
+        known = self._image_of[position] = (found, self.weights.feeds(name))
+        return known
 
     def _of_target(self, position: int) -> tuple[tuple[int, Slice], ...]:
         """Every slice of destination tensor ``position``'s image, with its source tensor's position."""
@@ -411,6 +433,37 @@ class MappedPlacement(Placement):
             found = tuple(piece for t in targets for piece in self._by_source[t].get(position, ()))
             self._slices[position] = found
         return found
+
+    def overlapping(self, position: int, box: Box) -> Iterator[Slice]:
+        """The slices of source tensor ``position`` meeting ``box``, in ``slices``' order: made for those only, unless
+        every slice is made already. A training rank asks for those meeting its own source slices, a few of the
+        thousands of its tensors' images (every engine rank's)."""
+        made = self._slices.get(position)
+        if made is not None:
+            return (piece for piece in made if meets(piece.box, box))
+        return self._meeting(position, box)
+
+    def _meeting(self, position: int, box: Box) -> Iterator[Slice]:
+        """``overlapping``'s slices, read off the images of the destination tensors ``position`` feeds: per
+        (destination tensor, link number) in ``slices``' order, the link's entries (``_Image.starts``) that meet."""
+        reads = self._reads.get(position)
+        if reads is None:
+            name = self.manifest.tensors[position].name
+            index = self.weights.targets.index
+            reads = self._reads[position] = sorted(
+                zip((index(link.target) for link in self.weights.out_of(name)), self.weights.numbers(name))
+            )
+        targets = self.weights.targets.tensors
+        for target, number in reads:
+            image, _ = self._image(target)
+            made = self._mapped.get(target)
+            for order in range(image.starts[number], image.starts[number + 1]):
+                _, piece_box, offset, holders, block = image.entries[order]
+                if meets(piece_box, box):
+                    if made is not None:
+                        yield made[order][1]
+                    else:
+                        yield _new(Slice, (piece_box, offset, holders, block, order, targets[target].name))
 
     def held(self, rank: int) -> Iterator[HeldTensor]:
         """The rank's tensors, each as the slices of its image the rank holds: made for this rank only (an
