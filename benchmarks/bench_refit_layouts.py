@@ -2,7 +2,8 @@
 
 For each model, from a Hugging Face config's sizes: the time to make the model's maps (Megatron -> HF ->
 vLLM, once per model and engine tp), to plan the whole refit (``plan_refit``), one engine rank's part
-(``for_rank``) and the whole plan's stats (``RefitStats.of``). Run:
+(``for_rank``), the whole plan's stats (``RefitStats.of``), and one training rank's part (rank 0's, of a fresh
+plan: cold, as in a training process). Run:
 ``python benchmarks/bench_refit_layouts.py`` (``--profile`` prints cProfile's top entries of each).
 """
 
@@ -12,6 +13,7 @@ import argparse
 import cProfile
 import pstats
 import time
+from functools import partial
 from typing import Any
 
 from shardcore.plan.layout import plan_layout
@@ -47,18 +49,24 @@ def run_case(label: str, config: dict[str, Any], spec: str, profile: bool) -> No
     engine = layout.shards[1]
     model.vllm_from_megatron(engine.spec.tp, engine.spec.expt_tp)
     maps = time.perf_counter()
-    plan = plan_refit(layout, 0, [1], model.manifest, layouts={1: model.layout("vllm")})
+    refit = partial(plan_refit, layout, 0, [1], model.manifest, layouts={1: model.layout("vllm")})
+    plan = refit()
     planned = time.perf_counter()
     mine = plan.for_rank(engine.ranks[0])
     part = time.perf_counter()
     stats = RefitStats.of(plan)
     done = time.perf_counter()
+    fresh = refit()
+    sending = time.perf_counter()
+    sends = len(fresh.for_rank(layout.shards[0].ranks[0]).sends)
+    sent = time.perf_counter()
     if profiler:
         profiler.disable()
     print(
         f"| {label} | {len(model.manifest):,} -> {len(model.vllm(engine.spec.tp, engine.spec.expt_tp)[0]):,} "
         f"| `{spec}` | {maps - start:.2f} s | {planned - maps:.2f} s | {1000 * (part - planned):.0f} ms "
-        f"({len(mine.recvs):,} recvs) | {done - part:.2f} s | {stats.total_bytes / 1e9:,.0f} GB |"
+        f"({len(mine.recvs):,} recvs) | {done - part:.2f} s | {stats.total_bytes / 1e9:,.0f} GB "
+        f"| {1000 * (sent - sending):.0f} ms ({sends:,} sends) |"
     )
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
@@ -69,7 +77,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print cProfile's top entries per case")
     args = parser.parse_args()
     columns = ["model", "tensors (Megatron -> vLLM)", "shards", "maps", "plan_refit", "one engine rank's part"]
-    columns += ["stats", "moved"]
+    columns += ["stats", "moved", "one training rank's part"]
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
     for label, config, spec in CASES:
