@@ -20,7 +20,7 @@ from shardcore.plan.layout import plan_layout
 from shardcore.refit import RefitStats
 from shardcore.refit.families import FAMILIES, HFModel, manifest_from_hf_config
 from shardcore.refit.manifest import Manifest, TensorSpec
-from shardcore.refit.placement import fitted, holdings
+from shardcore.refit.placement import fitted, holdings, meets
 from shardcore.refit.planner import RefitPlan, plan_refit, plan_refit_from
 from shardcore.refit.weightmap import Link, WeightMap, rows, whole
 
@@ -117,6 +117,28 @@ def test_every_destination_element_once_from_a_holder(family: str) -> None:
     senders = Counter(t.src for t in every)
     assert set(senders) == {0, 1, 2, 3}  # the dp replicas share the sending
     assert max(senders.values()) <= 2 * min(senders.values())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_training_rank_finds_the_engine_slices_meeting_its_own(family: str) -> None:
+    """A training rank's sends ask an engine's image for the slices meeting each of its own
+    (``MappedPlacement.overlapping``) without making the rest: the same slices in the same order as every slice
+    filtered, and the same part as a plan that made every slice first."""
+    moe = family in ("qwen3_moe", "deepseek_v3")
+    source_spec = "tp=2,dp=2,ep=2,expt_tp=1,role=train" if moe else "tp=2,dp=2,role=train"
+    model, layout = model_of(family), plan_layout(8, f"{source_spec} + {'tp=4,ep=2,expt_tp=2' if moe else 'tp=4'}")
+
+    def fresh() -> RefitPlan:
+        return plan_refit(layout, 0, [1], model.manifest, layouts={1: model.layout("vllm")}, min_piece_bytes=0)
+
+    made = fresh()
+    engine, lazy = made.destination_placements[0], fresh().destination_placements[0]
+    for position, tensor in enumerate(model.manifest):
+        every = engine.slices(position)
+        for box in [s.box for s in made.source_placement.slices(position)] + [tuple((0, 1) for _ in tensor.shape)]:
+            assert list(lazy.overlapping(position, box)) == [s for s in every if meets(s.box, box)], tensor.name
+    for rank in layout.shards[0].ranks:
+        assert fresh().for_rank(rank) == made.for_rank(rank)
 
 
 def test_hf_shapes_and_names_follow_the_model_classes() -> None:
