@@ -102,7 +102,7 @@ def test_a_dead_worker_or_trainer_rank_is_named_in_time_and_a_restarted_engine_i
 
 def test_bad_input_is_one_typed_error_within_the_timeout() -> None:
     address = f"127.0.0.1:{free_port()}"
-    timeout = 5.0
+    timeout = 20.0  # every error here is immediate; the copy job waits for the trainer's two rounds and two starts
     trainer, engine, copy = run_jobs(
         [
             (2, workers.bad_trainer, (address, timeout)),
