@@ -91,6 +91,12 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+from_fields = tuple.__new__
+"""Makes a named tuple (``Slice``, ``HeldTensor``, the planner's ``Tile`` and ``Transfer``) from a tuple of its
+fields, skipping the keyword handling of its class's constructor: a rank's part of a large MoE refit makes tens of
+thousands of each."""
+
+
 def meets(first: Box, second: Box) -> bool:
     """Whether two boxes of one tensor share an element."""
     for (a, b), (c, d) in zip(first, second):  # noqa: SIM110 (a loop: all() over a generator costs twice as much)
@@ -822,6 +828,7 @@ __all__ = [
     "ep_owner",
     "expert_range",
     "fitted",
+    "from_fields",
     "holders",
     "holdings",
     "holds",

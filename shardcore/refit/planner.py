@@ -70,6 +70,7 @@ from .placement import (
     ShardPlacement,
     Slice,
     check_fits,
+    from_fields,
     meets,
     moved,
     overlap,
@@ -104,7 +105,7 @@ class Transfer(NamedTuple):
 
     The box lies inside one packed block, so it is one dense box in both ranks' local tensors. A named tuple,
     ordered field by field: a rank's part holds tens of thousands, and a tuple is made in a fraction of the time a
-    frozen dataclass takes (``_new`` makes them without even the keyword handling).
+    frozen dataclass takes (``placement.from_fields`` makes them without even the keyword handling).
 
     Attributes:
         tensor: The tensor's name in the manifest.
@@ -573,7 +574,7 @@ class RefitPlan:
         # another tensor's tiles, moved here: the same boxes; the seed (which starts from the position, ``_tile``),
         # the bytes of a row, the destination's offset, the holders and the local tensor are this tensor's
         return [
-            _new(
+            from_fields(
                 Tile,
                 (
                     position,
@@ -786,10 +787,12 @@ class RefitPlan:
             origin = self._offset_in(tile, src) if hop else tile.src_offset
             target = tile.dst_offset if dst in tile.needers.members else self._offset_in(tile, dst)
             if lo == 0 and hi == tile.rows:  # the whole tile, as most travel
-                yield _new(Transfer, (name, src, dst, tile.box, origin, target, hi * row_bytes, hop, tile.target))
+                yield from_fields(
+                    Transfer, (name, src, dst, tile.box, origin, target, hi * row_bytes, hop, tile.target)
+                )
                 continue
             box = ((first + lo, first + hi), *rest)
-            yield _new(
+            yield from_fields(
                 Transfer,
                 (
                     name,
@@ -1027,7 +1030,7 @@ class _Part:
         position = tile.position
         self.pairs.append((src * self.world_size + dst) * self.tensors + position)
         self.transfers.append(
-            _new(
+            from_fields(
                 Transfer,
                 (
                     self.specs[position].name,
@@ -1077,9 +1080,6 @@ class _Part:
             tuple(ordered[low:high]),
         )
 
-
-_new = tuple.__new__
-"""Makes a named tuple from a tuple of its fields, skipping the keyword handling of its class's constructor."""
 
 _after_peers = attrgetter("box", "hop", "target")
 """The order of one tensor's transfers between one pair of ranks."""

@@ -28,7 +28,18 @@ from typing import NamedTuple
 
 from ..errors import ManifestError
 from .manifest import Manifest, tensor_label
-from .placement import Box, HeldTensor, HolderSet, Placement, Slice, meets, overlap, subtract, volume
+from .placement import (
+    Box,
+    HeldTensor,
+    HolderSet,
+    Placement,
+    Slice,
+    from_fields,
+    meets,
+    overlap,
+    subtract,
+    volume,
+)
 
 
 class Link(NamedTuple):
@@ -415,7 +426,7 @@ class MappedPlacement(Placement):
         name = self.weights.targets.tensors[position].name
         image, feeds = self._image(position)
         found = self._mapped[position] = tuple(
-            (feeds[number], _new(Slice, (box, offset, holders, block, order, name)))
+            (feeds[number], from_fields(Slice, (box, offset, holders, block, order, name)))
             for order, (number, box, offset, holders, block) in enumerate(image.entries)
         )
         by_source = self._by_source[position] = {}
@@ -463,7 +474,7 @@ class MappedPlacement(Placement):
                     if made is not None:
                         yield made[order][1]
                     else:
-                        yield _new(Slice, (piece_box, offset, holders, block, order, targets[target].name))
+                        yield from_fields(Slice, (piece_box, offset, holders, block, order, targets[target].name))
 
     def held(self, rank: int) -> Iterator[HeldTensor]:
         """The rank's tensors, each as the slices of its image the rank holds: made for this rank only (an
@@ -475,11 +486,15 @@ class MappedPlacement(Placement):
             made = self._mapped.get(position)
             by_source: dict[int, list[Slice]] = {}
             for order, (number, box, offset, holders, block) in image.of_rank(rank):
-                piece = made[order][1] if made is not None else _new(Slice, (box, offset, holders, block, order, name))
+                piece = (
+                    made[order][1]
+                    if made is not None
+                    else from_fields(Slice, (box, offset, holders, block, order, name))
+                )
                 by_source.setdefault(feeds[number], []).append(piece)
             shape = held.shape
             for source, pieces in sorted(by_source.items()):
-                yield _new(HeldTensor, (source, shape, tuple(pieces), name))
+                yield from_fields(HeldTensor, (source, shape, tuple(pieces), name))
 
     def local_tensors(self) -> Manifest:
         """The tensors this side's ranks hold locally (the destination's, by their own names and dtypes, with the
@@ -495,9 +510,5 @@ class MappedPlacement(Placement):
         """
         return MappedPlacement(self.engine.restrict(renumber), self.weights, self.landing)
 
-
-_new = tuple.__new__
-"""Makes a named tuple from a tuple of its fields, skipping the keyword handling of its class's constructor (an
-engine rank's part makes tens of thousands of slices)."""
 
 __all__ = ["Link", "MappedPlacement", "WeightMap", "rows", "translate", "whole"]
