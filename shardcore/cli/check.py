@@ -19,6 +19,7 @@ from ..engine import DEFAULT_BACKEND, install_hint
 from ..errors import CheckError
 from ..plan.arguments import counted, number_or_long, shown
 from ..views.tables import format_table
+from .arguments import ERROR
 
 if TYPE_CHECKING:
     from ..engine.live.check import CheckOptions, Prepared, RankReport
@@ -122,6 +123,24 @@ def speaks_for_the_world() -> bool:
     the ranks agreed on): always when run alone; under torchrun, only the first process of each node
     (``LOCAL_RANK`` 0), so a bad spec is one line, not one per rank."""
     return torchrun_world() is None or os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+SPEAKER_GRACE_S = 30.0
+"""How long a process that does not speak for the world waits, after an error, for torchrun to end it."""
+
+
+def report_error(message: str) -> None:
+    """Print an error on stderr once per node under torchrun, and never lose it.
+
+    torchrun ends every worker (SIGTERM) as soon as one exits non-zero. A quiet process that failed
+    and exited first would so end the speaker before it printed, and an error every rank saw alike
+    (a bad spec) would be printed by none. A quiet process therefore waits to be ended; past
+    ``SPEAKER_GRACE_S`` the error was its own, and it prints it with its rank.
+    """
+    if not speaks_for_the_world():
+        time.sleep(SPEAKER_GRACE_S)
+        message = f"rank {os.environ['RANK']}: {message}"
+    print(f"{ERROR} {message}", file=sys.stderr)
 
 
 class Progress:
@@ -286,8 +305,8 @@ __all__ = [
     "check_machine",
     "cmd_check",
     "local_limit",
+    "report_error",
     "require_torch",
-    "speaks_for_the_world",
     "summary",
     "torchrun_world",
 ]

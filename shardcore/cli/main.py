@@ -33,7 +33,7 @@ from .arguments import (
     add_order_flag,
     add_timeout_flag,
 )
-from .check import cmd_check, speaks_for_the_world
+from .check import cmd_check, report_error
 from .refit import add_refit_parser
 from .replan import add_replan_parser
 
@@ -353,8 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return int(args.func(args))
         except ShardcoreError as error:
-            if speaks_for_the_world():
-                print(f"{ERROR} {error}", file=sys.stderr)
+            report_error(str(error))
             return 2
         except KeyboardInterrupt:
             print("shardcore: interrupted", file=sys.stderr)

@@ -299,10 +299,34 @@ def test_a_store_connection_that_times_out_prints_no_cpp_stack(tmp_path: Path) -
     assert "socket.cpp" in verbose.stderr  # the connections really timed out; -v shows torch's own lines
 
 
-def test_under_torchrun_a_bad_spec_is_one_line_not_one_per_rank() -> None:
+SLOW_SPEAKER = """
+import os, time
+
+if os.environ.get("LOCAL_RANK") == "0" and "TORCHELASTIC_RUN_ID" in os.environ:
+    time.sleep(5)  # the speaker starts last, as one rank of a loaded machine does
+"""
+
+
+def test_under_torchrun_a_bad_spec_is_one_line_not_one_per_rank(tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text(SLOW_SPEAKER)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3"]
     argv += ["-m", "shardcore", "check", "--shards", "tp=2,pp=2"]
-    result = subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+    result = subprocess.run(argv, capture_output=True, text=True, env=_env(tmp_path), timeout=300, cwd=ROOT)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if "shardcore: error:" in line]
     assert len(errors) == 1 and "tp=2,pp=2" in errors[0] and "the world has 3" in errors[0], result.stderr
+    assert not errors[0].startswith("shardcore: error: rank ")  # the speaker's line, not a quiet rank's after its grace
+
+
+def test_under_torchrun_a_quiet_rank_prints_its_own_error_after_the_grace(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shardcore.cli import check as cli_check
+
+    monkeypatch.setattr(cli_check, "SPEAKER_GRACE_S", 0.2)
+    for name, value in {"RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "3"}.items():
+        monkeypatch.setenv(name, value)
+    started = time.monotonic()
+    cli_check.report_error("only this rank failed")
+    assert time.monotonic() - started >= 0.2
+    assert capsys.readouterr().err == "shardcore: error: rank 2: only this rank failed\n"
