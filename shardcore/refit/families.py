@@ -121,6 +121,11 @@ class HFModel:
         """Megatron's tensors -> the Hugging Face tensors."""
         return self._hf[1]
 
+    def hf_layout(self, kind: str) -> tuple[Manifest, WeightMap]:
+        """An HF layout's tensors and the map into them from Megatron's: ``hf``, the model class's (per-expert
+        MoE); ``hf-stacked``, with each layer's experts stacked as transformers 5 holds them."""
+        return self._hf_stacked if kind == "hf-stacked" else self._hf
+
     def check_manifest(self, manifest: Manifest) -> None:
         """That ``manifest`` is this model's Megatron manifest (the one its weight maps read).
 
@@ -578,7 +583,7 @@ def _hf_placement(model: HFModel, kind: str, plan: ShardPlan) -> tuple[Placement
             f"{label}: the {kind} layout holds the transformers model class whole on every rank: give its shard "
             f"tp=1, pp=1 (dp for more copies), or use the vllm layout for a split engine"
         )
-    targets, weights = model._hf_stacked if kind == "hf-stacked" else model._hf
+    targets, weights = model.hf_layout(kind)
     return engine_placement(targets, plan, split=False, label=label), weights
 
 

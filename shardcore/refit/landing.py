@@ -32,8 +32,8 @@ against), and the check that every scale block of a destination rank is the engi
 Both are planning errors (``ManifestError``, naming the tensor and the fix), before any byte moves. Per-tensor
 scales (``scale: tensor``) and plain casts are refused through a layout: a per-tensor scale of a fused tensor
 needs the amax of every rank's part of it, and vLLM keeps one per packed part; convert them between Megatron
-shards instead. So is a source in another layout than Megatron's (``hf``): the converting manifest names
-Megatron's tensors, which such a source does not send.
+shards instead. A source in an HF layout (a checkpoint) converts as the Megatron tensors that feed each of its
+tensors do (``carried``): ``q_proj`` as ``linear_qkv``, so the same weights are quantized from either side.
 
 Stacked experts (vLLM's ``w13_weight [local experts, 2*moe_ffn/tp, hidden]`` and ``w2_weight``, the
 ``hf-stacked`` layout's ``gate_up_proj`` and ``down_proj``) are blocked per expert, as vLLM's block-quantized
@@ -62,46 +62,26 @@ def landed(source: Manifest, destination: Placement, packing: WeightMap | None) 
     """``destination`` (a side of a refit through a layout) quantizing on landing what ``source`` converts.
 
     Args:
-        source: The converting manifest of the refit's source tensors (``Manifest.converted``, or per tensor).
+        source: The converting manifest of the refit's source tensors (``Manifest.converted``, or per tensor), by
+            the names the source holds them (a source in an HF layout: ``carried`` through Megatron -> HF).
         destination: A destination's placement through its weight map (``families.sides``).
         packing: The map from the HF tensors into the destination's (vLLM's packing), whose parts each converting
             tensor must keep whole blocks of; None for a layout that packs nothing.
 
     Raises:
-        ManifestError: a destination in Megatron's own layout, one filled from a source in another layout (the
-            converting manifest names Megatron's tensors), a conversion other than float8_e4m3fn with block
+        ManifestError: a destination in the source's own layout, a conversion other than float8_e4m3fn with block
             scales, a destination tensor fed by tensors converted unlike, or one whose rank boxes or packed parts
             cut a scale block (of one expert's matrix, in stacked experts); each naming the tensor and the fix.
     """
     if not isinstance(destination, MappedPlacement):
         raise ManifestError(
-            f"{destination.label} holds the source's own layout: a refit through a layout converts on the engine "
-            f"ranks only; convert into Megatron shards in a refit of its own (without layouts)"
+            f"{destination.describe()} holds the source's own layout: a refit through a layout converts where the "
+            f"layout changes; convert into this shard in a refit of its own (without layouts)"
         )
     weights = destination.weights
-    named = {tensor.name for tensor in source}
-    stranger = next((tensor.name for tensor in weights.sources if tensor.name not in named), None)
-    if stranger is not None:
-        raise ManifestError(
-            f"{destination.label}: a refit through a layout converts what Megatron shards send (--from-layout "
-            f"megatron); this destination is filled from {weights.sources.name!r}, whose tensors (such as "
-            f"{stranger}) the converting manifest {source.name!r} does not name: refit from that layout without "
-            f"--to-dtype"
-        )
     converting: list[TensorSpec] = []
     for target in weights.targets:
-        kinds = {
-            (spec.to_dtype, spec.scale): spec.name
-            for position in weights.feeds(target.name)
-            for spec in (source.tensor(weights.sources.tensors[position].name),)
-        }
-        if len(kinds) > 1:
-            shown = ", ".join(f"{name} to {to or 'its dtype'}" for (to, _), name in kinds.items())
-            raise ManifestError(
-                f"{destination.label}: tensor {tensor_label(target.name)} is made of tensors converted unlike "
-                f"({shown}): convert all the tensors that feed one destination tensor alike"
-            )
-        ((to_dtype, scale),) = kinds
+        to_dtype, scale = _conversion(destination.label, target.name, _feeding(source, weights, target.name))
         if to_dtype is None:
             continue
         if to_dtype != SCALED or scale != "block":
@@ -119,6 +99,44 @@ def landed(source: Manifest, destination: Placement, packing: WeightMap | None) 
         replace(spec, to_dtype=SCALED, scale="block") if spec.name in chosen else spec for spec in weights.targets
     )
     return MappedPlacement(destination.engine, weights, replace(weights.targets, tensors=tensors))
+
+
+def carried(converting: Manifest, into: WeightMap) -> Manifest:
+    """``converting``'s conversions carried through ``into`` onto its targets: the converting manifest of a source
+    in an HF layout (a checkpoint), each HF tensor converted as the Megatron tensors that feed it are, so that what
+    converts is the same choice whichever layout the source holds (``linear``: q_proj as linear_qkv).
+
+    Raises:
+        ManifestError: an HF tensor fed by Megatron tensors converted unlike.
+    """
+    tensors = []
+    for target in into.targets:
+        to_dtype, scale = _conversion(into.name, target.name, _feeding(converting, into, target.name))
+        tensors.append(replace(target, to_dtype=to_dtype, scale=scale))
+    return replace(into.targets, tensors=tuple(tensors))
+
+
+def _feeding(converting: Manifest, weights: WeightMap, target: str) -> list[TensorSpec]:
+    """The tensors of ``converting`` that feed ``target`` through ``weights`` (its sources, with their conversions)."""
+    return [converting.tensor(weights.sources.tensors[position].name) for position in set(weights.feeds(target))]
+
+
+def _conversion(where: str, target: str, feeding: list[TensorSpec]) -> tuple[str | None, str | None]:
+    """The (to_dtype, scale) of a tensor made of ``feeding``: theirs, which must be alike, since a tensor is
+    converted whole.
+
+    Raises:
+        ManifestError: tensors converted unlike, naming them.
+    """
+    kinds = {(spec.to_dtype, spec.scale): spec.name for spec in feeding}
+    if len(kinds) > 1:
+        shown = ", ".join(f"{name} to {to or 'its dtype'}" for (to, _), name in kinds.items())
+        raise ManifestError(
+            f"{where}: tensor {tensor_label(target)} is made of tensors converted unlike "
+            f"({shown}): convert all the tensors that feed one destination tensor alike"
+        )
+    ((to_dtype, scale),) = kinds
+    return to_dtype, scale
 
 
 def _check_boxes(destination: MappedPlacement, target: TensorSpec) -> None:
@@ -156,4 +174,4 @@ def _check_parts(destination: MappedPlacement, target: TensorSpec, packing: Weig
             )
 
 
-__all__ = ["landed"]
+__all__ = ["carried", "landed"]

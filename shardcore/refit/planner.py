@@ -60,7 +60,7 @@ from ..errors import LayoutError, ManifestError, RefitError
 from ..plan.arguments import check_count, check_size, shown
 from ..plan.layout import Layout, ShardPlan
 from .families import ModelLayout, sides
-from .landing import landed
+from .landing import carried, landed
 from .manifest import Manifest, TensorSpec, scale_shape
 from .placement import (
     Box,
@@ -1288,6 +1288,9 @@ def _through_layouts(
     with gc_paused():
         origin, targets = sides(source, destinations, layouts)
         if converting.converts:
+            start = layouts.get(source.index)
+            if start is not None and start.kind != "megatron":  # an HF source: its tensors convert as Megatron's do
+                converting = carried(converting, model.hf_layout(start.kind)[1])
             targets = tuple(
                 landed(converting, placement, _packing(layouts, plan)) for placement, plan in zip(targets, destinations)
             )

@@ -580,22 +580,60 @@ def test_cli_says_what_is_quantized_on_landing(tmp_path: Any, capsys: pytest.Cap
     assert "qkv_proj.weight [768, 512]: the engine packs" in capsys.readouterr().err
 
 
-def test_fp8_from_the_hf_layout_is_refused_naming_the_fix(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    """A converting manifest names Megatron's tensors, which a refit from the hf layout does not send: fp8 on
-    landing from it is a ManifestError naming the destination and the fix, before any plan (the CLI: one line)."""
+@pytest.mark.parametrize(("config", "engine"), [(CONFIGS["qwen2"], "tp=2"), (FP8_MOE, "tp=2,expt_tp=2")])
+def test_fp8_from_an_hf_layout_quantizes_what_megatron_shards_would(config: dict[str, Any], engine: str) -> None:
+    """A source in an HF layout (a checkpoint) converts each of its tensors as the Megatron tensors that feed it:
+    into vLLM the same tensors are quantized on landing, with the same scale shapes, as from Megatron shards; into
+    Megatron shards, the same tensors and scale tensors as a refit between Megatron shards makes."""
+    model = manifest_from_hf_config({**FP8, **config}, vocab_multiple=128)
+    fp8 = model.manifest.converted("float8_e4m3fn")
+    vllm = model.layout("vllm")
+    from_megatron = plan_refit(plan_layout(4, f"tp=2,role=train + {engine}"), 0, [1], fp8, layouts={1: vllm})
+    for start in ("hf", "hf-stacked"):
+        layout = plan_layout(3, f"dp=1,role=train + {engine}")
+        from_hf = plan_refit(layout, 0, [1], fp8, layouts={0: model.layout(start), 1: vllm})
+        for rank in (1, 2):
+            assert from_hf.for_rank(rank).destination_shapes == from_megatron.for_rank(rank + 1).destination_shapes
+    into_megatron = plan_refit(plan_layout(3, "dp=1,role=train + tp=2"), 0, [1], fp8, layouts={0: model.layout("hf")})
+    between_shards = plan_refit(plan_layout(4, "tp=2,role=train + tp=2"), 0, [1], fp8)
+    shapes = into_megatron.for_rank(1).destination_shapes
+    assert shapes == between_shards.for_rank(2).destination_shapes
+    assert sum(name.endswith("_scale_inv") for name in shapes) == sum(t.scale_of is not None for t in fp8)
+
+
+def test_fp8_from_an_hf_layout_refuses_a_tensor_fed_by_tensors_converted_unlike() -> None:
+    """hf-stacked's ``gate_up_proj`` holds every expert of a layer: one expert left in bf16 by the converting
+    manifest cannot be quantized with the rest, a ManifestError naming both tensors, before any plan."""
+    model = manifest_from_hf_config({**FP8, **FP8_MOE}, vocab_multiple=128)
+    kept = "decoder.layers.0.mlp.experts.linear_fc1.weight1"
+    fp8 = model.manifest.converted("float8_e4m3fn")
+    fp8 = replace(fp8, tensors=tuple(
+        replace(t, to_dtype=None, scale=None) if t.name == kept else t for t in fp8 if t.scale_of != kept
+    ))  # fmt: skip
+    layouts = {0: model.layout("hf-stacked"), 1: model.layout("vllm")}
+    words = r"gate_up_proj is made of tensors converted unlike \(.*linear_fc1.weight1 to its dtype"
+    with pytest.raises(ManifestError, match=words):
+        plan_refit(plan_layout(3, "dp=1,role=train + tp=2,expt_tp=2"), 0, [1], fp8, layouts=layouts)
+
+
+def test_cli_fp8_from_the_hf_layout(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """``refit --from-layout hf --to-layout vllm --to-dtype float8_e4m3fn`` plans (it was refused): the summary
+    says what the engine ranks quantize, as from Megatron shards."""
     from shardcore.cli import main
 
-    model = manifest_from_hf_config({**FP8, **CONFIGS["qwen2"]}, vocab_multiple=128)
-    words = r"a refit through a layout converts what Megatron shards send \(--from-layout megatron\); .* --to-dtype"
-    for kind in ("vllm", "megatron"):
-        layouts = {0: model.layout("hf"), **({1: model.layout(kind)} if kind != "megatron" else {})}
-        with pytest.raises(ManifestError, match=words):
-            plan_refit(plan_layout(3, "dp=1,role=train + tp=2"), 0, [1], model.manifest.converted("float8_e4m3fn"),
-                       layouts=layouts)  # fmt: skip
     config = tmp_path / "config.json"
     config.write_text(json.dumps({**FP8, **CONFIGS["qwen2"]}))
     argv = ["refit", "--world", "3", "--shards", "dp=1,role=train + tp=2", "--from", "0", "--to", "1"]
     argv += ["--model", f"hf:{config}", "--from-layout", "hf", "--to-layout", "vllm", "--to-dtype", "float8_e4m3fn"]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "filled from 'qwen2-2x512 (hf)'" in err
+    assert main(argv) == 0
+    assert "quantized on landing: 8 destination tensors to float8_e4m3fn" in capsys.readouterr().out
+
+
+def test_fp8_into_a_destination_in_the_source_layout_is_refused_naming_the_fix() -> None:
+    """A plan through a layout converts on landing where the layout changes; a Megatron destination beside a vLLM
+    one, from Megatron shards, would need the senders' quantizing of a plan between shards: refused, naming it."""
+    model = manifest_from_hf_config({**FP8, **CONFIGS["qwen2"]}, vocab_multiple=128)
+    layout = plan_layout(6, "tp=2,role=train + tp=2 + tp=2")
+    words = r"shard 2 .* holds the source's own layout: .* convert into this shard in a refit of its own"
+    with pytest.raises(ManifestError, match=words):
+        plan_refit(layout, 0, [1, 2], model.manifest.converted("float8_e4m3fn"), layouts={1: model.layout("vllm")})

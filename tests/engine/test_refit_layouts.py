@@ -205,28 +205,40 @@ def test_fp8_into_the_vllm_layout_is_quantized_by_the_engine_ranks() -> None:
 
 
 @pytest.mark.parametrize(
-    ("case", "shards", "nproc", "layout", "checked"),
+    ("case", "shards", "nproc", "layouts", "checked"),
     [
         # 17 tensors a rank, 8 of them (qkv_proj, o_proj, gate_up_proj, down_proj) quantized with a scale tensor
-        ({"model_type": "qwen2"}, "tp=2,role=train + tp=2", 4, "vllm", 2 * (17 + 8)),
+        ({"model_type": "qwen2"}, "tp=2,role=train + tp=2", 4, ["--to-layout", "vllm"], 2 * (17 + 8)),
         # 21 tensors a rank, 8 quantized: qkv_proj, o_proj, w13 and w2 (stacked experts, blocked per expert)
-        (workers.FP8_MOE, "tp=2,ep=2,expt_tp=1,role=train + tp=2,expt_tp=2", 4, "vllm", 2 * (21 + 8)),
+        (workers.FP8_MOE, "tp=2,ep=2,expt_tp=1,role=train + tp=2,expt_tp=2", 4, ["--to-layout", "vllm"], 2 * (21 + 8)),
         # 25 tensors, 12 quantized: q, k, v and o_proj, gate_up_proj [4, 512, 512] and down_proj
-        (workers.FP8_MOE, "tp=2,ep=2,expt_tp=1,role=train + dp=1", 3, "hf-stacked", 25 + 12),
+        (workers.FP8_MOE, "tp=2,ep=2,expt_tp=1,role=train + dp=1", 3, ["--to-layout", "hf-stacked"], 25 + 12),
+        # from a checkpoint: the same engine tensors quantized as from Megatron shards
+        ({"model_type": "qwen2"}, "dp=1,role=train + tp=2", 3, ["--from-layout", "hf", "--to-layout", "vllm"], 50),
+        (
+            workers.FP8_MOE,
+            "dp=1,role=train + tp=2,expt_tp=2",
+            3,
+            ["--from-layout", "hf-stacked", "--to-layout", "vllm"],
+            2 * (21 + 8),
+        ),
+        # into Megatron shards with ep: 24 tensors a rank, 12 quantized (linear_qkv, linear_proj, each local expert's
+        # linear_fc1 and linear_fc2)
+        (workers.FP8_MOE, "dp=1,role=train + tp=2,ep=2,expt_tp=1", 3, ["--from-layout", "hf"], 2 * (24 + 12)),
     ],
 )
 def test_refit_check_fp8_through_a_layout(
-    tmp_path: Path, case: dict[str, Any], shards: str, nproc: int, layout: str, checked: int
+    tmp_path: Path, case: dict[str, Any], shards: str, nproc: int, layouts: list[str], checked: int
 ) -> None:
-    """``refit --check --to-layout vllm|hf-stacked --to-dtype float8_e4m3fn --scale block`` quantizes the expected local
-    linear weights as the engine ranks must, and compares every fp8 byte and scale bitwise, and every norm,
+    """``refit --check --to-dtype float8_e4m3fn --scale block`` through a layout (into vllm or hf-stacked; from
+    Megatron shards or a checkpoint's hf layout, also into Megatron shards) quantizes the expected local linear
+    weights as the destination ranks must, and compares every fp8 byte and scale bitwise, and every norm,
     embedding, head and router byte as sent; a MoE's stacked experts (vLLM's w13/w2, hf-stacked's
     gate_up_proj/down_proj) blocked per expert."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps({**workers.FP8_BASE, **case}))
     command = [sys.executable, "-m", "shardcore", "refit", "--check", "--nproc", str(nproc), "--json"]
-    command += ["--shards", shards, "--from", "0", "--to", "1", "--model", f"hf:{config}"]
-    command += ["--to-layout", layout]
+    command += ["--shards", shards, "--from", "0", "--to", "1", "--model", f"hf:{config}", *layouts]
     command += ["--to-dtype", "float8_e4m3fn", "--scale", "block"]
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=300)
     assert result.returncode == 0, result.stderr
