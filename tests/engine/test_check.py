@@ -257,11 +257,13 @@ def test_ctrl_c_ends_quietly_with_no_stray_process(tmp_path: Path) -> None:
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     children: list[int] = []
     deadline = time.monotonic() + 120
-    while len(children) < 3 and time.monotonic() < deadline and process.poll() is None:
+    while len(children) < 4 and time.monotonic() < deadline and process.poll() is None:  # 3 workers, 1 tracker
         time.sleep(0.05)
         with open(f"/proc/{process.pid}/task/{process.pid}/children", encoding="ascii") as file:
             children = [int(pid) for pid in file.read().split()]
-    assert len(children) >= 3, "the workers never started"
+    assert len(children) >= 4, "the workers never started"
+    workers = [pid for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(workers) == 3 and all(_blocks_sigint(pid) for pid in workers)  # Ctrl-C reaches the parent only
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=60)
     assert process.returncode == 130, err
@@ -270,6 +272,13 @@ def test_ctrl_c_ends_quietly_with_no_stray_process(tmp_path: Path) -> None:
     while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert [pid for pid in children if _alive(pid)] == []
+
+
+def _blocks_sigint(pid: int) -> bool:
+    """Whether process ``pid`` blocks SIGINT (its ``SigBlk`` mask in /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text(encoding="ascii")
+    mask = next(int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigBlk:"))
+    return bool(mask >> (signal.SIGINT - 1) & 1)
 
 
 def test_distinct_errors_group_ranks_and_ignore_the_rank_prefix() -> None:

@@ -107,7 +107,15 @@ def _local_worker(
 def _sigint_blocked() -> Iterator[None]:
     """Children started inside inherit a blocked SIGINT, so a terminal's Ctrl-C (sent to the whole
     process group) reaches only the parent, which ends them: no traceback from each child. A Ctrl-C
-    meanwhile stays pending in the parent and arrives when the block ends."""
+    meanwhile stays pending in the parent and arrives when the block ends.
+
+    multiprocessing's resource tracker is started first: the first spawned process starts it, and starting
+    it *unblocks* SIGINT when done (CPython's ``resource_tracker.ensure_running``). Inside the block that let
+    a Ctrl-C land between a worker's start and its record, and the worker, never ended, outlived the
+    command holding its stderr; the workers started after it did not block SIGINT either."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield
