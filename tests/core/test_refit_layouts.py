@@ -584,7 +584,8 @@ def test_cli_says_what_is_quantized_on_landing(tmp_path: Any, capsys: pytest.Cap
 def test_fp8_from_an_hf_layout_quantizes_what_megatron_shards_would(config: dict[str, Any], engine: str) -> None:
     """A source in an HF layout (a checkpoint) converts each of its tensors as the Megatron tensors that feed it:
     into vLLM the same tensors are quantized on landing, with the same scale shapes, as from Megatron shards; into
-    Megatron shards, the same tensors and scale tensors as a refit between Megatron shards makes."""
+    Megatron shards, the same tensors and scale tensors as a refit between Megatron shards makes. A subset of q_proj
+    refits k_proj and v_proj with it: qkv_proj is quantized whole."""
     model = manifest_from_hf_config({**FP8, **config}, vocab_multiple=128)
     fp8 = model.manifest.converted("float8_e4m3fn")
     vllm = model.layout("vllm")
@@ -594,6 +595,10 @@ def test_fp8_from_an_hf_layout_quantizes_what_megatron_shards_would(config: dict
         from_hf = plan_refit(layout, 0, [1], fp8, layouts={0: model.layout(start), 1: vllm})
         for rank in (1, 2):
             assert from_hf.for_rank(rank).destination_shapes == from_megatron.for_rank(rank + 1).destination_shapes
+    q_proj = from_hf.subset(["model.layers.0.self_attn.q_proj.weight"])  # k and v land in the same qkv_proj
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    assert set(q_proj.for_rank(1).destination_shapes) == {qkv, f"{qkv}_scale_inv"}
+    assert {name.split(".")[-2] for name in q_proj.for_rank(0).source_shapes} == {"q_proj", "k_proj", "v_proj"}
     into_megatron = plan_refit(plan_layout(3, "dp=1,role=train + tp=2"), 0, [1], fp8, layouts={0: model.layout("hf")})
     between_shards = plan_refit(plan_layout(4, "tp=2,role=train + tp=2"), 0, [1], fp8)
     shapes = into_megatron.for_rank(1).destination_shapes
