@@ -3,7 +3,7 @@
 For each model, from a Hugging Face config's sizes: the time to make the model's maps (Megatron -> HF ->
 vLLM, once per model and engine tp), to plan the whole refit (``plan_refit``), one engine rank's part
 (``for_rank``), the whole plan's stats (``RefitStats.of``), and one training rank's part (rank 0's, of a fresh
-plan: cold, as in a training process). Run:
+plan: cold, as in a training process), and the same with fan-out (``ranks_per_node=8, fan_out=True``). Run:
 ``python benchmarks/bench_refit_layouts.py`` (``--profile`` prints cProfile's top entries of each).
 """
 
@@ -60,13 +60,18 @@ def run_case(label: str, config: dict[str, Any], spec: str, profile: bool) -> No
     sending = time.perf_counter()
     sends = len(fresh.for_rank(layout.shards[0].ranks[0]).sends)
     sent = time.perf_counter()
+    fanned = refit(ranks_per_node=8, fan_out=True)
+    relaying = time.perf_counter()
+    relayed = len(fanned.for_rank(layout.shards[0].ranks[0]).sends)
+    relays = time.perf_counter()
     if profiler:
         profiler.disable()
     print(
         f"| {label} | {len(model.manifest):,} -> {len(model.vllm(engine.spec.tp, engine.spec.expt_tp)[0]):,} "
         f"| `{spec}` | {maps - start:.2f} s | {planned - maps:.2f} s | {1000 * (part - planned):.0f} ms "
         f"({len(mine.recvs):,} recvs) | {done - part:.2f} s | {stats.total_bytes / 1e9:,.0f} GB "
-        f"| {1000 * (sent - sending):.0f} ms ({sends:,} sends) |"
+        f"| {1000 * (sent - sending):.0f} ms ({sends:,} sends) "
+        f"| {1000 * (relays - relaying):.0f} ms ({relayed:,} sends) |"
     )
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
@@ -77,7 +82,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print cProfile's top entries per case")
     args = parser.parse_args()
     columns = ["model", "tensors (Megatron -> vLLM)", "shards", "maps", "plan_refit", "one engine rank's part"]
-    columns += ["stats", "moved", "one training rank's part"]
+    columns += ["stats", "moved", "one training rank's part", "the same with fan-out (8 ranks a node)"]
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
     for label, config, spec in CASES:

@@ -71,7 +71,6 @@ from .placement import (
     Slice,
     check_fits,
     from_fields,
-    meets,
     moved,
     overlap,
     volume,
@@ -449,14 +448,18 @@ class RefitPlan:
         ]
 
     def _tiles_from(
-        self, position: int, shard: int, source: Slice, targets: Sequence[Slice]
+        self,
+        position: int,
+        shard: int,
+        source: Slice,
+        targets: Sequence[Slice],
+        groups: Sequence[tuple[tuple[int, Slice], ...]],
     ) -> list[tuple[int, int, Tile]]:
-        """Every tile of source slice ``source`` toward ``targets`` (destination ``shard``'s slices of the tensor),
-        each with the numbers of its two slices."""
+        """Every tile of source slice ``source`` toward ``targets`` (destination ``shard``'s slices of the tensor that
+        meet it, each with its fan-out group in ``groups``), each with the numbers of its two slices."""
         return [
-            (j, 0, self._tile(position, shard, source, target, self._group(position, shard, target)))
-            for j, target in enumerate(targets)
-            if meets(source.box, target.box)
+            (j, 0, self._tile(position, shard, source, target, group))
+            for j, (target, group) in enumerate(zip(targets, groups))
         ]
 
     def _positions(self) -> Iterable[int]:
@@ -505,23 +508,22 @@ class RefitPlan:
             lambda: self._tiles_into(position, shard, targets, sources),
         )
 
-    def _tiles_out(
-        self, found: dict[tuple[Any, ...], Any], position: int, shard: int, source: Slice, context: tuple[Slice, ...]
-    ) -> list[Tile]:
+    def _tiles_out(self, found: dict[tuple[Any, ...], Any], position: int, shard: int, source: Slice) -> list[Tile]:
         """The tiles of source slice ``source`` toward destination ``shard`` (``_tiles_from``), found once per
-        distinct (source slice, destination's slices, ``context``) as ``_tiles_alike`` finds them. Without fan-out
-        the destination's slices are only those meeting ``source`` (a rank's sends cost its own tiles, not every
-        slice of an engine's image); with fan-out, all of them (the ``context``'s, whose identity keys the tiles)."""
-        placement = self.destination_placements[shard]
-        targets = placement.slices(position) if self.fan_out else tuple(placement.overlapping(position, source.box))
+        distinct (source slice, destination's slices) as ``_tiles_alike`` finds them. The destination's slices are
+        only those meeting ``source``: a rank's sends cost its own tiles, not every slice of an engine's image. With
+        fan-out the tiles' groups are made of the destinations' slices with those slices' boxes, whose identity
+        keys the tiles (the ``context`` of ``_alike``)."""
+        targets = tuple(self.destination_placements[shard].overlapping(position, source.box))
+        groups = [self._group(position, shard, target) for target in targets]
         return self._alike(
             found,
             (shard, -2),
             targets,
             (source,),
-            context,
+            tuple(piece for group in groups for _, piece in group),
             position,
-            lambda: self._tiles_from(position, shard, source, targets),
+            lambda: self._tiles_from(position, shard, source, targets, groups),
         )
 
     def _alike(
@@ -540,9 +542,9 @@ class RefitPlan:
         A tile depends on its two slices' boxes, the source's offset, and the numbers that seed it (``_tile``):
         those make the key. The destination's offset, both holder sets and the local tensor's name are read off
         the slices of the tensor at hand, so slices alike in shape share tiles (a MoE layer's experts do, each
-        at another slot of an engine's stacked tensor). With fan-out a tile's group is made of every
-        destination's slices, so the key is their identity (``found`` keeps them alive: no other slice takes
-        their ids)."""
+        at another slot of an engine's stacked tensor). With fan-out a tile's group is made of destination slices
+        (``context``: every destination's slices of the tensor, or those of the tiles' groups), so the key is their
+        identity (``found`` keeps them alive: no other slice takes their ids)."""
         if self.fan_out:
             key = (*key, *map(id, targets), -1, *map(id, sources), -2, *map(id, context))
         else:
@@ -959,10 +961,9 @@ class RefitPlan:
                 continue
             if tensors[position].scale_of is None:  # scale tensors are derived where the weight is
                 source_shapes[tensors[position].name] = held.shape
-            context = self._context(position)
             for source in held.slices:
                 for shard in shards:
-                    sending += self._tiles_out(sent, position, shard, source, context)
+                    sending += self._tiles_out(sent, position, shard, source)
         keys = [self._route_key(tile) for tile in receiving]
         self._cut_runs(receiving + sending, keys + [self._route_key(tile) for tile in sending])
         part = _Part(self.world_size, tensors)
