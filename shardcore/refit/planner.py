@@ -435,15 +435,20 @@ class RefitPlan:
         )
 
     def _tiles_into(
-        self, position: int, shard: int, targets: Sequence[Slice], sources: Sequence[Slice]
+        self,
+        position: int,
+        shard: int,
+        targets: Sequence[Slice],
+        sources: Sequence[Slice],
+        groups: Sequence[tuple[tuple[int, Slice], ...]],
     ) -> list[tuple[int, int, Tile]]:
-        """Every tile into ``targets`` (destination ``shard``'s slices of tensor ``position``): where the source's
-        slices (``sources``, all of them) meet them; each with the numbers of its two slices."""
+        """Every tile into ``targets`` (destination ``shard``'s slices of tensor ``position``, each with its fan-out
+        group in ``groups``): where the source's slices (``sources``, all of them) meet them; each with the numbers
+        of its two slices."""
         at = {source.box: i for i, source in enumerate(sources)}  # one side's slices of a tensor: boxes apart
         return [
             (j, at[source.box], self._tile(position, shard, source, target, group))
-            for j, target in enumerate(targets)
-            for group in (self._group(position, shard, target),)
+            for j, (target, group) in enumerate(zip(targets, groups))
             for source in self.source_placement.overlapping(position, target.box)
         ]
 
@@ -469,21 +474,11 @@ class RefitPlan:
 
     def _all_tiles(self) -> Iterator[Tile]:
         """Every tile, in the global order: destination, tensor, destination slice, source slice."""
-        held = [
-            (position, self.source_placement.slices(position), self._context(position))
-            for position in self._positions()
-        ]
+        held = [(position, self.source_placement.slices(position)) for position in self._positions()]
         for shard, placement in enumerate(self.destination_placements):
             found: dict[tuple[int, ...], Any] = {}
-            for position, sources, context in held:
-                yield from self._tiles_alike(found, position, shard, placement.slices(position), sources, context)
-
-    def _context(self, position: int) -> tuple[Slice, ...]:
-        """What the tiles of tensor ``position`` depend on beyond their two slices: with fan-out every
-        destination's slices of it (its tiles' groups are made of them); without, nothing."""
-        if not self.fan_out:
-            return ()
-        return tuple(piece for placement in self.destination_placements for piece in placement.slices(position))
+            for position, sources in held:
+                yield from self._tiles_alike(found, position, shard, placement.slices(position), sources)
 
     def _tiles_alike(
         self,
@@ -492,20 +487,21 @@ class RefitPlan:
         shard: int,
         targets: Sequence[Slice],
         sources: Sequence[Slice],
-        context: tuple[Slice, ...] = (),
     ) -> list[Tile]:
         """The tiles into ``targets`` (slices of tensor ``position`` in destination ``shard``; ``sources`` are
-        the tensor's source slices, ``context`` its ``_context``). A tensor whose slices have the boxes of an
-        earlier one's (a shard placement's, for the same weight of every layer; an engine's, for every expert
-        of a layer) has that tensor's tiles, moved to it (``_alike``); so most tiles are not found again."""
+        the tensor's source slices). A tensor whose slices have the boxes of an earlier one's (a shard placement's,
+        for the same weight of every layer; an engine's, for every expert of a layer) has that tensor's tiles, moved
+        to it (``_alike``); so most tiles are not found again. With fan-out each target's group (``_group``) is found
+        first: the tiles are made of it, and keyed by it."""
+        groups = [self._group(position, shard, target) for target in targets]
         return self._alike(
             found,
             (shard, -1),
             targets,
             sources,
-            context,
+            tuple(piece for group in groups for _, piece in group),
             position,
-            lambda: self._tiles_into(position, shard, targets, sources),
+            lambda: self._tiles_into(position, shard, targets, sources, groups),
         )
 
     def _tiles_out(self, found: dict[tuple[Any, ...], Any], position: int, shard: int, source: Slice) -> list[Tile]:
@@ -543,8 +539,8 @@ class RefitPlan:
         those make the key. The destination's offset, both holder sets and the local tensor's name are read off
         the slices of the tensor at hand, so slices alike in shape share tiles (a MoE layer's experts do, each
         at another slot of an engine's stacked tensor). With fan-out a tile's group is made of destination slices
-        (``context``: every destination's slices of the tensor, or those of the tiles' groups), so the key is their
-        identity (``found`` keeps them alive: no other slice takes their ids)."""
+        (``context``: the members of the tiles' groups), so the key is the identity of every slice (``found`` keeps
+        them alive: no other slice takes their ids)."""
         if self.fan_out:
             key = (*key, *map(id, targets), -1, *map(id, sources), -2, *map(id, context))
         else:
@@ -951,7 +947,7 @@ class RefitPlan:
                 if landing is not None and landing.tensor(held.name).scale is not None:  # quantized on landing
                     destination_shapes[f"{held.name}_scale_inv"] = scale_shape(held.shape)
                 receiving += self._tiles_alike(
-                    found, position, shard, held.slices, self.source_placement.slices(position), self._context(position)
+                    found, position, shard, held.slices, self.source_placement.slices(position)
                 )
         source_shapes: dict[str, tuple[int, ...]] = {}
         shards = range(len(self.destination_placements))
