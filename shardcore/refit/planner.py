@@ -395,7 +395,7 @@ class RefitPlan:
 
     def _tile(self, position: int, shard: int, source: Slice, target: Slice, group: tuple[Any, ...] = ()) -> Tile:
         """The tile where ``source`` and ``target`` (two slices that meet) overlap; with fan-out, ``group`` is
-        the target's fan-out group (``_group``), whose first member seeds the tile."""
+        the target's fan-out group (``_groups``), whose first member seeds the tile."""
         if source.box == target.box:  # the common case: the same split on both sides
             box, src_offset, dst_offset = source.box, source.offset, target.offset
         else:
@@ -423,16 +423,20 @@ class RefitPlan:
             target.target,
         )
 
-    def _group(self, position: int, shard: int, target: Slice) -> tuple[tuple[int, Slice], ...]:
-        """With fan-out, every destination slice with ``target``'s box, by destination; without, nothing."""
+    def _groups(self, position: int, shard: int, targets: Sequence[Slice]) -> list[tuple[tuple[int, Slice], ...]]:
+        """Each target's fan-out group: with fan-out, every destination slice with its box, by destination;
+        without, nothing."""
         if not self.fan_out:
-            return ()
-        return tuple(
-            (index, piece) if index != shard else (shard, target)
-            for index, placement in enumerate(self.destination_placements)
-            for piece in placement.overlapping(position, target.box)
-            if piece.box == target.box and piece.target == target.target
-        )
+            return [()] * len(targets)
+        return [
+            tuple(
+                (index, piece) if index != shard else (shard, target)
+                for index, placement in enumerate(self.destination_placements)
+                for piece in placement.overlapping(position, target.box)
+                if piece.box == target.box and piece.target == target.target
+            )
+            for target in targets
+        ]
 
     def _tiles_into(
         self,
@@ -491,15 +495,15 @@ class RefitPlan:
         """The tiles into ``targets`` (slices of tensor ``position`` in destination ``shard``; ``sources`` are
         the tensor's source slices). A tensor whose slices have the boxes of an earlier one's (a shard placement's,
         for the same weight of every layer; an engine's, for every expert of a layer) has that tensor's tiles, moved
-        to it (``_alike``); so most tiles are not found again. With fan-out each target's group (``_group``) is found
-        first: the tiles are made of it, and keyed by it."""
-        groups = [self._group(position, shard, target) for target in targets]
+        to it (``_alike``); so most tiles are not found again. With fan-out each target's group (``_groups``) is
+        found first: the tiles are made of it, and keyed by it."""
+        groups = self._groups(position, shard, targets)
         return self._alike(
             found,
             (shard, -1),
             targets,
             sources,
-            tuple(piece for group in groups for _, piece in group),
+            groups,
             position,
             lambda: self._tiles_into(position, shard, targets, sources, groups),
         )
@@ -509,15 +513,15 @@ class RefitPlan:
         distinct (source slice, destination's slices) as ``_tiles_alike`` finds them. The destination's slices are
         only those meeting ``source``: a rank's sends cost its own tiles, not every slice of an engine's image. With
         fan-out the tiles' groups are made of the destinations' slices with those slices' boxes, whose identity
-        keys the tiles (the ``context`` of ``_alike``)."""
+        keys the tiles (``_alike``)."""
         targets = tuple(self.destination_placements[shard].overlapping(position, source.box))
-        groups = [self._group(position, shard, target) for target in targets]
+        groups = self._groups(position, shard, targets)
         return self._alike(
             found,
             (shard, -2),
             targets,
             (source,),
-            tuple(piece for group in groups for _, piece in group),
+            groups,
             position,
             lambda: self._tiles_from(position, shard, source, targets, groups),
         )
@@ -528,7 +532,7 @@ class RefitPlan:
         key: tuple[Any, ...],
         targets: Sequence[Slice],
         sources: Sequence[Slice],
-        context: tuple[Slice, ...],
+        groups: Sequence[tuple[tuple[int, Slice], ...]],
         position: int,
         make: Callable[[], list[tuple[int, int, Tile]]],
     ) -> list[Tile]:
@@ -539,10 +543,11 @@ class RefitPlan:
         those make the key. The destination's offset, both holder sets and the local tensor's name are read off
         the slices of the tensor at hand, so slices alike in shape share tiles (a MoE layer's experts do, each
         at another slot of an engine's stacked tensor). With fan-out a tile's group is made of destination slices
-        (``context``: the members of the tiles' groups), so the key is the identity of every slice (``found`` keeps
-        them alive: no other slice takes their ids)."""
+        (the members of ``groups``, each target's), so the key is the identity of every slice (``found`` keeps them
+        alive: no other slice takes their ids)."""
         if self.fan_out:
-            key = (*key, *map(id, targets), -1, *map(id, sources), -2, *map(id, context))
+            members = (piece for group in groups for _, piece in group)
+            key = (*key, *map(id, targets), -1, *map(id, sources), -2, *map(id, members))
         else:
             key = (
                 key,
@@ -567,7 +572,7 @@ class RefitPlan:
                 )
                 for j, i, tile in made
             ]
-            found[key] = ((targets, sources, context), kept)
+            found[key] = ((targets, sources, groups), kept)
             return [tile for _, _, tile in made]
         # another tensor's tiles, moved here: the same boxes; the seed (which starts from the position, ``_tile``),
         # the bytes of a row, the destination's offset, the holders and the local tensor are this tensor's
