@@ -424,13 +424,14 @@ class RefitPlan:
         )
 
     def _groups(self, position: int, shard: int, targets: Sequence[Slice]) -> list[tuple[tuple[int, Slice], ...]]:
-        """Each target's fan-out group: with fan-out, every destination slice with its box, by destination;
-        without, nothing."""
+        """Each target's fan-out group: with fan-out, every destination slice with its box, by destination (the
+        target itself among them, as the object given: ``_alike`` keys on it); without, nothing. One destination may
+        hold a box in two slices (an engine's kv head replicated over two tp ranks): both are members."""
         if not self.fan_out:
             return [()] * len(targets)
         return [
             tuple(
-                (index, piece) if index != shard else (shard, target)
+                (index, target if index == shard and piece == target else piece)
                 for index, placement in enumerate(self.destination_placements)
                 for piece in placement.overlapping(position, target.box)
                 if piece.box == target.box and piece.target == target.target

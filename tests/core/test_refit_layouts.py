@@ -364,6 +364,29 @@ def test_fan_out_and_subsets_compose_with_layouts() -> None:
     }
 
 
+@pytest.mark.parametrize("source", ["tp=1", "tp=2", "dp=2"])
+def test_fan_out_into_kv_heads_the_engine_replicates_sends_each_once(source: str) -> None:
+    """vLLM at tp=4 over 2 kv heads holds each k and v head on two of its ranks: one destination, two slices of one
+    box. Both are members of the box's fan-out group, so each is sent once and every rank's part is its share of the
+    whole plan (a group holding its own slice twice had a sender send a head twice, into a receive of one)."""
+    model = model_of("qwen2")
+    world = int(source[-1]) + 4
+    layout = plan_layout(world, f"{source},role=train + tp=4")
+    layouts = {1: model.layout("vllm")}
+    plan = plan_refit(layout, 0, [1], model.manifest, layouts=layouts, ranks_per_node=4, fan_out=True)
+    every = list(plan.transfers())
+    assert len(set(every)) == len(every)
+    for rank in range(world):
+        mine = plan.for_rank(rank)
+        assert sorted((*mine.sends, *mine.recvs, *mine.copies)) == sorted(t for t in every if rank in (t.src, t.dst))
+    for rank in range(world - 4, world):
+        shapes, count = written(plan, rank)
+        assert max(count.values()) == 1, rank
+        for name, shape in shapes.items():
+            pad = padding_rows(model, name, shape, rank - world + 4) * shape[-1]
+            assert sum(1 for key in count if key[0] == name) == prod(shape) - pad, (rank, name)
+
+
 FP8 = {**BASE, "hidden_size": 512, "intermediate_size": 256, "vocab_size": 256, "head_dim": 128}
 """A model whose vLLM tp=2 tensors are whole 128x128 blocks, packed parts too (q 256, k 128, v 128 rows a rank)."""
 

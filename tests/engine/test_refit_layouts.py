@@ -43,7 +43,12 @@ def test_refit_into_hf_and_vllm_and_back() -> None:
 
 @pytest.mark.parametrize(
     ("shards", "nproc", "flags"),
-    [("tp=2,role=train + tp=2", 4, ["--to-layout", "vllm"]), ("dp=1 + tp=2,role=train", 3, ["--from-layout", "hf"])],
+    [
+        ("tp=2,role=train + tp=2", 4, ["--to-layout", "vllm"]),
+        ("dp=1 + tp=2,role=train", 3, ["--from-layout", "hf"]),
+        # vLLM's tp=4 over 2 kv heads, relayed inside the node of 4: each head's two slices sent once each
+        ("tp=2,role=train + tp=4", 6, ["--to-layout", "vllm", "--ranks-per-node", "4", "--fan-out"]),
+    ],
 )
 def test_refit_check_through_a_layout(tmp_path: Path, shards: str, nproc: int, flags: list[str]) -> None:
     """``refit --check`` fills the source with known values and compares every destination byte with the
