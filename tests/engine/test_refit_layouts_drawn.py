@@ -83,8 +83,10 @@ def models(draw: st.DrawFn) -> tuple[str, HFModel]:
 
 
 def _engine(draw: st.DrawFn, moe: bool) -> str:
+    """A vLLM engine's shard: tp and dp, and for a MoE its experts over ep (1 or 2) times expt_tp (the rest)."""
     tp, dp = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 2]))
-    return f"tp={tp},dp={dp}" + (f",expt_tp={tp * dp}" if moe else "")
+    ep = draw(st.sampled_from([1, 2])) if moe and tp * dp > 1 else 1
+    return f"tp={tp},dp={dp}" + (f",ep={ep},expt_tp={tp * dp // ep}" if moe else "")
 
 
 def _megatron(draw: st.DrawFn, moe: bool) -> str:
