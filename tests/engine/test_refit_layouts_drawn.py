@@ -25,6 +25,7 @@ from shardcore.plan.spec import parse_shards
 from shardcore.refit.families import HFModel, manifest_from_hf_config
 from shardcore.refit.placement import Box, fitted
 from shardcore.refit.planner import RefitPlan, plan_refit
+from tests.core.test_refit_plan import check_pieces, check_stats
 
 DRAWN = settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -37,10 +38,12 @@ def _view(tensor: torch.Tensor, offset: tuple[int, ...], box: Box) -> torch.Tens
 
 def _executed(plan: RefitPlan, sources: dict[int, dict[str, torch.Tensor]]) -> dict[int, dict[str, torch.Tensor]]:
     """Every rank's destination tensors after the plan's transfers (hop 0 from the sources, then the relays'
-    forwards from their destinations), each first filled with FILL; and each rank's part checked against the whole
-    plan on the way."""
+    forwards from their destinations), each first filled with FILL; each rank's part, the stats and the pieces
+    checked on the way as the Megatron-to-Megatron simulation checks them (``test_refit_plan``)."""
     every = list(plan.transfers())
     assert len(set(every)) == len(every)  # no box sent twice
+    check_stats(plan, every)  # the stats are those of the transfers, tile by tile
+    check_pieces(plan)  # the floor holds, and with fan-out a tile's rows enter a node once
     destinations: dict[int, dict[str, torch.Tensor]] = {}
     for rank in range(plan.world_size):
         mine = plan.for_rank(rank)
