@@ -177,7 +177,8 @@ def check_stats(refit: RefitPlan, transfers: list[Transfer]) -> None:
 def check_pieces(refit: RefitPlan) -> None:
     """The floor: no piece under ``min_piece_bytes`` unless it is the whole tile. Fan-out: a tile's rows enter a
     node without holders once, whichever destinations sliced alike need them there (destinations sliced
-    otherwise are other groups: their tiles may coincide, and enter again)."""
+    otherwise, or holding the box in another local tensor, as another layout does, are other groups: their tiles
+    may coincide, and enter again)."""
     entering: dict[tuple[object, ...], int] = {}
     per = refit.ranks_per_node
     for tile, pieces in refit.tiles():
@@ -186,7 +187,8 @@ def check_pieces(refit: RefitPlan) -> None:
             if src != dst and (hi - lo) * tile.row_bytes < refit.min_piece_bytes:
                 assert (lo, hi) == (0, tile.rows), (tile, lo, hi)
             if refit.fan_out and per is not None and not hop and src // per != dst // per:
-                key = (tile.position, tile.box, dst // per, tile.group[0][1].box)
+                first = tile.group[0][1]
+                key = (tile.position, tile.box, dst // per, first.box, first.target)
                 entering[key] = entering.get(key, 0) + hi - lo
     for key, rows in entering.items():
         assert rows <= key[1][0][1] - key[1][0][0], key  # type: ignore[index]
