@@ -19,21 +19,15 @@ from hypothesis import strategies as st
 
 from shardcore.engine.live.layout_check import FILL, through_map
 from shardcore.engine.live.refit_check import KnownWeights, cut
+from shardcore.engine.transfer.exchange import view_of
 from shardcore.errors import ShardcoreError
 from shardcore.plan.layout import Layout, plan_layout
 from shardcore.plan.spec import parse_shards
 from shardcore.refit.families import HFModel, manifest_from_hf_config
-from shardcore.refit.placement import Box, fitted
 from shardcore.refit.planner import RefitPlan, plan_refit
 from tests.core.test_refit_plan import check_pieces, check_stats
 
 DRAWN = settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
-
-
-def _view(tensor: torch.Tensor, offset: tuple[int, ...], box: Box) -> torch.Tensor:
-    """The box's place at ``offset`` in a local tensor (the box's dims aligned with the tensor's from the right)."""
-    extents = fitted(tuple(stop - start for start, stop in box), tensor.dim())
-    return tensor[tuple(slice(o, o + e) for o, e in zip(offset, extents))]
 
 
 def _executed(plan: RefitPlan, sources: dict[int, dict[str, torch.Tensor]]) -> dict[int, dict[str, torch.Tensor]]:
@@ -52,8 +46,8 @@ def _executed(plan: RefitPlan, sources: dict[int, dict[str, torch.Tensor]]) -> d
     for hop in (0, 1):
         for t in (t for t in every if t.hop == hop):
             held = sources[t.src][t.tensor] if hop == 0 else destinations[t.src][t.destination]
-            landing = _view(destinations[t.dst][t.destination], t.dst_offset, t.box)
-            landing.copy_(_view(held, t.src_offset, t.box).reshape(landing.shape))
+            landing = view_of(destinations[t.dst][t.destination], t.dst_offset, t.shape)
+            landing.copy_(view_of(held, t.src_offset, t.shape).reshape(landing.shape))
     return destinations
 
 
