@@ -3,8 +3,9 @@
 For each model, from a Hugging Face config's sizes: the time to make the model's maps (Megatron -> HF ->
 vLLM, once per model and engine tp), to plan the whole refit (``plan_refit``), one engine rank's part
 (``for_rank``), the whole plan's stats (``RefitStats.of``), and one training rank's part (rank 0's, of a fresh
-plan: cold, as in a training process), and the same with fan-out (``ranks_per_node=8, fan_out=True``). Run:
-``python benchmarks/bench_refit_layouts.py`` (``--profile`` prints cProfile's top entries of each).
+plan: cold, as in a training process), and the same with fan-out (``ranks_per_node=8, fan_out=True``). Beside
+the engine rank's part, its floor: its receives made as Transfers and put in order, nothing planned (``floor``).
+Run: ``python benchmarks/bench_refit_layouts.py`` (``--profile`` prints cProfile's top entries of each).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from shardcore.refit import RefitStats
 from shardcore.refit.families import manifest_from_hf_config
 from shardcore.refit.manifest import Manifest
 from shardcore.refit.placement import from_fields
-from shardcore.refit.planner import RankRefit, Transfer, gc_paused, plan_refit
+from shardcore.refit.planner import RankRefit, Transfer, _Part, gc_paused, plan_refit
 
 QWEN3_235B = {
     "model_type": "qwen3_moe", "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
@@ -42,19 +43,17 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
 
 
 def floor(mine: RankRefit, manifest: Manifest, world_size: int) -> float:
-    """Seconds to make ``mine``'s receives as Transfers from their fields and order them as ``RankRefit`` does
-    (by source, destination, tensor position, first row; the collector off, as in ``for_rank``): what a rank's part
-    of that many receives costs in that form, however it is planned."""
-    fields = [tuple(transfer) for transfer in mine.recvs]
+    """Seconds to make ``mine``'s receives as Transfers from their fields and put them in ``RankRefit``'s order by
+    the planner's own ``_Part`` (the collector off, as in ``for_rank``): what a rank's part of those receives costs
+    in that form, however it is planned."""
     position = {tensor.name: n for n, tensor in enumerate(manifest.tensors)}
-    tensors = len(manifest.tensors)
+    received = [(position[transfer.tensor], tuple(transfer)) for transfer in mine.recvs]
+    part = _Part(world_size, manifest.tensors)
     with gc_paused():
         start = time.perf_counter()
-        made = [from_fields(Transfer, values) for values in fields]
-        rows = max(t.box[0][0] for t in made) + 1
-        keys = [((t.src * world_size + t.dst) * tensors + position[t.tensor]) * rows + t.box[0][0] for t in made]
-        order = sorted(range(len(made)), key=keys.__getitem__)
-        tuple(made[i] for i in order)
+        for at, values in received:
+            part.extend(at, (from_fields(Transfer, values),))
+        part.split(mine.rank)
         return time.perf_counter() - start
 
 
