@@ -20,11 +20,11 @@ a new process therefore reads the same epoch as every other rank at its next ses
 process can drift.
 
 **Cheap.** A refit meets twice, so its meetings cost what a refit's fixed cost is: a first meeting
-takes five store round trips per rank (epoch, reference, value, count, outcome) and a later one three
-(a later meeting compares nothing, so it has no reference), all in one call on shardcore's store
-thread. The last to arrive, on whom everyone waits, makes no more: the count tells it whether values
-differ (a differing rank counts for more), and it learns the outcome from its own write instead of
-reading it back. Deleting old keys, and counting a rank off at a lingering meeting (the store's host
+takes five store round trips per rank (epoch, reference, value, count, outcome; a refit's one more, its
+tally) and a later one three (a later meeting compares nothing, so it has no reference), all in one call
+on shardcore's store thread. The last to arrive, on whom everyone waits, makes no more: the count tells
+it whether values differ (a differing rank counts for more), and it learns the outcome from its own write
+instead of reading it back. Deleting old keys, and counting a rank off at a lingering meeting (the store's host
 waits for it), are queued behind the call, off the caller's path.
 
 **Failures reach everyone at once.** A rank that fails on its own still arrives, with its error
@@ -192,6 +192,7 @@ def convene(
     timeout: timedelta,
     *,
     decide: Callable[[Store], str] | None = None,
+    tally: int | None = None,
 ) -> Outcome:
     """The first meeting of a session: every rank of ``party`` brings ``value``; the epoch comes from the store.
 
@@ -202,6 +203,9 @@ def convene(
         timeout: how long to wait for the last rank.
         decide: run once, by the meeting's decider, when every rank has arrived; what it returns
             reaches every rank as ``Outcome.payload`` (a window draws its group names so).
+        tally: this rank's number; the decider sums every rank's (one more store ``add`` per rank), and the sum
+            reaches every rank as ``Outcome.payload``, in decimal (a refit checks that both ends of each
+            message agree so: ``refit.pairing``). A meeting has ``decide`` or ``tally``, not both.
 
     Returns:
         The session's epoch, for its later meetings, and the ranks grouped by value if values differ.
@@ -210,7 +214,7 @@ def convene(
         The purpose's error: a rank did not arrive in time or arrived with an error (naming it and
         why), or the store's host died or stopped answering.
     """
-    return _meet(party, purpose, None, OPEN, value, timeout, decide=decide)
+    return _meet(party, purpose, None, OPEN, value, timeout, decide=decide, tally=tally)
 
 
 def barrier(party: Party, purpose: Purpose, timeout: timedelta, *, linger: bool = False) -> int:
@@ -337,6 +341,34 @@ def declare_absent(party: Party, epoch: int, phase: str, ranks: Sequence[int], r
         store_call(declare, GRACE, _where(party, epoch, phase), on=party.store)
 
 
+def exchange_notes(
+    party: Party, purpose: Purpose, epoch: int, note: str, wanted: Sequence[int], timeout: timedelta
+) -> dict[int, str]:
+    """Every rank of the session at ``epoch`` leaves ``note`` and reads the notes of the ranks ``wanted``: two later
+    meetings (every note is written before any is read, and read before any is deleted) and one ``multi_get``
+    per rank. For what is too big to compare at a meeting and needed only on a rare path (a refit naming the
+    pairs of ranks whose parts disagree).
+
+    Raises:
+        The purpose's error: a rank did not come in time, or the store's host died or stopped answering.
+    """
+    rank = party.me
+    base = f"shardcore/{party.scope}/{epoch}/note/"
+    where = f"notes of {purpose.noun} {epoch}"
+    seconds = timeout.total_seconds() + GRACE
+
+    def lost(message: str) -> ShardcoreError:
+        return purpose.error(message, [])
+
+    store_call(lambda store: store.set(f"{base}{rank}", note), seconds, where, lost, on=party.store)
+    meet(party, purpose, epoch, "notes-written", timeout)
+    keys = [f"{base}{peer}" for peer in wanted]
+    values = store_call(lambda store: store.multi_get(keys) if keys else [], seconds, where, lost, on=party.store)
+    meet(party, purpose, epoch, "notes-read", timeout)
+    store_call(lambda store: store.delete_key(f"{base}{rank}"), seconds, where, lost, on=party.store)
+    return {peer: value.decode() for peer, value in zip(wanted, values)}
+
+
 # ----------------------------------------------------------------------------- the meeting
 
 
@@ -358,6 +390,7 @@ def _meet(
     timeout: timedelta,
     *,
     decide: Callable[[Store], str] | None = None,
+    tally: int | None = None,
     linger: bool = False,
 ) -> Outcome:
     """Meet every rank of ``party`` at ``phase``; raise the purpose's error unless the meeting completed cleanly."""
@@ -370,7 +403,7 @@ def _meet(
     deadline = time.monotonic() + seconds
 
     def attend(store: Store) -> tuple[Meeting, tuple[str, list[tuple[list[int], str]] | None, str]]:
-        meeting, known = _join(store, party, epoch, phase, value, rank, decide)
+        meeting, known = _join(store, party, epoch, phase, value, rank, decide, tally)
         _remember(meeting)
         return meeting, _outcome(store, meeting, rank, max(0.001, deadline - time.monotonic()), linger, known)
 
@@ -408,6 +441,7 @@ def _join(
     value: str,
     rank: int,
     decide: Callable[[Store], str] | None,
+    tally: int | None = None,
 ) -> tuple[Meeting, str | None]:
     """Arrive (for ``rank``): read the epoch if needed, leave the value, count in; the last to arrive decides.
 
@@ -426,11 +460,17 @@ def _join(
         return meeting, None  # already there: declared absent before it came (it reads the outcome and fails)
     if reference != value:
         store.append(f"{prefix}differ", f"{rank}:{_digest(value)},")  # type: ignore[attr-defined]  # not in stubs
+    if tally is not None:  # before counting in: the last to count in reads every rank's
+        store.add(f"{prefix}tally", tally)
     # one count for both: arrivals in the low digits, ranks that brought another value in the high ones
     count = store.add(f"{prefix}arrived", 1 if reference == value else 1 + _DIFFERING)
     if count % _DIFFERING == party.size:
         differ = count >= _DIFFERING
-        payload = decide(store) if decide is not None and not differ else ""
+        payload = ""
+        if tally is not None:
+            payload = str(store.add(f"{prefix}tally", 0))
+        elif decide is not None and not differ:
+            payload = decide(store)
         result = COMPLETE + (_DIFFER if differ else _ALIKE) + payload
         outcome = _decide(store, meeting, result)
         return replace(meeting, decided=outcome == result), outcome
@@ -505,7 +545,7 @@ def _forget(store: Store, meeting: Meeting, rank: int) -> None:
     prefix = meeting.prefix
     store.delete_key(f"{prefix}value/{rank}")
     if meeting.decided:
-        shared = ("differ", "arrived", "result", "read", "all-read")
+        shared = ("differ", "arrived", "tally", "result", "read", "all-read")
         for key in ("reference", *shared) if meeting.phase == OPEN else shared:
             store.delete_key(f"{prefix}{key}")
         if meeting.phase == OPEN:

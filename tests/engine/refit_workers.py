@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from shardcore import execute_refit
@@ -246,3 +246,43 @@ def refit_again_into_other_tensors(rank: int, world: int) -> dict[str, bool]:
         "first kept": all(torch.equal(first[name], landed[name]) for name in first),
         "second doubled": all(torch.equal(second[name], landed[name] * 2) for name in second),
     }
+
+
+class _OneSendDropped:
+    """A plan whose part on ``rank`` lacks its last send: parts that disagree, as a planner bug would make them."""
+
+    def __init__(self, plan: Any, rank: int) -> None:
+        self._plan, self._rank = plan, rank
+        self._part = replace(plan.for_rank(rank), sends=plan.for_rank(rank).sends[:-1])
+
+    def for_rank(self, rank: int) -> Any:
+        return self._part if rank == self._rank else self._plan.for_rank(rank)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._plan, name)
+
+
+def parts_disagree(rank: int, world: int, culprit: int) -> dict[str, Any]:
+    """A refit whose parts disagree (``culprit``'s lacks a send) stops on every rank before a byte moves, naming
+    the pair; the world is clean after it: the next refit, of the true plan, lands bitwise."""
+    import torch
+
+    from tests.engine.trust_workers import _correct, _tensors
+
+    plan = plan_refit(plan_layout(world, "tp=2,role=train + tp=1,dp=2"), 0, [1], preset("tiny-dense"))
+    dropped = plan.for_rank(culprit).sends[-1]
+    sources, destinations = _tensors(plan, rank)
+    out: dict[str, Any] = {"dropped": (dropped.src, dropped.dst)}
+    started = time.monotonic()
+    try:
+        execute_refit(_OneSendDropped(plan, culprit), sources, destinations, timeout=60)
+        out["error"] = "no error"
+    except ShardcoreError as error:
+        out["error"], out["ranks"] = f"{type(error).__name__}: {error}", list(getattr(error, "ranks", []))
+    out["seconds"] = time.monotonic() - started
+    out["untouched"] = all(bool((t == -1).all()) for t in destinations.values())
+    execute_refit(plan, sources, destinations, timeout=60)
+    out["then correct"] = _correct(plan, rank, destinations) and all(
+        not torch.equal(t, torch.full_like(t, -1)) for t in destinations.values()
+    )
+    return out

@@ -131,3 +131,18 @@ def test_a_partial_refit_writes_its_tensors_only_and_ranks_must_agree_on_it() ->
 def test_a_second_refit_of_a_plan_lands_in_its_own_tensors() -> None:
     for rank, out in enumerate(run_world(4, workers.refit_again_into_other_tensors, timeout=300)):
         assert all(out.values()), (rank, out)
+
+
+def test_parts_that_disagree_stop_every_rank_before_a_byte_moves_naming_the_pair() -> None:
+    """Before the tally, a send one end did not expect reached the wire: gloo aborts a receiver on a size mismatch,
+    NCCL hangs or writes wrong bytes."""
+    results = run_world(4, workers.parts_disagree, 0, timeout=300)
+    sender, receiver = results[0]["dropped"]
+    for rank, out in enumerate(results):
+        assert out["error"].startswith("RefitMismatchError"), (rank, out["error"])
+        assert "parts of the plan disagree" in out["error"] and "no byte moved" in out["error"], out["error"]
+        assert out["untouched"] and out["then correct"], (rank, out)
+        assert out["seconds"] < 30, (rank, out["seconds"])  # at the first meeting, not at the timeout
+        if rank in (sender, receiver):
+            assert f"{sender}->{receiver}: rank {sender} sends" in out["error"], out["error"]
+            assert out["ranks"] == [sender, receiver], out

@@ -44,10 +44,11 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ...errors import RefitInputError, RefitIntegrityError, RefitMismatchError, RefitPeerError, ShardcoreError
 from ...plan.arguments import DEFAULT_TIMEOUT, as_timedelta, shown
+from ...refit import pairing
 from ...refit.options import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_OPS, ExecuteOptions, Verify
 from ...refit.schedule import rank_batches
 from ...version import __version__
-from ..agreement import GRACE, Party, Purpose, Terms, arrive_failed, convene, declare_absent, meet
+from ..agreement import GRACE, Party, Purpose, Terms, arrive_failed, convene, declare_absent, exchange_notes, meet
 from ..torch_state import dist, import_torch, is_fake_world
 from .convert import Conversion
 from .delta import DeltaSession, bases_held, snapshot_bytes
@@ -230,12 +231,11 @@ def execute_refit(
     started = time.monotonic()
     rank, world, party, backend, process_group = _require_world(group)
     given = {"timeout": timeout, "bucket_bytes": bucket_bytes, "max_ops": max_ops, "verify": verify, "version": version}
-    prepared = _prepare(party, rank, backend, plan, sources, destinations, options, given)
-    checked = prepared.options
+    prepared = _prepare(party, rank, world, backend, plan, sources, destinations, options, given)
+    checked, schedule = prepared.options, prepared.schedule
     bucket_bytes, max_ops, version = checked.bucket_bytes, checked.max_ops, checked.version
-    epoch = _agree(party, rank, prepared.terms, prepared.wait)
+    epoch = _agree(party, rank, prepared.terms, schedule, prepared.wait)
     stats = TransferStats(rank, verify=checked.verify, version=version, agreement_seconds=time.monotonic() - started)
-    schedule = _schedule(plan, prepared, rank, world, bucket_bytes, max_ops)
     exchange = Exchange(
         rank,
         schedule.batches,
@@ -285,11 +285,13 @@ class _Prepared(NamedTuple):
     conversion: Conversion | None
     delta: DeltaSession | None
     landing: Landing | None
+    schedule: _Schedule
 
 
 def _prepare(
     party: Party,
     rank: int,
+    world: int,
     backend: str,
     plan: Any,
     sources: Mapping[str, Any],
@@ -297,9 +299,9 @@ def _prepare(
     options: ExecuteOptions | None,
     given: Mapping[str, object],
 ) -> _Prepared:
-    """Everything this rank checks alone: its options (``options`` with the keywords ``given``), its part of
-    the plan, its tensors, its terms. A failure still arrives at the refit's first meeting, with its error, so
-    the others stop at once and name it.
+    """Everything this rank checks and derives alone: its options (``options`` with the keywords ``given``), its
+    part of the plan, its tensors, its terms, its schedule. A failure still arrives at the refit's first meeting,
+    with its error, so the others stop at once and name it.
 
     Raises:
         RefitInputError: naming this rank and what is wrong.
@@ -320,7 +322,8 @@ def _prepare(
                 "not the wire's bytes a delta builds on; refit without delta"
             )
         delta = _delta_session(checked, wanted)
-        return _Prepared(wait, checked, mine, held, wanted, _terms(plan, checked), conversion, delta, landing)
+        schedule = _schedule(plan, mine, checked, rank, world)
+        return _Prepared(wait, checked, mine, held, wanted, _terms(plan, checked), conversion, delta, landing, schedule)
     except BaseException as error:
         failure = _as_input_error(rank, error)
         arrive_failed(party, START, None, "open", failure, wait)
@@ -343,21 +346,24 @@ class _Schedule:
     batches: list[Any]
     places: dict[tuple[int, ...], tuple[bool, str, int, int]] | None = None
 
+    @functools.cached_property
+    def tally(self) -> int:
+        """This rank's term of the check that both ends of every message agree (``refit.pairing``)."""
+        return pairing.tally(self.batches)
+
 
 _last_schedule: list[_Schedule] = []
 """The last schedule made; an RL job refits one plan thousands of times."""
 
 
-def _schedule(plan: Any, prepared: _Prepared, rank: int, world: int, bucket_bytes: int, max_ops: int) -> _Schedule:
+def _schedule(plan: Any, mine: Any, checked: ExecuteOptions, rank: int, world: int) -> _Schedule:
     """This rank's schedule, made once per plan part and options: the part is the plan's own object, kept while
     the plan lives (``for_rank``), and a schedule costs milliseconds that need not be spent again."""
-    staged = _all_tensors(plan) if prepared.options.delta else _converting(plan)
-    options = (rank, world, bucket_bytes, max_ops, staged)
-    if not (_last_schedule and _last_schedule[0].mine is prepared.mine and _last_schedule[0].options == options):
-        shapes = _global_shapes(plan.manifest, prepared.mine)
-        _last_schedule[:] = [
-            _Schedule(prepared.mine, options, rank_batches(prepared.mine, *options[:4], shapes, options[4]))
-        ]
+    staged = _all_tensors(plan) if checked.delta else _converting(plan)
+    options = (rank, world, checked.bucket_bytes, checked.max_ops, staged)
+    if not (_last_schedule and _last_schedule[0].mine is mine and _last_schedule[0].options == options):
+        shapes = _global_shapes(plan.manifest, mine)
+        _last_schedule[:] = [_Schedule(mine, options, rank_batches(mine, *options[:4], shapes, options[4]))]
     return _last_schedule[0]
 
 
@@ -422,13 +428,15 @@ def _terms(plan: Any, options: ExecuteOptions) -> RefitTerms:
     )
 
 
-def _agree(party: Party, rank: int, terms: RefitTerms, wait: timedelta) -> int:
-    """The refit's first meeting; returns its epoch.
+def _agree(party: Party, rank: int, terms: RefitTerms, schedule: _Schedule, wait: timedelta) -> int:
+    """The refit's first meeting; returns its epoch. Besides the terms, it sums every rank's tally: not 0, some
+    message is seen by one end only or differently (the parts of one plan disagree).
 
     Raises:
-        RefitMismatchError: ranks brought different terms (every group outside the majority named).
+        RefitMismatchError: ranks brought different terms (every group outside the majority named), or the
+            ranks' parts of the plan disagree (naming the pairs of ranks that do).
     """
-    outcome = convene(party, START, terms.encode(), wait)
+    outcome = convene(party, START, terms.encode(), wait, tally=schedule.tally)
     if outcome.groups is not None:
         message = RefitTerms.disagreement(
             rank,
@@ -438,7 +446,30 @@ def _agree(party: Party, rank: int, terms: RefitTerms, wait: timedelta) -> int:
             "bucket_bytes, max_ops, verify, version and delta; no byte moved",
         )
         raise RefitMismatchError(message, sorted(r for ranks, _ in outcome.groups[1:] for r in ranks))
+    if int(outcome.payload or 0) % pairing.MODULUS:
+        _unpaired(party, rank, outcome.epoch, schedule, wait)
     return outcome.epoch
+
+
+def _unpaired(party: Party, rank: int, epoch: int, schedule: _Schedule, wait: timedelta) -> None:
+    """The parts of the plan disagree somewhere: every rank leaves a note of its pairs, reads its peers' and names
+    the pairs of its own that disagree (a pair is named by at least one of its ends).
+
+    Raises:
+        RefitMismatchError: always, on every rank.
+    """
+    notes = pairing.note(schedule.batches)
+    peers = sorted(notes)
+    theirs = exchange_notes(party, START, epoch, pairing.encode(notes), peers, wait)
+    found = pairing.disagreements(rank, notes, {peer: pairing.decode(text) for peer, text in theirs.items()})
+    ranks = sorted({r for pair in found for r in (pair.sender, pair.receiver)})
+    said = f"these pairs of ranks disagree: {pairing.shown(found)}" if found else "none of this rank's pairs do"
+    raise RefitMismatchError(
+        f"rank {rank}: at the start of refit {epoch}, the ranks' parts of the plan disagree on the messages between "
+        f"them ({said}); no byte moved. Each rank derives its part from the same plan, so this is a planner bug: "
+        "please report it with the plan's layouts and shards",
+        ranks,
+    )
 
 
 # ----------------------------------------------------------------------------- tensors
