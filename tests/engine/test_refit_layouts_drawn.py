@@ -1,6 +1,6 @@
 """Refits through the engines' layouts on drawn models, shards and options, executed in one process: every
 destination local tensor equals the source's tensors put through the weight map (in a partial refit, what lands
-does), and every rank's part is its share of the whole plan.
+does), every rank's part is its share of the whole plan, and the parts' schedules agree on every message.
 
 The live tests (``test_refit_layouts.py``) check chosen cases on real worlds against transformers models; these
 draw the cases (family, head counts, both sides' parallelism, the layouts, the floor, fan-out) and apply the plan's
@@ -23,8 +23,10 @@ from shardcore.engine.transfer.exchange import view_of
 from shardcore.errors import ShardcoreError
 from shardcore.plan.layout import Layout, plan_layout
 from shardcore.plan.spec import parse_shards
+from shardcore.refit import pairing
 from shardcore.refit.families import HFModel, manifest_from_hf_config
 from shardcore.refit.planner import RefitPlan, plan_refit
+from shardcore.refit.schedule import rank_batches
 from tests.core.test_refit_plan import check_pieces, check_stats
 
 DRAWN = settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
@@ -39,10 +41,13 @@ def _executed(plan: RefitPlan, sources: dict[int, dict[str, torch.Tensor]]) -> d
     check_stats(plan, every)  # the stats are those of the transfers, tile by tile
     check_pieces(plan)  # the floor holds, and with fan-out a tile's rows enter a node once
     destinations: dict[int, dict[str, torch.Tensor]] = {}
+    shapes, tallies = {tensor.name: tensor.shape for tensor in plan.manifest}, 0
     for rank in range(plan.world_size):
         mine = plan.for_rank(rank)
         assert sorted((*mine.sends, *mine.recvs, *mine.copies)) == sorted(t for t in every if rank in (t.src, t.dst))
         destinations[rank] = {name: torch.full(shape, FILL) for name, shape in mine.destination_shapes.items()}
+        tallies += pairing.tally(rank_batches(mine, rank, plan.world_size, 1 << 16, 16, shapes))
+    assert tallies % pairing.MODULUS == 0  # both ends of every message agree: the executor's first meeting passes
     for hop in (0, 1):
         for t in (t for t in every if t.hop == hop):
             held = sources[t.src][t.tensor] if hop == 0 else destinations[t.src][t.destination]
