@@ -341,6 +341,18 @@ def declare_absent(party: Party, epoch: int, phase: str, ranks: Sequence[int], r
         store_call(declare, GRACE, _where(party, epoch, phase), on=party.store)
 
 
+def decided_without_me(party: Party, epoch: int, phase: str) -> bool:
+    """Whether the meeting at ``phase`` of the session at ``epoch`` is decided while this rank has not reached it:
+    the others gave up waiting (a rank past its own deadline asks before it waits on them again). One store
+    ``check``; False when the store does not answer in time.
+    """
+    key = f"{Meeting(party, epoch, phase).prefix}result"
+    try:
+        return bool(store_call(lambda store: store.check([key]), GRACE, _where(party, epoch, phase), on=party.store))
+    except ShardcoreError:
+        return False
+
+
 def exchange_notes(
     party: Party, purpose: Purpose, epoch: int, note: str, wanted: Sequence[int], timeout: timedelta
 ) -> dict[int, str]:

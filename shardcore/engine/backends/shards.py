@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -12,7 +13,7 @@ from ...errors import GroupCreationError, LayoutError, LayoutMismatchError
 from ...plan.arguments import as_timedelta, check_choice, check_count, check_flag, check_names, shown
 from ...plan.layout import DEFAULT_ORDER, GROUP_NAMES, Layout, RankGroups, ShardPlan, plan_layout, resolve_order
 from ...plan.spec import ShardsInput, ShardSpec, format_shards
-from ..agreement import Party, Purpose, Terms, arrive_failed, convene, meet
+from ..agreement import Party, Purpose, Terms, arrive_failed, convene, decided_without_me, meet
 from ..groups.create import create_groups, destroy_groups
 from ..groups.strategy import Strategy, choose_strategy
 from ..groups.window import Window, open_window
@@ -307,8 +308,15 @@ def _create(
     """
     extras = {plan.index: chosen.extra_groups(plan, backend_options) for plan in layout.shards}
     created: list[Any] = []
+    deadline = time.monotonic() + wait.total_seconds()
+
+    def abandoned() -> bool:  # only past the deadline can the others have given up: no store call before it
+        return party is not None and time.monotonic() > deadline and decided_without_me(party, epoch, "built")
+
     try:
-        ranks_by_name, process_groups = create_groups(layout, rank, extras, strategy, wait, names, created=created)
+        ranks_by_name, process_groups = create_groups(
+            layout, rank, extras, strategy, wait, names, created=created, abandoned=abandoned
+        )
         result = []
         for plan in layout.shards:
             shard = Shard(plan.index, plan.spec, plan.rank_offset, plan.size, plan, layout, dict.fromkeys(GROUP_NAMES))

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -74,8 +74,26 @@ def _all_groups(plan: ShardPlan, extra: NamedGrids, names: Collection[str]) -> I
                 yield ranks
 
 
-def _new_group(ranks: tuple[int, ...], names: Sequence[str], plan: ShardPlan, timeout: timedelta) -> Any:
+def _new_group(
+    ranks: tuple[int, ...],
+    names: Sequence[str],
+    plan: ShardPlan,
+    timeout: timedelta,
+    abandoned: Callable[[], bool] | None = None,
+) -> Any:
+    """Create one group. ``abandoned``: asked first, True when the other ranks have given up on the build; a rank
+    that comes after that fails at once, where gloo would wait out its own 30 s connect timeout for peers that left.
+
+    Raises:
+        GroupCreationError: naming the group, its ranks and why.
+    """
     started = time.monotonic()
+    if abandoned is not None and abandoned():
+        raise GroupCreationError(
+            f"rank {dist().get_rank()}: came to create group {'/'.join(names) or '?'} of shard {plan.index} with "
+            f"ranks {shown_ranks(ranks)} after the other ranks had given up on the build: this rank was slower than "
+            "the timeout (a busy machine, a debugger, a slow import?); give build_shards a longer timeout"
+        )
     try:
         return dist().new_group(list(ranks), timeout=timeout)
     except Exception as error:
@@ -103,8 +121,10 @@ def create_groups(
     names: Collection[str] = GROUP_NAMES,
     *,
     created: list[ProcessGroup],
+    abandoned: Callable[[], bool] | None = None,
 ) -> tuple[RankGroups, dict[str, ProcessGroup | None]]:
     """Create this rank's groups among ``names`` plus the backend's extras, appending each to ``created``.
+    ``abandoned``: asked before each group, True when the other ranks have given up on the build.
 
     Returns (planned ranks by name, process group by name); build_shards checks ``strategy``
     before any rank communicates. Both dicts are empty on an idle rank.
@@ -121,7 +141,7 @@ def create_groups(
     shared = {group.ranks: group.names for group in distinct_groups(ranks_by_name)}
 
     def create(ranks: tuple[int, ...], plan: ShardPlan) -> None:
-        pg = _new_group(ranks, shared.get(ranks, ()), plan, timeout)
+        pg = _new_group(ranks, shared.get(ranks, ()), plan, timeout, abandoned)
         if ranks in shared:
             created.append(pg)
             process_groups.update(dict.fromkeys(shared[ranks], pg))
