@@ -247,6 +247,7 @@ def bad_trainer(rank: int, world: int, address: str, timeout: float) -> dict[str
     out["twice"] = timed_outcome(lambda: group.append(connect("twice")))
     out["local twice"] = timed_outcome(lambda: connect("twice"))  # this process again, while its group is open
     for made in group:
+        out["parts"] = _parts_disagree(made, timeout)
         made.close()
     return out
 
@@ -267,5 +268,24 @@ def bad_engine(rank: int, world: int, address: str, timeout: float, first: bool)
     group: list[RefitGroup] = []
     out["twice"] = timed_outcome(lambda: group.append(connect("twice")))
     for made in group:
+        out["parts"] = _parts_disagree(made, timeout)
         made.close()
     return out
+
+
+def _parts_disagree(group: RefitGroup, timeout: float) -> dict[str, Any]:
+    """One refit over ``group`` (the trainer's tp=2 into the engine's tp=2) whose trainer rank 0 lacks a send: it
+    stops on both sides at the first meeting, over the group's own store, and writes nothing."""
+    import torch
+
+    from shardcore.refit import preset
+    from tests.engine.refit_workers import OneSendDropped
+    from tests.engine.trust_workers import _tensors
+
+    plan = RefitRequest(preset("tiny-dense"), "tp=2,role=train + tp=2", 0, (1,)).plan(group.size)
+    sources, destinations = _tensors(plan, group.rank)
+    given = OneSendDropped(plan, 0)
+    outcome = timed_outcome(lambda: execute_refit(given, sources, destinations, group=group, timeout=timeout))
+    untouched = all(torch.equal(t, torch.full_like(t, -1)) for t in destinations.values())
+    dropped = plan.for_rank(0).sends[-1]
+    return {"rank": group.rank, "outcome": outcome, "untouched": untouched, "dropped": (dropped.src, dropped.dst)}

@@ -248,7 +248,7 @@ def refit_again_into_other_tensors(rank: int, world: int) -> dict[str, bool]:
     }
 
 
-class _OneSendDropped:
+class OneSendDropped:
     """A plan whose part on ``rank`` lacks its last send: parts that disagree, as a planner bug would make them."""
 
     def __init__(self, plan: Any, rank: int) -> None:
@@ -275,7 +275,7 @@ def parts_disagree(rank: int, world: int, culprit: int) -> dict[str, Any]:
     out: dict[str, Any] = {"dropped": (dropped.src, dropped.dst)}
     started = time.monotonic()
     try:
-        execute_refit(_OneSendDropped(plan, culprit), sources, destinations, timeout=60)
+        execute_refit(OneSendDropped(plan, culprit), sources, destinations, timeout=60)
         out["error"] = "no error"
     except ShardcoreError as error:
         out["error"], out["ranks"] = f"{type(error).__name__}: {error}", list(getattr(error, "ranks", []))

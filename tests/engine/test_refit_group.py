@@ -1,7 +1,7 @@
 """Refits between two jobs, each with its own world (a trainer of 4 ranks, an engine of 4 workers), over a refit
 group of their own: every destination byte right, 20 refits in a row; a dead worker named in time with the
 trainer's world still working; a restarted engine refit whole; a second engine beside the first; bad input one
-typed error within the timeout."""
+typed error within the timeout, and parts of a plan that disagree named on both sides before a byte moves."""
 
 from __future__ import annotations
 
@@ -126,6 +126,17 @@ def test_bad_input_is_one_typed_error_within_the_timeout() -> None:
         kind, message, _, elapsed = out["local twice"]
         assert kind == "RefitGroupError" and "already joined refit group 'twice'" in message, message
         assert elapsed < 1.0
+    parts = [out["parts"] for out in trainer + engine + copy if "parts" in out]
+    assert len(parts) == 4, parts  # the trainer's 2 ranks and the 2 of the engine job that holds the group
+    sender, receiver = parts[0]["dropped"]
+    assert sorted(out["rank"] for out in parts) == [0, 1, 2, 3], parts
+    for out in parts:  # parts that disagree, over the group's own store: named, nothing written
+        kind, message, ranks, elapsed = out["outcome"]
+        assert kind == "RefitMismatchError" and "parts of the plan disagree" in message, message
+        assert out["untouched"], out
+        _within(elapsed, timeout)
+        if out["rank"] in (sender, receiver):
+            assert f"{sender}->{receiver}: rank {sender} sends" in message and ranks == (sender, receiver), out
 
 
 def test_an_address_nobody_serves_is_named_within_the_timeout() -> None:
