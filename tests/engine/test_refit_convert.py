@@ -15,9 +15,9 @@ pytest.importorskip("torch")
 import torch
 
 from shardcore.engine.live.refit_check import cut, known_tensor, reference
-from shardcore.engine.transfer.convert import E4M3_MAX, amax_of, block_amax, quantize, scale_inv_of
+from shardcore.engine.transfer.convert import E4M3_MAX, Conversion, amax_of, block_amax, quantize, scale_inv_of
 from shardcore.plan.layout import plan_layout
-from shardcore.refit import RefitStats
+from shardcore.refit import RefitStats, pairing
 from shardcore.refit.manifest import scale_shape
 from shardcore.testing import run_world
 from tests.engine import convert_workers as workers
@@ -97,6 +97,16 @@ def test_a_per_tensor_scale_needs_every_tp_parts_amax() -> None:
     local = [scale_inv_of(part.abs().amax()) for part in parts]
     global_scale = reference(manifest, f"{name}_scale_inv", lambda _: full)
     assert float(global_scale) == max(float(s) for s in local) and float(local[0]) != float(local[1])
+
+
+def test_the_partial_amax_exchange_is_in_the_tally_and_both_ends_agree_on_it() -> None:
+    """Its batches are made before the first meeting (``Conversion.amax_batches``) and counted in the tally."""
+    plan = workers.plan_of(8, workers.CASES[3])
+    batches = [Conversion.of(plan, plan.for_rank(r), r).amax_batches(r, 8, 1 << 16, 16) for r in range(8)]
+    assert any(batch.messages for per_rank in batches for batch in per_rank)
+    assert sum(pairing.tally(per_rank) for per_rank in batches) % pairing.MODULUS == 0
+    batches[0] = batches[0][1:]  # rank 0 leaves out its first batch of the exchange
+    assert sum(pairing.tally(per_rank) for per_rank in batches) % pairing.MODULUS != 0
 
 
 # -- live worlds --------------------------------------------------------------------------------------

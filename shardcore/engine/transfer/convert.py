@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...refit.manifest import SCALE_BLOCK, blocked_from
 from ...refit.scales import AmaxExchange, amax_exchange
-from ...refit.schedule import rank_batches
+from ...refit.schedule import Batch, rank_batches
 from ..agreement import publish_failure
 from .exchange import Exchange
 
@@ -181,9 +181,16 @@ class Conversion:
         scale_inv = self.scale_inv.get(name)
         return view if scale_inv is None else quantize(view, scale_inv, offset)
 
-    def prepare(self, exchange: Exchange, bucket_bytes: int, max_ops: int, world: int) -> None:
-        """Compute this rank's source scales (after the partial-amax exchange) and add the scale tensors to
-        ``exchange.sources``; a failure here makes ``exchange`` drain, as any other of this rank's."""
+    def amax_batches(self, rank: int, world: int, bucket_bytes: int, max_ops: int) -> list[Batch]:
+        """This rank's batches of the partial-amax exchange, one float32 per part of each weight: what ``prepare``
+        posts, made before the refit's first meeting so that its tally counts them too (``refit.pairing``)."""
+        shapes = {name: (parts,) for name, (_, parts) in self.amax.parts.items()}
+        return rank_batches(self.amax, rank, world, bucket_bytes, max_ops, shapes)
+
+    def prepare(self, exchange: Exchange, batches: list[Batch], bucket_bytes: int) -> None:
+        """Compute this rank's source scales (after the partial-amax exchange, ``batches``: ``amax_batches``) and
+        add the scale tensors to ``exchange.sources``; a failure here makes ``exchange`` drain, as any other of
+        this rank's."""
         import torch
 
         sources = exchange.sources
@@ -200,7 +207,7 @@ class Conversion:
                     gathered[name][self.amax.parts[name][0]] = partials[name][0]
         except Exception as error:  # published and drained: the peers still get every message they wait for
             exchange.fail(error)
-        self._exchange_partials(exchange, partials, gathered, bucket_bytes, max_ops, world)
+        self._exchange_partials(exchange, partials, gathered, batches, bucket_bytes)
         if exchange.lost:  # some amax never came: no scale is known, so nothing this rank sends would be right
             why = f"it {exchange.lost_text()} in the partial-amax exchange"
             if not exchange.draining:  # published: a rank it then sends nothing may have no link to the lost one
@@ -218,17 +225,14 @@ class Conversion:
         exchange: Exchange,
         partials: Mapping[str, torch.Tensor],
         gathered: Mapping[str, torch.Tensor],
+        batches: list[Batch],
         bucket_bytes: int,
-        max_ops: int,
-        world: int,
     ) -> None:
         """Run the partial-amax exchange as a phase of ``exchange``: same tag, party, deadline and checks; its
         faults and lost peers become the exchange's."""
         phase = Exchange(
             exchange.rank,
-            rank_batches(
-                self.amax, exchange.rank, world, bucket_bytes, max_ops, {n: p.shape for n, p in gathered.items()}
-            ),
+            batches,
             (),
             partials,
             gathered,

@@ -233,8 +233,8 @@ def execute_refit(
     given = {"timeout": timeout, "bucket_bytes": bucket_bytes, "max_ops": max_ops, "verify": verify, "version": version}
     prepared = _prepare(party, rank, world, backend, plan, sources, destinations, options, given)
     checked, schedule = prepared.options, prepared.schedule
-    bucket_bytes, max_ops, version = checked.bucket_bytes, checked.max_ops, checked.version
-    epoch = _agree(party, rank, prepared.terms, schedule, prepared.wait)
+    bucket_bytes, version = checked.bucket_bytes, checked.version
+    epoch = _agree(party, rank, prepared.terms, schedule, prepared.amax, prepared.wait)
     stats = TransferStats(rank, verify=checked.verify, version=version, agreement_seconds=time.monotonic() - started)
     exchange = Exchange(
         rank,
@@ -256,7 +256,7 @@ def execute_refit(
         prepared.landing,
     )
     if prepared.conversion is not None:
-        prepared.conversion.prepare(exchange, bucket_bytes, max_ops, world)
+        prepared.conversion.prepare(exchange, prepared.amax, bucket_bytes)
     _run(exchange, stats)
     if prepared.conversion is None:  # a conversion's scales are found per refit, and where they lie with them
         schedule.places = exchange.places
@@ -286,6 +286,8 @@ class _Prepared(NamedTuple):
     delta: DeltaSession | None
     landing: Landing | None
     schedule: _Schedule
+    amax: list[Any]
+    """The batches of a converting refit's partial-amax exchange (``Conversion.amax_batches``; [] for none)."""
 
 
 def _prepare(
@@ -323,7 +325,9 @@ def _prepare(
             )
         delta = _delta_session(checked, wanted)
         schedule = _schedule(plan, mine, checked, rank, world)
-        return _Prepared(wait, checked, mine, held, wanted, _terms(plan, checked), conversion, delta, landing, schedule)
+        amax = [] if conversion is None else conversion.amax_batches(rank, world, checked.bucket_bytes, checked.max_ops)
+        terms = _terms(plan, checked)
+        return _Prepared(wait, checked, mine, held, wanted, terms, conversion, delta, landing, schedule, amax)
     except BaseException as error:
         failure = _as_input_error(rank, error)
         arrive_failed(party, START, None, "open", failure, wait)
@@ -428,15 +432,17 @@ def _terms(plan: Any, options: ExecuteOptions) -> RefitTerms:
     )
 
 
-def _agree(party: Party, rank: int, terms: RefitTerms, schedule: _Schedule, wait: timedelta) -> int:
-    """The refit's first meeting; returns its epoch. Besides the terms, it sums every rank's tally: not 0, some
-    message is seen by one end only or differently (the parts of one plan disagree).
+def _agree(party: Party, rank: int, terms: RefitTerms, schedule: _Schedule, amax: list[Any], wait: timedelta) -> int:
+    """The refit's first meeting; returns its epoch. Besides the terms, it sums every rank's tally of its messages
+    (``schedule``'s and ``amax``'s, the partial-amax exchange's): not 0, some message is seen by one end only or
+    differently (the parts of one plan disagree).
 
     Raises:
         RefitMismatchError: ranks brought different terms (every group outside the majority named), or the
             ranks' parts of the plan disagree (naming the pairs of ranks that do).
     """
-    outcome = convene(party, START, terms.encode(), wait, tally=schedule.tally)
+    tally = (schedule.tally + pairing.tally(amax)) % pairing.MODULUS
+    outcome = convene(party, START, terms.encode(), wait, tally=tally)
     if outcome.groups is not None:
         message = RefitTerms.disagreement(
             rank,
@@ -447,18 +453,18 @@ def _agree(party: Party, rank: int, terms: RefitTerms, schedule: _Schedule, wait
         )
         raise RefitMismatchError(message, sorted(r for ranks, _ in outcome.groups[1:] for r in ranks))
     if int(outcome.payload or 0) % pairing.MODULUS:
-        _unpaired(party, rank, outcome.epoch, schedule, wait)
+        _unpaired(party, rank, outcome.epoch, [*schedule.batches, *amax], wait)
     return outcome.epoch
 
 
-def _unpaired(party: Party, rank: int, epoch: int, schedule: _Schedule, wait: timedelta) -> None:
+def _unpaired(party: Party, rank: int, epoch: int, batches: list[Any], wait: timedelta) -> None:
     """The parts of the plan disagree somewhere: every rank leaves a note of its pairs, reads its peers' and names
     the pairs of its own that disagree (a pair is named by at least one of its ends).
 
     Raises:
         RefitMismatchError: always, on every rank.
     """
-    notes = pairing.note(schedule.batches)
+    notes = pairing.note(batches)
     peers = sorted(notes)
     theirs = exchange_notes(party, START, epoch, pairing.encode(notes), peers, wait)
     found = pairing.disagreements(rank, notes, {peer: pairing.decode(text) for peer, text in theirs.items()})
