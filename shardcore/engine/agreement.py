@@ -354,31 +354,53 @@ def decided_without_me(party: Party, epoch: int, phase: str) -> bool:
 
 
 def exchange_notes(
-    party: Party, purpose: Purpose, epoch: int, note: str, wanted: Sequence[int], timeout: timedelta
+    party: Party,
+    purpose: Purpose,
+    epoch: int,
+    note: str,
+    wanted: Sequence[int],
+    conclude: Callable[[dict[int, str]], str],
+    timeout: timedelta,
 ) -> dict[int, str]:
-    """Every rank of the session at ``epoch`` leaves ``note`` and reads the notes of the ranks ``wanted``: two later
-    meetings (every note is written before any is read, and read before any is deleted) and one ``multi_get``
-    per rank. For what is too big to compare at a meeting and needed only on a rare path (a refit naming the
-    pairs of ranks whose parts disagree).
+    """Every rank of the session at ``epoch`` leaves ``note``, reads the notes of the ranks ``wanted`` and draws its
+    conclusion from them (``conclude``: "" for none); returns every rank's conclusion that is not empty, by rank.
+
+    For what is too big to compare at a meeting and needed only on a rare path: a refit naming the pairs of ranks
+    whose parts disagree, each pair found by its own ends and told to every rank. Three later meetings (every note
+    is written before any is read, every conclusion before any is read, and read before any is deleted), one
+    ``multi_get`` per rank; each rank deletes its note, the party's first rank the conclusions.
 
     Raises:
         The purpose's error: a rank did not come in time, or the store's host died or stopped answering.
     """
     rank = party.me
     base = f"shardcore/{party.scope}/{epoch}/note/"
+    said_key = f"{base}said"
     where = f"notes of {purpose.noun} {epoch}"
     seconds = timeout.total_seconds() + GRACE
 
-    def lost(message: str) -> ShardcoreError:
-        return purpose.error(message, [])
+    def call(job: Callable[[Store], Any]) -> Any:
+        return store_call(job, seconds, where, lambda message: purpose.error(message, []), on=party.store)
 
-    store_call(lambda store: store.set(f"{base}{rank}", note), seconds, where, lost, on=party.store)
+    call(lambda store: store.set(f"{base}{rank}", note))
     meet(party, purpose, epoch, "notes-written", timeout)
     keys = [f"{base}{peer}" for peer in wanted]
-    values = store_call(lambda store: store.multi_get(keys) if keys else [], seconds, where, lost, on=party.store)
-    meet(party, purpose, epoch, "notes-read", timeout)
-    store_call(lambda store: store.delete_key(f"{base}{rank}"), seconds, where, lost, on=party.store)
-    return {peer: value.decode() for peer, value in zip(wanted, values)}
+    values = call(lambda store: store.multi_get(keys) if keys else [])
+    mine = conclude({peer: value.decode() for peer, value in zip(wanted, values)})
+    if mine:
+        record = json.dumps([rank, mine[:_SHOWN_ERROR]]) + "\n"
+        call(lambda store: store.append(said_key, record))  # type: ignore[attr-defined]  # not in torch's stubs
+    meet(party, purpose, epoch, "notes-concluded", timeout)
+    text = call(lambda store: store.get(said_key).decode() if store.check([said_key]) else "")
+    meet(party, purpose, epoch, "notes-done", timeout)
+    call(lambda store: store.delete_key(f"{base}{rank}"))
+    if rank == party.ranks[0]:
+        call(lambda store: store.delete_key(said_key))
+    said: dict[int, str] = {}
+    for line in filter(None, text.split("\n")):
+        sayer, conclusion = json.loads(line)
+        said[int(sayer)] = str(conclusion)
+    return said
 
 
 # ----------------------------------------------------------------------------- the meeting

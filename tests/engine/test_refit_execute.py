@@ -143,6 +143,7 @@ def test_parts_that_disagree_stop_every_rank_before_a_byte_moves_naming_the_pair
         assert "parts of the plan disagree" in out["error"] and "no byte moved" in out["error"], out["error"]
         assert out["untouched"] and out["then correct"], (rank, out)
         assert out["seconds"] < 30, (rank, out["seconds"])  # at the first meeting, not at the timeout
-        if rank in (sender, receiver):
-            assert f"{sender}->{receiver}: rank {sender} sends" in out["error"], out["error"]
-            assert out["ranks"] == [sender, receiver], out
+        assert f"{sender}->{receiver}: rank {sender} sends" in out["error"], out["error"]  # every rank hears it
+        assert out["ranks"] == [sender, receiver], out
+        if rank not in (sender, receiver):
+            assert f"not on this rank's own pairs; ranks [{sender}, {receiver}]" in out["error"], out["error"]

@@ -43,7 +43,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ...errors import RefitInputError, RefitIntegrityError, RefitMismatchError, RefitPeerError, ShardcoreError
-from ...plan.arguments import DEFAULT_TIMEOUT, as_timedelta, shown
+from ...plan.arguments import DEFAULT_TIMEOUT, as_timedelta, shown, shown_ranks
 from ...refit import pairing
 from ...refit.options import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_OPS, ExecuteOptions, Verify
 from ...refit.schedule import rank_batches
@@ -458,21 +458,30 @@ def _agree(party: Party, rank: int, terms: RefitTerms, schedule: _Schedule, amax
 
 
 def _unpaired(party: Party, rank: int, epoch: int, batches: list[Any], wait: timedelta) -> None:
-    """The parts of the plan disagree somewhere: every rank leaves a note of its pairs, reads its peers' and names
-    the pairs of its own that disagree (a pair is named by at least one of its ends).
+    """The parts of the plan disagree somewhere: every rank leaves a note of its pairs and reads its peers'; the
+    ends of each pair that disagrees name it (at least one of them knows of the pair), and every rank hears them.
 
     Raises:
         RefitMismatchError: always, on every rank.
     """
     notes = pairing.note(batches)
-    peers = sorted(notes)
-    theirs = exchange_notes(party, START, epoch, pairing.encode(notes), peers, wait)
-    found = pairing.disagreements(rank, notes, {peer: pairing.decode(text) for peer, text in theirs.items()})
-    ranks = sorted({r for pair in found for r in (pair.sender, pair.receiver)})
-    said = f"these pairs of ranks disagree: {pairing.shown(found)}" if found else "none of this rank's pairs do"
+    found: list[pairing.Disagreement] = []
+
+    def conclude(theirs: dict[int, str]) -> str:
+        found.extend(pairing.disagreements(rank, notes, {peer: pairing.decode(t) for peer, t in theirs.items()}))
+        return pairing.shown(found) if found else ""
+
+    said = exchange_notes(party, START, epoch, pairing.encode(notes), sorted(notes), conclude, wait)
+    if found:
+        ranks = sorted({r for pair in found for r in (pair.sender, pair.receiver)})
+        what = f"these pairs of ranks disagree: {pairing.shown(found)}"
+    else:
+        ranks = sorted(said)
+        first = next(iter(said.values()), "")
+        what = f"not on this rank's own pairs; ranks {shown_ranks(ranks)} name theirs: {first}"
     raise RefitMismatchError(
         f"rank {rank}: at the start of refit {epoch}, the ranks' parts of the plan disagree on the messages between "
-        f"them ({said}); no byte moved. Each rank derives its part from the same plan, so this is a planner bug: "
+        f"them ({what}); no byte moved. Each rank derives its part from the same plan, so this is a planner bug: "
         "please report it with the plan's layouts and shards",
         ranks,
     )
