@@ -298,9 +298,7 @@ def arrive_failed(
 
 def publish_failure(party: Party, epoch: int, error: BaseException | str) -> None:
     """Leave this rank's failure where the session's ranks look (``published_failures``); best effort."""
-    rank = party.me
-    text = (error if isinstance(error, str) else f"{type(error).__name__}: {error}")[:_SHOWN_ERROR]
-    record = json.dumps([rank, text]) + "\n"
+    record = _record(party.me, error if isinstance(error, str) else f"{type(error).__name__}: {error}")
     key = f"shardcore/{party.scope}/{epoch}/failed"
 
     def append(store: Store) -> None:
@@ -318,13 +316,22 @@ def published_failures(party: Party, epoch: int) -> dict[int, str]:
         return store.get(key).decode(errors="replace") if store.check([key]) else ""
 
     try:
-        text = store_call(read, GRACE, "reading published failures", on=party.store)
+        return _by_rank(store_call(read, GRACE, "reading published failures", on=party.store))
     except ShardcoreError:
         return {}
+
+
+def _record(rank: int, text: str) -> str:
+    """One rank's line of text in a key many ranks append to (``_by_rank`` reads them)."""
+    return json.dumps([rank, text[:_SHOWN_ERROR]]) + "\n"
+
+
+def _by_rank(text: str) -> dict[int, str]:
+    """The lines ``_record`` made, by rank (a rank's first line if it wrote several)."""
     found: dict[int, str] = {}
     for line in filter(None, text.split("\n")):
-        rank, message = json.loads(line)
-        found.setdefault(int(rank), str(message))
+        rank, said = json.loads(line)
+        found.setdefault(int(rank), str(said))
     return found
 
 
@@ -388,7 +395,7 @@ def exchange_notes(
     values = call(lambda store: store.multi_get(keys) if keys else [])
     mine = conclude({peer: value.decode() for peer, value in zip(wanted, values)})
     if mine:
-        record = json.dumps([rank, mine[:_SHOWN_ERROR]]) + "\n"
+        record = _record(rank, mine)
         call(lambda store: store.append(said_key, record))  # type: ignore[attr-defined]  # not in torch's stubs
     meet(party, purpose, epoch, "notes-concluded", timeout)
     text = call(lambda store: store.get(said_key).decode() if store.check([said_key]) else "")
@@ -396,11 +403,7 @@ def exchange_notes(
     call(lambda store: store.delete_key(f"{base}{rank}"))
     if rank == party.ranks[0]:
         call(lambda store: store.delete_key(said_key))
-    said: dict[int, str] = {}
-    for line in filter(None, text.split("\n")):
-        sayer, conclusion = json.loads(line)
-        said[int(sayer)] = str(conclusion)
-    return said
+    return _by_rank(text)
 
 
 # ----------------------------------------------------------------------------- the meeting
