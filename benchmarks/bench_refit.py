@@ -207,7 +207,7 @@ def _gather_broadcast(plan: Any, rank: int, sources: dict, destinations: dict, g
 
 
 def _local_shape(spec: Any, shard: Any) -> tuple[int, ...]:
-    from shardcore.refit.placement import local_shape_on
+    from shardcore.refit.holdings import local_shape_on
 
     return local_shape_on(spec, shard)
 

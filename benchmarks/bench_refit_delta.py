@@ -30,7 +30,7 @@ def _encode_apply_ns_per_byte(fraction: float, elements: int = 32 << 20) -> tupl
     sender does beyond a dense send: find the changes, encode them, refresh its snapshot."""
     import torch
 
-    from shardcore.engine.transfer.delta import DENSE, apply_piece, encode_piece, write_encoding
+    from shardcore.engine.transfer.delta_codec import DENSE, apply_piece, encode_piece, write_encoding
     from shardcore.engine.transfer.exchange import as_bytes
 
     torch.set_num_threads(1)

@@ -97,7 +97,7 @@ class GatherConvertSend:
         import torch.distributed as dist
 
         from shardcore.refit.families import engine_placement
-        from shardcore.refit.placement import holders, tp_size
+        from shardcore.refit.holdings import holders, tp_size
 
         self.model, self.rank = model, rank
         self.manifest = manifest = model.manifest
@@ -162,7 +162,7 @@ class GatherConvertSend:
         import torch
         import torch.distributed as dist
 
-        from shardcore.refit.placement import holdings
+        from shardcore.refit.holdings import holdings
 
         if len(step.gatherers) == 1:
             return local
@@ -206,7 +206,7 @@ class GatherConvertSend:
 
     def _load(self, name: str, tensor: Any, destinations: dict[str, Any]) -> None:
         """An engine rank's weight loader: its part of Hugging Face tensor ``name``, copied into its tensors."""
-        from shardcore.refit.placement import meets, moved, overlap
+        from shardcore.refit.boxes import meets, moved, overlap
         from shardcore.refit.weightmap import translate
 
         for link in self.packing.out_of(name):

@@ -20,10 +20,12 @@ from typing import Any
 from shardcore.plan.layout import plan_layout
 from shardcore.plan.spec import parse_shards
 from shardcore.refit import RefitStats
+from shardcore.refit.boxes import from_fields
 from shardcore.refit.families import manifest_from_hf_config
 from shardcore.refit.manifest import Manifest
-from shardcore.refit.placement import from_fields
-from shardcore.refit.planner import RankRefit, Transfer, _Part, gc_paused, plan_refit
+from shardcore.refit.part import PartBuilder, RankRefit, Transfer
+from shardcore.refit.plan import gc_paused
+from shardcore.refit.planner import plan_refit
 
 QWEN3_235B = {
     "model_type": "qwen3_moe", "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
@@ -44,11 +46,11 @@ CASES: list[tuple[str, dict[str, Any], str]] = [
 
 def floor(mine: RankRefit, manifest: Manifest, world_size: int) -> float:
     """Seconds to make ``mine``'s receives as Transfers from their fields and put them in ``RankRefit``'s order by
-    the planner's own ``_Part`` (the collector off, as in ``for_rank``): what a rank's part of those receives costs
-    in that form, however it is planned."""
+    the plan's own ``PartBuilder`` (the collector off, as in ``for_rank``): what a rank's part of those receives
+    costs in that form, however it is planned."""
     position = {tensor.name: n for n, tensor in enumerate(manifest.tensors)}
     received = [(position[transfer.tensor], tuple(transfer)) for transfer in mine.recvs]
-    part = _Part(world_size, manifest.tensors)
+    part = PartBuilder(world_size, manifest.tensors)
     with gc_paused():
         start = time.perf_counter()
         for at, values in received:

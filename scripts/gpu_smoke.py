@@ -1,4 +1,4 @@
-"""GPU smoke check: one NCCL rank per GPU, the README's recommended GPU path with the defaults.
+"""GPU smoke check: one NCCL rank per GPU, the recommended GPU path (``docs/install.md``) with the defaults.
 
 Run it on one machine with CUDA, one process per GPU::
 

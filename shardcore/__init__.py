@@ -1,7 +1,7 @@
 """shardcore: lay out heterogeneous parallel jobs, build each rank's process groups, move weights between layouts.
 
 Subpackages, imported one way only (``cli`` -> ``engine`` -> ``refit`` -> ``plan``; ``views`` -> ``plan``;
-``replan`` -> ``refit``; everything -> ``errors``); the README's design section states the rule, and
+``replan`` -> ``refit``; everything -> ``errors``); ``docs/design.md`` states the rule, and
 ``tests/core/test_architecture.py`` checks it:
 
 * ``plan``: shard specs, grids, layouts and their node topology, pure index math (no torch, no numpy);
@@ -63,9 +63,11 @@ if TYPE_CHECKING:
         BackendInfo,
         ExecuteOptions,
         RefitGroup,
+        RefitTensors,
         Shard,
         Strategy,
         TransferStats,
+        allocate_refit,
         build_shards,
         connect_refit,
         destroy_shards,
@@ -88,9 +90,11 @@ _ENGINE_NAMES = frozenset(
         "BackendInfo",
         "ExecuteOptions",
         "RefitGroup",
+        "RefitTensors",
         "Shard",
         "Strategy",
         "TransferStats",
+        "allocate_refit",
         "build_shards",
         "connect_refit",
         "destroy_shards",
@@ -165,6 +169,7 @@ __all__ = [
     "RefitIntegrityError",
     "RefitMismatchError",
     "RefitPeerError",
+    "RefitTensors",
     "Shard",
     "ShardPlan",
     "ShardPlanLike",
@@ -176,6 +181,7 @@ __all__ = [
     "TorchInternalsError",
     "TransferStats",
     "__version__",
+    "allocate_refit",
     "build_shards",
     "connect_refit",
     "destroy_shards",

@@ -72,6 +72,15 @@ class RefitInputError(RefitError):
         self.ranks = tuple(ranks)
 
 
+class OptionValueError(RefitInputError):
+    """An executor option (``ExecuteOptions``) the executor cannot run. ``field``, ``value`` (as shown) and
+    ``problem`` let a caller name the option its own way: the CLI by its flag (``ExecuteOptions.FLAGS``)."""
+
+    def __init__(self, field: str, value: str, problem: str) -> None:
+        super().__init__(f"{field}={value}: {problem}")
+        self.field, self.value, self.problem = field, value, problem
+
+
 class RefitMismatchError(RefitInputError):
     """Ranks brought different terms to a refit (another plan, manifest, option or version); no byte moved."""
 

@@ -17,6 +17,10 @@ a call in which every rank returned and that left shardcore's code as it found i
 group its own (not a survivors' world formed in the call, whose store another world must not meet); after a failure,
 a death, a timeout or ``allow_failures`` its world's processes are ended and the next call starts
 new ones. A new process joins a call only once it has imported torch, as the kept ones have.
+
+A rank's process starts, joins its world, leaves it and is ended as a live check's local rank is
+(``engine.live.launch``: one launcher); this module adds what tests need on top: processes kept between
+calls, several jobs at once, patched code named, and a failed rank's whole traceback.
 """
 
 from __future__ import annotations
@@ -29,12 +33,12 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
-from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from .engine.live.launch import end_processes, join_local_world, leave_world, start_local_process
 from .engine.live.ports import free_port
-from .engine.live.shrinkable import SHRINKABLE_GLOO, register_shrinkable_gloo
+from .engine.live.shrinkable import SHRINKABLE_GLOO
 from .engine.torch_state import import_torch
 from .errors import WorldError
 
@@ -66,16 +70,11 @@ def _run_rank(job: tuple, conn: Connection, baseline: dict[str, int]) -> None:
     shardcore's functions and classes it left replaced, leave the group and say so."""
     rank, world_size, port, fn, args, pg_timeout, backend = job
     environment = dict(os.environ)  # restored after the call: a variable it sets must not reach the next
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
-    )
     import torch.distributed as dist
 
-    if backend == SHRINKABLE_GLOO:
-        register_shrinkable_gloo()
     ours = None
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+        join_local_world(rank, world_size, port, backend, pg_timeout)
         ours = dist.group.WORLD
         ok, value = True, fn(rank, world_size, *args)
     except BaseException:
@@ -89,8 +88,7 @@ def _run_rank(job: tuple, conn: Connection, baseline: dict[str, int]) -> None:
     except Exception:  # a result that does not pickle
         conn.send((False, traceback.format_exc(), replaced))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_world()
         os.environ.clear()
         os.environ.update(environment)
     conn.send("left")
@@ -98,8 +96,7 @@ def _run_rank(job: tuple, conn: Connection, baseline: dict[str, int]) -> None:
 
 def _serve(conn: Connection) -> None:
     """A rank's process: run each job that arrives until told to stop."""
-    torch = import_torch()
-    torch.set_num_threads(1)  # as torchrun does: many ranks share few cores, extra threads only contend
+    import_torch()
     import shardcore
 
     for module in pkgutil.walk_packages(shardcore.__path__, "shardcore."):
@@ -132,10 +129,7 @@ class _Ranks:
         for index in range(world_size):
             if index < len(self.procs) and self.procs[index].is_alive():
                 continue
-            parent, child = context.Pipe()
-            proc = context.Process(target=_serve, args=(child,), daemon=True)
-            proc.start()
-            child.close()
+            proc, parent = start_local_process(context, _serve, ())
             if index < len(self.procs):
                 self.procs[index], self.conns[index] = proc, parent
             else:
@@ -157,16 +151,12 @@ class _Ranks:
         return self.procs[:world_size], self.conns[:world_size]
 
     def end(self, count: int, grace: float = 0.0) -> None:
-        """End the first ``count`` processes (asked to stop, then killed after ``grace`` seconds)."""
+        """End the first ``count`` processes (asked to stop, then ended after ``grace`` seconds)."""
         for conn in self.conns[:count]:
             with suppress(OSError):  # one that died has closed its end
                 conn.send(None)
-        deadline = time.monotonic() + grace
-        for proc, conn in zip(self.procs[:count], self.conns[:count]):
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        end_processes(self.procs[:count], grace)
+        for conn in self.conns[:count]:
             conn.close()
         del self.procs[:count], self.conns[:count]
 

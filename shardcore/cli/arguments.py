@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Mapping
-from typing import NoReturn
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
 
 from ..engine.live.launch import LIVE_CHECK_TIMEOUT
-from ..plan.arguments import MAX_SHOWN, MAX_TIMEOUT, as_timedelta, clipped, shown
+from ..plan.arguments import MAX_SHOWN, MAX_TIMEOUT, as_timedelta, clipped, did_you_mean, shown
 from ..plan.layout import DEFAULT_ORDER, ORDER_ALIASES, Order
 
 ORDER_HELP = (
@@ -28,8 +28,41 @@ prefix names the subcommand: ``shardcore plan: error:``)."""
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse's parser, with its own errors cut short (argparse repeats what was typed in full:
-    ``invalid choice: '...'``, ``unrecognized arguments: ...``) and prefixed as every other error."""
+    """argparse's parser, strict about option names and short in its errors, the one owner of both for every
+    command and subcommand (argparse makes each subparser of this class).
+
+    - No abbreviations (``allow_abbrev=False``): ``--shard`` is not taken for ``--shards``, so a flag added
+      later never changes what an old command line means.
+    - An unknown option is named first, with the closest known one (``--nprocs``: did you mean ``--nproc``?),
+      before argparse would report a required flag as missing (``plan --wrold 8`` names ``--wrold``).
+    - Errors are cut short (argparse repeats what was typed in full: ``invalid choice: '...'``) and
+      prefixed as every other error.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        unknown = self._unknown_option(sys.argv[1:] if args is None else list(args))
+        if unknown is not None:
+            known = [option for option in self._option_string_actions if option.startswith("--")]
+            self.error(f"unrecognized option {shown(unknown)}{did_you_mean(unknown, known)}")
+        return super().parse_known_args(args, namespace)
+
+    def _unknown_option(self, args: list[str]) -> str | None:
+        """The first ``--name`` (or ``--name=value``) in ``args`` that this parser does not know, read as
+        argparse reads options: up to a lone ``--`` (or, with subcommands, up to the subcommand, which reads
+        the rest); a token with a space is a value, never an option."""
+        for arg in args:
+            if arg == "--" or (self._subparsers is not None and not arg.startswith("-")):
+                return None
+            name = arg.partition("=")[0]
+            if arg.startswith("--") and " " not in arg and name not in self._option_string_actions:
+                return name
+        return None
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)

@@ -13,11 +13,13 @@ import os
 import resource
 import sys
 import time
-from typing import TYPE_CHECKING, TextIO
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ..engine import DEFAULT_BACKEND, install_hint
 from ..errors import CheckError
-from ..plan.arguments import counted, number_or_long, shown
+from ..plan.arguments import counted, format_bytes, number_or_long, shown
 from ..views.tables import format_table
 from .arguments import ERROR
 
@@ -38,6 +40,9 @@ MIB_PER_PROCESS = 250
 """Resident memory of one worker after importing torch (measured: about 220 MiB on torch 2.13 CPU)."""
 OVERSUBSCRIBED = 4
 """Processes per core above which ``check`` warns that it will be slow."""
+HELD_EVERY = 10.0
+"""Seconds without a progress line after which ``Progress.held`` says what the running ranks hold."""
+GIB = 1 << 30
 
 
 def _parse_option(text: str) -> tuple[str, object]:
@@ -73,12 +78,29 @@ def _available_mib() -> int | None:
     return None
 
 
-def check_machine(nproc: int) -> list[str]:
+@dataclass(frozen=True)
+class Load:
+    """What a live command's processes hold beyond the interpreter and torch (``MIB_PER_PROCESS``), for
+    ``check_machine``: bytes per rank, what those bytes are, and how to hold less."""
+
+    per_rank: Sequence[int]
+    what: str
+    """e.g. "the refit's tensors"."""
+    less: str
+    """How to hold less, e.g. "refit a smaller model or part of it (--tensors), or use fewer processes"."""
+    flag: str = "--nproc"
+    """The flag that sets the number of processes."""
+
+
+def check_machine(nproc: int, load: Load | None = None) -> list[str]:
     """Refuse a world this machine cannot hold; return warnings for one it holds only slowly.
 
+    Memory is read as the kernel's MemAvailable: what can be allocated without swapping. Each process counts
+    MIB_PER_PROCESS, and with ``load`` what its rank holds on top (``load.per_rank``).
+
     Raises:
-        CheckError: ``nproc`` above ``local_limit``, or more processes than the available memory holds
-            (about MIB_PER_PROCESS each), naming the limit.
+        CheckError: ``nproc`` above ``local_limit``, or more than the available memory holds, naming the
+            figures and a way out.
     """
     limit, why = local_limit()
     if nproc > limit:
@@ -94,6 +116,15 @@ def check_machine(nproc: int) -> list[str]:
             f"{available / 1024:.1f} GiB is available here; use at most {max(1, available // MIB_PER_PROCESS)}, "
             "or run check under torchrun across nodes"
         )
+    if available is not None and load is not None and load.per_rank:
+        need = nproc * MIB_PER_PROCESS / 1024 + sum(load.per_rank) / GIB
+        most = max(range(len(load.per_rank)), key=load.per_rank.__getitem__)
+        if need > available / 1024:
+            raise CheckError(
+                f"{load.flag} {nproc}: {counted(nproc, 'process', 'processes')} would hold about {need:.1f} GiB "
+                f"({load.what}; rank {most} the most, {load.per_rank[most] / GIB:.1f} GiB, plus about "
+                f"{MIB_PER_PROCESS} MiB each) but {available / 1024:.1f} GiB is available here: {load.less}"
+            )
     cores = os.cpu_count() or 1
     if nproc > OVERSUBSCRIBED * cores:
         return [f"{counted(nproc, 'process', 'processes')} on {counted(cores, 'core')}: expect minutes"]
@@ -167,6 +198,19 @@ class Progress:
             self.printed = now
             self._say(f"  {stage:<8} {count}/{self.world} ({seconds:.1f}s)")
 
+    def held(self, resident: dict[int, int], seconds: float) -> None:
+        """What the running ranks hold, when nothing was printed for HELD_EVERY seconds: a long transfer
+        shows it is alive, and memory that grows is seen before the kernel ends a rank for it."""
+        now = time.monotonic()
+        if self.quiet or now - self.printed < HELD_EVERY:
+            return
+        self.printed = now
+        most = max(resident, key=resident.__getitem__)
+        self._say(
+            f"  running  {counted(len(resident), 'rank')} hold {format_bytes(sum(resident.values()))}, the most "
+            f"rank {most} ({format_bytes(resident[most])}) ({seconds:.1f}s)"
+        )
+
     def _say(self, line: str) -> None:
         print(line, file=self.out, flush=True)
 
@@ -231,15 +275,20 @@ def cmd_check(args: argparse.Namespace) -> int:
             if joined
             else f"{counted(world, 'local gloo process', 'local gloo processes')}"
         )
-        print(_header(prepared, options, where), flush=True)
+        if not args.json:  # --json: stdout holds the document alone
+            print(_header(prepared, options, where), flush=True)
     for warning in warnings:
         print(f"shardcore: warning: {warning}", file=sys.stderr)
     if joined:
-        reports = check.run_joined(options, JoinedProgress(world, args.verbose, args.quiet))
+        reports = check.run_joined(prepared.options, JoinedProgress(world, args.verbose, args.quiet))
     else:
-        reports = check.run_local(world, options, Progress(world, args.verbose, args.quiet))
+        reports = check.run_local(world, prepared.options, Progress(world, args.verbose, args.quiet))
     if reports is None:
         return 0
+    if args.json:
+        document = _check_document(prepared, options, world, reports)
+        print(json.dumps(document, indent=2))
+        return 0 if document["ok"] else 1
     table, ok = summary(reports, prepared.layout)
     if speaks:
         print(f"strategy {reports[0].strategy}")
@@ -248,8 +297,44 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _seconds(reports: list[RankReport], attribute: str) -> str:
-    return f"{max((getattr(r, attribute) for r in reports), default=0.0):.3f}"
+def _seconds(reports: list[RankReport], attribute: str) -> float:
+    return max((getattr(r, attribute) for r in reports), default=0.0)
+
+
+def check_rows(reports: list[RankReport], layout: Layout) -> list[dict[str, Any]]:
+    """Per shard (and the idle ranks, if any): its ranks and spec, the groups its ranks verified, its slowest
+    rank's seconds importing the backend's framework, building the groups (group creation only) and verifying
+    them, its mismatches, and whether every rank of it reported and matched: the table's rows and ``--json``'s."""
+    rows: list[dict[str, Any]] = []
+    for plan in layout.shards:
+        mine = [r for r in reports if r.shard == plan.index]
+        failures = [f for r in mine for f in r.failures]
+        rows.append(
+            {
+                "shard": plan.index,
+                "role": plan.spec.role,
+                "ranks": [plan.rank_offset, plan.ranks.stop],
+                "spec": str(plan.spec),
+                **_times(mine),
+                "failures": failures,
+                "ok": not failures and len(mine) == plan.size,
+            }
+        )
+    idle = [r for r in reports if r.shard is None]
+    if idle:
+        ranks = [min(r.rank for r in idle), max(r.rank for r in idle) + 1]  # after the last shard: contiguous
+        rows.append({"shard": None, "role": None, "ranks": ranks, "spec": None})
+        rows[-1].update(**_times(idle), failures=[], ok=True)
+    return rows
+
+
+def _times(reports: list[RankReport]) -> dict[str, Any]:
+    return {
+        "groups_verified": sum(r.verified for r in reports),
+        "import_seconds": _seconds(reports, "import_seconds"),
+        "build_seconds": _seconds(reports, "build_seconds"),
+        "verify_seconds": _seconds(reports, "verify_seconds"),
+    }
 
 
 def summary(reports: list[RankReport], layout: Layout) -> tuple[str, bool]:
@@ -258,51 +343,49 @@ def summary(reports: list[RankReport], layout: Layout) -> tuple[str, bool]:
     Times are each shard's slowest rank: importing the backend's framework, building the
     groups (group creation only), verifying them.
     """
-    rows: list[tuple[object, ...]] = []
-    ok = True
-    for plan in layout.shards:
-        mine = [r for r in reports if r.shard == plan.index]
-        failures = [f for r in mine for f in r.failures]
-        good = not failures and len(mine) == plan.size
-        ok &= good
-        rows.append(
-            (
-                plan.index,
-                plan.spec.role or "-",
-                f"[{plan.rank_offset}, {plan.ranks.stop})",
-                str(plan.spec),
-                sum(r.verified for r in mine),
-                _seconds(mine, "import_seconds"),
-                _seconds(mine, "build_seconds"),
-                _seconds(mine, "verify_seconds"),
-                "ok" if good else f"FAILED ({counted(len(failures), 'mismatch', 'mismatches')})",
-            )
+    rows = check_rows(reports, layout)
+
+    def cells(row: dict[str, Any]) -> tuple[object, ...]:
+        idle = row["shard"] is None
+        failed = f"FAILED ({counted(len(row['failures']), 'mismatch', 'mismatches')})"
+        return (
+            "idle" if idle else row["shard"],
+            row["role"] or "-",
+            counted(row["ranks"][1] - row["ranks"][0], "rank") if idle else f"[{row['ranks'][0]}, {row['ranks'][1]})",
+            row["spec"] or "-",
+            row["groups_verified"],
+            *(f"{row[key]:.3f}" for key in ("import_seconds", "build_seconds", "verify_seconds")),
+            "ok" if row["ok"] else failed,
         )
-    idle = [r for r in reports if r.shard is None]
-    if idle:
-        rows.append(
-            (
-                "idle",
-                "-",
-                counted(len(idle), "rank"),
-                "-",
-                0,
-                _seconds(idle, "import_seconds"),
-                _seconds(idle, "build_seconds"),
-                _seconds(idle, "verify_seconds"),
-                "ok",
-            )
-        )
+
     header = ("shard", "role", "ranks", "spec", "groups verified", "import s", "build s", "verify s", "status")
-    table = format_table(rows, header)
+    table = format_table([cells(row) for row in rows], header)
     details = [f for r in reports for f in r.failures]
-    return table + ("\n" + "\n".join(details) if details else ""), ok
+    return table + ("\n" + "\n".join(details) if details else ""), all(row["ok"] for row in rows)
+
+
+def _check_document(prepared: Prepared, options: CheckOptions, world: int, reports: list[RankReport]) -> dict[str, Any]:
+    """``check --json``: what was checked (world, backend, strategy, order, timeout) and, per shard, what its
+    ranks found; ``ok`` when every group matched the plan."""
+    rows = check_rows(reports, prepared.layout)
+    return {
+        "world": world,
+        "backend": prepared.backend,
+        "backend_source": prepared.backend_source,
+        "strategy": reports[0].strategy if reports else str(options.strategy),
+        "order": str(prepared.layout.order),
+        "timeout": options.timeout,
+        "shards": rows,
+        "ok": all(row["ok"] for row in rows),
+    }
 
 
 __all__ = [
     "CheckError",
+    "Load",
     "Progress",
     "check_machine",
+    "check_rows",
     "cmd_check",
     "local_limit",
     "report_error",

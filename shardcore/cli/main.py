@@ -296,6 +296,9 @@ def _add_check_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     add_allow_idle_flag(check)
     add_timeout_flag(check)
+    check.add_argument(
+        "--json", action="store_true", help="print the result as JSON (what was checked, per shard what it found)"
+    )
     check.set_defaults(func=cmd_check)
 
 

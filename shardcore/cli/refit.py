@@ -7,16 +7,25 @@ import json
 import os
 import sys
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..errors import RefitError, RefitInputError
+from ..errors import OptionValueError, RefitError, RefitInputError
 from ..plan.arguments import check_count, check_size, counted, format_bytes, number_or_long, shown
 from ..refit.cost import DEFAULT_INTER_GBPS, DEFAULT_INTRA_GBPS, RefitStats
 from ..refit.families import LAYOUTS
-from ..refit.manifest import Manifest, TensorSpec
+from ..refit.landing import refuse_delta
+from ..refit.manifest import SCALED, Manifest, TensorSpec
 from ..refit.models import PRESETS
-from ..refit.options import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_OPS, MIN_BUCKET_BYTES, ExecuteOptions, Verify
-from ..refit.planner import DEFAULT_MIN_PIECE_BYTES, RankRefit, ShardRefitPlan
+from ..refit.options import (
+    DELTA_SHAPING,
+    OPTION_FLAGS,
+    ExecuteOptions,
+    OptionFlag,
+    Verify,
+)
+from ..refit.part import RankRefit, Transfer
+from ..refit.plan import DEFAULT_MIN_PIECE_BYTES, ShardRefitPlan
 from ..refit.request import RefitRequest
 from ..refit.weightmap import MappedPlacement
 from ..views.tables import format_table
@@ -31,7 +40,7 @@ from .arguments import (
     lone_flags,
     missing_flags,
 )
-from .check import JoinedProgress, Progress, check_machine, require_torch, torchrun_world
+from .check import JoinedProgress, Load, Progress, check_machine, require_torch, torchrun_world
 from .search import add_search_arguments, run_search
 
 if TYPE_CHECKING:
@@ -62,12 +71,12 @@ def summary_table(plan: ShardRefitPlan, stats: RefitStats, intra_gbps: float, in
                 f"[{destination.rank_offset}, {destination.ranks.stop})",
                 format_bytes(shard.bytes),
                 format_bytes(shard.local_bytes),
-                "-" if shard.busiest_rank is None else shard.busiest_rank,
-                format_bytes(shard.busiest_bytes),
+                "-" if shard.busiest_receiver is None else shard.busiest_receiver,
+                format_bytes(shard.received),
                 f"{shard.estimate_seconds(intra_gbps, inter_gbps):.3g}",
             )
         )
-    header = ("to", "role", "spec", "ranks", "bytes", "local", "busiest rank", "its bytes", "estimate s")
+    header = ("to", "role", "spec", "ranks", "bytes", "local", "busiest receiver", "it receives", "estimate s")
     source = plan.source
     busiest = (
         "none" if stats.busiest_sender is None else f"rank {stats.busiest_sender}, {format_bytes(stats.busiest_sent)}"
@@ -134,21 +143,28 @@ def landing_lines(plan: ShardRefitPlan) -> list[str]:
     ]
 
 
-def rank_table(mine: RankRefit) -> str:
-    """One rank's transfers: sends, receives and local copies, each with its peer, box and bytes."""
+COORDS = ("global", "dest")
+"""How ``--coords`` shows a transfer's box: in the source model's global coordinates (the default), or in the
+destination rank's own local tensor (``Transfer.dst_box``; an engine's own tensor through a weight map)."""
+
+
+def transfer_table(mine: RankRefit, coords: str = "global") -> str:
+    """One rank's transfers: sends, receives and local copies, each with its peer, box and bytes; the box in the
+    source model's global coordinates, or (``coords="dest"``) in the destination's local tensor, named."""
 
     rows = []
     for kind, transfers in (("send", mine.sends), ("recv", mine.recvs), ("copy", mine.copies)):
         for t in transfers:
             peer = t.dst if kind == "send" else t.src
-            box = "[" + ", ".join(f"{start}:{stop}" for start, stop in t.box) + "]"
+            box = "[" + ", ".join(f"{start}:{stop}" for start, stop in (t.dst_box if coords == "dest" else t.box)) + "]"
             name = f"{t.tensor} -> {t.target}" if t.target else t.tensor
             rows.append((kind, peer, name, box, format_bytes(t.bytes)))
     title = (
         f"rank {mine.rank}: sends {len(mine.sends)} ({format_bytes(mine.bytes_sent)}), "
         f"receives {len(mine.recvs)} ({format_bytes(mine.bytes_received)}), copies {len(mine.copies)}"
     )
-    return title + ("\n" + format_table(rows, ("op", "peer", "tensor", "box", "bytes")) if rows else "")
+    column = "global box" if coords == "global" else "box in the destination rank's tensor"
+    return title + ("\n" + format_table(rows, ("op", "peer", "tensor", column, "bytes")) if rows else "")
 
 
 def _plan(args: argparse.Namespace) -> tuple[RefitRequest, ShardRefitPlan]:
@@ -210,35 +226,25 @@ def _request(args: argparse.Namespace) -> RefitRequest:
 
 
 def _execute_options(args: argparse.Namespace) -> ExecuteOptions:
-    """``--timeout``, ``--bucket-bytes``, ``--max-ops``, ``--verify``, ``--refit-version``: checked here, before
-    a process starts.
+    """``--timeout`` and the executor's flags (``OPTION_FLAGS``): checked here, before a process starts.
 
     Raises:
         RefitInputError: a value the executor cannot run, naming the flag.
     """
-    flags = {
-        "bucket_bytes": "--bucket-bytes",
-        "max_ops": "--max-ops",
-        "version": "--refit-version",
-        "anchor_every": "--anchor-every",
-    }
+    given = {field: getattr(args, _dest(option)) for field, option in OPTION_FLAGS.items()}
+    if args.delta and given["version"] is None:
+        given["version"] = 1
     try:
-        return ExecuteOptions.merged(  # a flag not given (None) keeps the executor's default
-            timeout=args.timeout,
-            bucket_bytes=args.bucket_bytes,
-            max_ops=args.max_ops,
-            verify=args.verify,
-            version=1 if args.delta and args.refit_version is None else args.refit_version,
-            delta=args.delta or None,
-            anchor_every=args.anchor_every,
-            delta_checksum=args.delta_checksum or None,
+        return ExecuteOptions.merged(  # a flag not given (None, or a switch left off) keeps the executor's default
+            timeout=args.timeout, **{field: None if value is False else value for field, value in given.items()}
         )
-    except RefitInputError as error:
-        text = str(error)
-        for name, flag in flags.items():
-            if text.startswith(f"{name}="):
-                text = f"{flag} {text.removeprefix(name + '=')}"
-        raise RefitInputError(text) from None
+    except OptionValueError as error:
+        raise RefitInputError(f"{OPTION_FLAGS[error.field].flag} {error.value}: {error.problem}") from None
+
+
+def _dest(option: OptionFlag) -> str:
+    """Where argparse keeps ``option``'s value."""
+    return option.flag.removeprefix("--").replace("-", "_")
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -250,33 +256,72 @@ def _check(args: argparse.Namespace) -> int:
     execute = _execute_options(args)
     torchrun = torchrun_world()
     joined = torchrun is not None
-    warnings = [] if joined else check_machine(args.nproc)
+    if not joined:
+        check_machine(args.nproc)  # the limits on processes alone, before planning
     require_torch("refit --check")
     args.world = args.nproc if torchrun is None else torchrun
     request, plan = _plan(args)
+    if execute.delta:
+        refuse_delta(plan.destination_placements, "--delta")
     from ..engine.live import refit_check
 
+    warnings = [] if joined else check_machine(args.nproc, _load(plan, execute, refit_check.check_held_bytes))
     changes = (0.02 if args.changed is None else args.changed,) if args.delta else ()
     options = refit_check.RefitCheckOptions(request, execute, changes)
     speaks = not args.quiet and (not joined or os.environ["RANK"] == "0")
     if speaks and not args.json:
         print(_check_header(plan, execute, args.world, joined), flush=True)
+        print(f"checking {_checked_text(_checked(request, execute))}", flush=True)
     for warning in warnings:
         print(f"shardcore: warning: {warning}", file=sys.stderr)
     if joined:
         reports = refit_check.run_joined(options, JoinedProgress(args.world, args.verbose, args.quiet))
     else:
-        reports = refit_check.run_local(args.world, options, Progress(args.world, args.verbose, args.quiet))
+        progress = Progress(args.world, args.verbose, args.quiet)
+        reports = refit_check.run_local(args.world, options, progress, progress.held)
     if reports is None:
         return 0
-    rows = _check_rows(reports, plan)
+    rows = _check_rows(reports, plan, execute.delta)
     ok = all(row["ok"] for row in rows)
+    checked = _checked(request, execute)
     if args.json:
-        print(json.dumps(_check_document(plan, execute, rows), indent=2))
+        print(json.dumps({**_check_document(plan, execute, rows), "checked": checked}, indent=2))
     else:
+        print(f"checked {_checked_text(checked)}")
         print(_check_table(rows))
         print(_check_line(plan, rows))
     return 0 if ok else 1
+
+
+def _load(plan: ShardRefitPlan, execute: ExecuteOptions, held: Callable[[Any, int, int], int]) -> Load:
+    """What each rank of ``refit --check`` holds (``held``: ``refit_check.check_held_bytes``), for the memory
+    check before any process starts."""
+    return Load(
+        [held(plan, rank, execute.bucket_bytes) for rank in range(plan.layout.world_size)],
+        "the refit's tensors: each rank makes whole the ones it checks",
+        "refit a smaller model or part of it (--tensors), or use fewer processes",
+    )
+
+
+def _checked(request: RefitRequest, execute: ExecuteOptions) -> dict[str, Any]:
+    """What a live check checked, echoed in its text and JSON: the two sides' layouts, the destination dtype
+    (None: the source's), the scales an fp8 target carries, and whether a delta refit followed the dense one."""
+    scale = request.scale or ("block" if request.to_dtype == SCALED else None)
+    return {
+        "from_layout": request.from_layout,
+        "to_layout": request.to_layout,
+        "to_dtype": request.to_dtype,
+        "scale": scale,
+        "delta": execute.delta_terms,
+    }
+
+
+def _checked_text(checked: dict[str, Any]) -> str:
+    """``_checked`` in words, e.g. "megatron -> vllm layout, to float8_e4m3fn with block scales, dense then delta"."""
+    dtype = "in the source's dtypes" if checked["to_dtype"] is None else f"to {checked['to_dtype']}"
+    scale = "" if checked["scale"] is None else f" with {checked['scale']} scales"
+    delta = "dense only" if checked["delta"] == "off" else f"dense then delta ({checked['delta']})"
+    return f"{checked['from_layout']} -> {checked['to_layout']} layout, {dtype}{scale}, {delta}"
 
 
 def _check_header(plan: ShardRefitPlan, execute: ExecuteOptions, world: int, joined: bool) -> str:
@@ -295,13 +340,23 @@ def _check_header(plan: ShardRefitPlan, execute: ExecuteOptions, world: int, joi
     )
 
 
-def _check_rows(reports: list[RefitReport], plan: ShardRefitPlan) -> list[dict[str, Any]]:
+def _check_rows(reports: list[RefitReport], plan: ShardRefitPlan, delta: bool = False) -> list[dict[str, Any]]:
     """Per destination shard: its ranks, the bytes its ranks received and copied, the slowest rank's seconds,
-    the tensors that differ, and whether every rank of it reported and matched."""
+    the tensors that differ, and whether every rank of it reported and matched. With ``delta``, the same for the
+    dense refit and the delta refit after it, side by side (``refits``); the top-level figures are the last one's."""
     rows = []
     for target in plan.destinations:
         mine = [r for r in reports if r.shard == target.index]
         mismatches = [m for r in mine for m in r.mismatches]
+        refits = {}
+        if delta:
+            for lap, name in enumerate(("dense", "delta")):
+                laps = [r.laps[lap] for r in mine if len(r.laps) > lap]
+                refits[name] = {
+                    "bytes": sum(received + copied for received, copied, _, _ in laps),
+                    "wire_bytes": sum(wire for _, _, wire, _ in laps),
+                    "seconds": max((seconds for *_, seconds in laps), default=0.0),
+                }
         rows.append(
             {
                 "shard": target.index,
@@ -314,28 +369,47 @@ def _check_rows(reports: list[RefitReport], plan: ShardRefitPlan) -> list[dict[s
                 "tensors_checked": sum(r.checked for r in mine),
                 "mismatches": mismatches,
                 "ok": not mismatches and len(mine) == target.size and all(r.checked for r in mine),
+                **({"refits": refits} if refits else {}),
             }
         )
     return rows
 
 
 def _check_table(rows: list[dict[str, Any]]) -> str:
-    """One row per destination shard, in human units; then the first tensors that differ."""
+    """One row per destination shard, in human units (a delta check: its dense and delta refits side by side, the
+    bytes on the wire and the seconds of each); then the first tensors that differ."""
+    delta = any("refits" in row for row in rows)
+
+    def figures(row: dict[str, Any]) -> tuple[str, ...]:
+        if not delta:
+            speed = f"{row['bytes'] / row['seconds'] / 1e9:.3f}" if row["seconds"] > 0 else "-"
+            return (format_bytes(row["bytes"]), format_bytes(row["local_bytes"]), f"{row['seconds']:.3f}", speed)
+        dense, changed = row["refits"]["dense"], row["refits"]["delta"]
+        return (
+            format_bytes(dense["wire_bytes"]),
+            f"{dense['seconds']:.3f}",
+            format_bytes(changed["wire_bytes"]),
+            f"{changed['seconds']:.3f}",
+        )
+
     table = format_table(
         [
             (
                 row["shard"],
                 row["spec"],
                 f"[{row['ranks'][0]}, {row['ranks'][1]})",
-                format_bytes(row["bytes"]),
-                format_bytes(row["local_bytes"]),
-                f"{row['seconds']:.3f}",
-                f"{row['bytes'] / row['seconds'] / 1e9:.3f}" if row["seconds"] > 0 else "-",
+                *figures(row),
                 "ok" if row["ok"] else f"FAILED ({counted(len(row['mismatches']), 'tensor')} differ)",
             )
             for row in rows
         ],
-        ("shard", "spec", "ranks", "moved", "local", "seconds", "GB/s", "status"),
+        (
+            "shard",
+            "spec",
+            "ranks",
+            *(("dense wire", "dense s", "delta wire", "delta s") if delta else ("moved", "local", "seconds", "GB/s")),
+            "status",
+        ),
     )
     details = [m for row in rows for m in row["mismatches"]][:20]
     return table + ("\n" + "\n".join(details) if details else "")
@@ -405,21 +479,28 @@ def run(args: argparse.Namespace) -> int:
         data["tensors"] = {t.name: _tensor_entry(t) for t in plan.manifest}
         data["from_layout"], data["to_layout"] = args.from_layout, args.to_layout
         data["destination_tensors"] = _destination_tensors(plan)
+
+        def entry(transfer: Transfer) -> dict[str, Any]:
+            out = transfer.to_dict()
+            if args.coords == "dest":
+                out["dst_box"] = [list(pair) for pair in transfer.dst_box]
+            return out
+
         if args.transfers:
-            data["transfers"] = [transfer.to_dict() for transfer in plan.transfers()]
+            data["transfers"] = [entry(transfer) for transfer in plan.transfers()]
         if mine is not None:
             data["rank"] = {
                 "rank": mine.rank,
-                "sends": [t.to_dict() for t in mine.sends],
-                "recvs": [t.to_dict() for t in mine.recvs],
-                "copies": [t.to_dict() for t in mine.copies],
+                "sends": [entry(t) for t in mine.sends],
+                "recvs": [entry(t) for t in mine.recvs],
+                "copies": [entry(t) for t in mine.copies],
             }
         print(json.dumps(data, indent=None if args.transfers else 2))  # every transfer: one compact document
         return 0
     print(summary_table(plan, stats, args.intra_gbps, args.inter_gbps))
     if mine is not None:
         print()
-        print(rank_table(mine))
+        print(transfer_table(mine, args.coords or "global"))
     return 0
 
 
@@ -434,19 +515,19 @@ def _refuse_lone_flags(args: argparse.Namespace) -> None:
     lone = lone_flags(args, {"--transfers": "transfers"}, "--json") if not args.json else None
     lone = lone or (None if args.check else lone_flags(args, _CHECK_ONLY, "--check"))
     lone = lone or (None if args.delta else lone_flags(args, _DELTA_ONLY, "--delta"))
+    lone = lone or lone_flags(args, {"--objective": "objective"}, "--search")
+    if not lone and args.coords is not None and args.rank is None and not args.transfers:
+        lone = "--coords needs --rank or --transfers"
     if lone:
         raise RefitError(lone)
 
 
-_CHECK_ONLY = {
-    "--bucket-bytes": "bucket_bytes",
-    "--max-ops": "max_ops",
-    "--verify": "verify",
-    "--refit-version": "refit_version",
-    "--delta": "delta",
-}
+_CHECK_ONLY = {option.flag: _dest(option) for field, option in OPTION_FLAGS.items() if field not in DELTA_SHAPING}
 """The executor's flags (their defaults None, so a given one is seen)."""
-_DELTA_ONLY = {"--anchor-every": "anchor_every", "--delta-checksum": "delta_checksum", "--changed": "changed"}
+_DELTA_ONLY = {
+    **{OPTION_FLAGS[field].flag: _dest(OPTION_FLAGS[field]) for field in DELTA_SHAPING},
+    "--changed": "changed",
+}
 """The flags that shape a delta check."""
 
 
@@ -548,6 +629,13 @@ def _add_output_flags(parser: argparse.ArgumentParser) -> None:
         "--json", action="store_true", help="print the stats (and tensors) as JSON; with --check, the live run's result"
     )
     parser.add_argument("--transfers", action="store_true", help="with --json: include every transfer")
+    parser.add_argument(
+        "--coords",
+        choices=COORDS,
+        help="with --rank or --transfers: show each box in the source model's global coordinates (global, the "
+        "default) or in the destination rank's own local tensor (dest: rows of an engine's own qkv_proj; "
+        "JSON adds dst_box)",
+    )
     parser.add_argument("--list-models", action="store_true", help="print the preset model names, one a line")
 
 
@@ -595,54 +683,29 @@ def _add_check_flags(parser: argparse.ArgumentParser) -> None:
     )
     add_nproc_flag(parser, when="with --check: ")
     add_timeout_flag(parser, when="with --check: ")
-    parser.add_argument(
-        "--bucket-bytes",
-        type=POSITIVE_INT,
-        metavar="N",
-        help=f"with --check: bytes one batch of messages may hold, and so the staging memory a rank uses; at least "
-        f"{MIN_BUCKET_BYTES} (default {DEFAULT_BUCKET_BYTES >> 20} MiB)",
-    )
-    parser.add_argument(
-        "--max-ops",
-        type=POSITIVE_INT,
-        metavar="N",
-        help=f"with --check: operations per batch_isend_irecv (default {DEFAULT_MAX_OPS}, safe for NCCL)",
-    )
-    parser.add_argument(
-        "--verify",
-        choices=list(Verify),
-        help="with --check: check each received message's size against its sender's ledger (size, the default), "
-        "or its size and a checksum of its bytes",
-    )
-    parser.add_argument(
-        "--refit-version",
-        type=NON_NEGATIVE_INT,
-        metavar="STEP",
-        help="with --check: the refit's version (e.g. the training step), recorded with the destinations",
-    )
-    parser.add_argument(
-        "--delta",
-        action="store_true",
-        help="with --check: a delta refit: a first refit, a simulated optimizer step, then a second refit that "
-        "sends only what changed (versions --refit-version, default 1, and the next)",
-    )
+    for field, option in OPTION_FLAGS.items():
+        if field not in DELTA_SHAPING:
+            _add_option_flag(parser, field, option, "with --check: ")
     parser.add_argument(
         "--changed",
         type=FRACTION,
         metavar="F",
         help="with --delta: the fraction of elements the optimizer step changes (default 0.02)",
     )
-    parser.add_argument(
-        "--anchor-every",
-        type=POSITIVE_INT,
-        metavar="K",
-        help="with --delta: every version divisible by K is a full refit",
-    )
-    parser.add_argument(
-        "--delta-checksum",
-        action="store_true",
-        help="with --delta: checksum every destination piece once written, against its sender's",
-    )
+    for field in DELTA_SHAPING:
+        _add_option_flag(parser, field, OPTION_FLAGS[field], "with --delta: ")
 
 
-__all__ = ["add_refit_parser", "format_bytes", "rank_table", "run", "summary_table"]
+def _add_option_flag(parser: argparse.ArgumentParser, field: str, option: OptionFlag, when: str) -> None:
+    """The flag of the executor's option ``field``, as ``OPTION_FLAGS`` names and describes it: a switch, a choice
+    (``verify``) or a whole number (``version`` may be 0)."""
+    if field == "verify":
+        parser.add_argument(option.flag, choices=list(Verify), help=when + option.help)
+    elif option.metavar is None:
+        parser.add_argument(option.flag, action="store_true", help=when + option.help)
+    else:
+        number = NON_NEGATIVE_INT if field == "version" else POSITIVE_INT
+        parser.add_argument(option.flag, type=number, metavar=option.metavar, help=when + option.help)
+
+
+__all__ = ["add_refit_parser", "format_bytes", "run", "summary_table", "transfer_table"]

@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import LayoutError
 from ..plan.arguments import counted, format_bytes
-from ..replan import ReplanOption, ReplanRequest, ReplanResult, format_ranks, named_ranks
+from ..replan import DEFAULT_TRAIN_BYTES_PER_PARAM, ReplanOption, ReplanRequest, ReplanResult, format_ranks, named_ranks
 from ..views.picture import DEFAULT_RANKS_PER_NODE, render_svg
 from ..views.tables import format_table
 from .arguments import POSITIVE_INT, add_allow_idle_flag, add_order_flag, add_timeout_flag, lone_flags
@@ -121,6 +121,9 @@ def replan_report(result: ReplanResult, ranks_per_node: int | None) -> str:
     ]
     if released:
         lines.append(f"  released (old ranks; they leave with the lost ones): {format_ranks(released)}")
+    if best.renumbering.replaced:
+        replaced = format_ranks(best.renumbering.replaced)
+        lines.append(f"  replaced (new processes take these lost ranks' numbers and places): {replaced}")
     lines.append(_shards_table(result, best))
     needing = [move for move in best.moves if move.needs_weights]
     if needing:
@@ -144,7 +147,18 @@ def replan_report(result: ReplanResult, ranks_per_node: int | None) -> str:
 def _write_svg(path: str, option: ReplanOption, ranks_per_node: int | None) -> None:
     per_node = DEFAULT_RANKS_PER_NODE if ranks_per_node is None else ranks_per_node
     moved = [move.new for move in option.moves if move.needs_weights]
-    text = render_svg(option.layout, per_node, marked=moved, marked_label="ranks that need other weights")
+    numbering = option.renumbering
+    places = [numbering.physical(rank) for rank in range(option.layout.world_size)]
+    absent = {rank: "lost" for rank in numbering.lost if rank not in numbering.replaced}
+    absent |= {rank: "released" for rank in numbering.released}
+    text = render_svg(
+        option.layout,
+        per_node,
+        marked=moved,
+        marked_label="ranks that need other weights",
+        places=places,
+        absent=absent,
+    )
     try:
         with open(path, "w", encoding="utf-8") as file:
             file.write(text)
@@ -160,6 +174,11 @@ def cmd_replan(args: argparse.Namespace) -> int:
     lone = None if args.check else lone_flags(args, _CHECK_ONLY, "--check")
     if lone:
         raise LayoutError(lone)
+    if not args.train_bytes_per_param > 0 or args.train_bytes_per_param == float("inf"):
+        raise LayoutError(
+            f"--train-bytes-per-param {args.train_bytes_per_param}: expected a positive number of bytes per "
+            "parameter, e.g. 16 for mixed-precision Adam"
+        )
     request = ReplanRequest(
         model=args.model,
         shards=args.shards,
@@ -171,6 +190,7 @@ def cmd_replan(args: argparse.Namespace) -> int:
         memory_bytes=None if args.memory_gb is None else _memory(args.memory_gb),
         ranks_per_node=args.ranks_per_node,
         keep=tuple(parse_ranks(args.keep, "--keep") if args.keep else ()),
+        train_bytes_per_param=args.train_bytes_per_param,
     )
     if args.check:
         from .restore import run_restore_check
@@ -220,13 +240,33 @@ def add_replan_parser(subparsers: Any, common: argparse.ArgumentParser) -> argpa
         help="the new world size: with no --lost, a smaller world loses its last ranks; a larger one adds ranks",
     )
     parser.add_argument("--model", required=True, metavar="FILE|PRESET", help="manifest file or a preset name")
-    parser.add_argument("--memory-gb", type=float, metavar="G", help="memory per rank for weights, GB (1e9 bytes)")
+    parser.add_argument(
+        "--memory-gb",
+        type=float,
+        metavar="G",
+        help="memory per rank, GB (1e9 bytes): for a shard's weights; for a train shard's weights, gradients and "
+        "optimizer state (--train-bytes-per-param)",
+    )
+    parser.add_argument(
+        "--train-bytes-per-param",
+        type=float,
+        default=DEFAULT_TRAIN_BYTES_PER_PARAM,
+        metavar="B",
+        help="bytes a train shard's rank holds per parameter, checked against --memory-gb (default 16: "
+        "mixed-precision Adam, bf16 weights 2 + fp32 master weights 4 + Adam's two fp32 moments 8 + bf16 "
+        "gradients 2; activations not counted)",
+    )
     parser.add_argument(
         "--ranks-per-node", type=POSITIVE_INT, metavar="K", help="node size: count groups spanning physical nodes"
     )
     parser.add_argument("--keep", metavar="I,J", help="indices of shards that must keep their spec")
     parser.add_argument("--json", action="store_true", help="print every option as JSON (moves, fates, proofs)")
-    parser.add_argument("--svg", metavar="FILE", help="draw the best option's new layout, the moving ranks outlined")
+    parser.add_argument(
+        "--svg",
+        metavar="FILE",
+        help="draw the best option's new layout on the nodes as they are (each rank at its old rank's place, the "
+        "lost and released places empty), the ranks that need weights outlined",
+    )
     live = parser.add_argument_group("--check: the loss for real, on one local process per old rank (needs torch)")
     live.add_argument(
         "--check",

@@ -14,10 +14,16 @@ from ..plan.choices import AXES
 from ..plan.layout import plan_layout
 from ..plan.topology import check_topology
 from ..refit.documents import model_manifest
-from ..refit.search import Candidate, SearchResult, search
+from ..refit.search import OBJECTIVES, Candidate, SearchResult, search
 from ..views.tables import format_table
 from .arguments import NON_NEGATIVE_INT, POSITIVE_INT, missing_flags
 
+OBJECTIVE_HELP = {
+    "replicas": "most replicas (the spec's dp) first, then the most memory headroom, then the fastest refit",
+    "memory": "most memory headroom (fewest weight bytes per rank) first, then the fastest refit",
+    "refit-time": "fastest refit first, then the most memory headroom",
+}
+"""What each objective ranks by, as the table's header and ``--help`` say it."""
 PROGRESS_AFTER = 1.0
 """Seconds a search runs before its progress lines appear on stderr."""
 
@@ -97,7 +103,15 @@ def _rows(result: SearchResult, top: int, ranks_per_node: int | None) -> list[tu
     for candidate in result.candidates:
         rank, size = candidate.busiest
         planned = candidate.stats is not None  # a planned cost is never alike an estimated one
-        key = (candidate.weight_bytes, candidate.seconds, rank, size, candidate.inter_node_bytes, planned)
+        key = (
+            candidate.replicas,
+            candidate.weight_bytes,
+            candidate.seconds,
+            rank,
+            size,
+            candidate.inter_node_bytes,
+            planned,
+        )
         if key in seen:
             alike[seen[key]] += 1
             continue
@@ -109,7 +123,9 @@ def _rows(result: SearchResult, top: int, ranks_per_node: int | None) -> list[tu
             (
                 len(rows) + 1,
                 str(candidate.spec),
+                candidate.replicas,
                 format_bytes(candidate.weight_bytes),
+                format_bytes(result.memory_bytes - candidate.weight_bytes),
                 f"{candidate.seconds:.3g}",
                 rank,
                 format_bytes(size),
@@ -136,14 +152,17 @@ def search_table(result: SearchResult, top: int, ranks_per_node: int | None) -> 
             f"{result.enumerated} specs enumerated, {result.split} split the model, {result.fit_memory} fit memory; "
             f"{result.estimated} refit classes estimated, {result.planned} planned; {result.seconds:.2f} s"
         ),
+        f"ranked by {result.objective}: {OBJECTIVE_HELP[result.objective]} (--objective {', '.join(OBJECTIVES)})",
         format_table(
             _rows(result, top, ranks_per_node),
             (
                 "#",
                 "spec",
+                "replicas",
                 "weight/rank",
+                "headroom",
                 "estimate s",
-                "busiest rank",
+                "slowest rank",
                 "its bytes",
                 "inter-node",
                 "crosses nodes",
@@ -153,8 +172,9 @@ def search_table(result: SearchResult, top: int, ranks_per_node: int | None) -> 
             ),
         ),
         (
-            "front: on the Pareto front over (weight bytes per rank, estimate); alike: more specs with the same "
-            "cost (other ep x expt_tp or cp x dp splits)"
+            "replicas: the spec's dp; headroom: memory per rank left after the weights; slowest rank: the rank, "
+            "source or destination, whose share of the refit takes longest; front: on the Pareto front over (weight "
+            "bytes per rank, estimate); alike: more specs with the same cost (other ep x expt_tp or cp x dp splits)"
         ),
         (
             f"estimate at {result.inter_gbps:g} GB/s per rank between nodes: received and moved bytes exact, "
@@ -166,7 +186,7 @@ def search_table(result: SearchResult, top: int, ranks_per_node: int | None) -> 
         shown = sum(1 + int(str(row[-2]) or "0") for row in rows if row[-1] == "yes")
         hidden = f"; {result.planned - shown} rank below the rows shown (--top)" if shown < result.planned else ""
         lines.append(
-            f"planned: the {result.planned} best by estimate, planned exactly (time and busiest rank are the "
+            f"planned: the {result.planned} best by {result.objective}, planned exactly (time and slowest rank are the "
             f"plan's): the rows marked yes{hidden}"
         )
     if result.shared_node:
@@ -202,6 +222,7 @@ def run_search(args: argparse.Namespace) -> int:
             inter_gbps=args.inter_gbps,
             plan=args.plan,
             progress=progress,
+            objective=args.objective or OBJECTIVES[0],
         )
     finally:  # a search that fails says nothing more after its error
         progress.close()
@@ -221,7 +242,14 @@ def add_search_arguments(parser: argparse.ArgumentParser) -> None:
     search_flags.add_argument(
         "--search",
         action="store_true",
-        help="rank every destination spec of --ranks R ranks that fits --memory-gb by estimated refit time",
+        help="rank every destination spec of --ranks R ranks that fits --memory-gb by --objective",
+    )
+    search_flags.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        help="what to rank by first, the estimated refit time always the last tie-breaker: "
+        + "; ".join(f"{name}: {text}" for name, text in OBJECTIVE_HELP.items())
+        + f" (default {OBJECTIVES[0]})",
     )
     search_flags.add_argument("--ranks", type=POSITIVE_INT, metavar="R", help="ranks for the destination shard")
     search_flags.add_argument(

@@ -1,6 +1,6 @@
 """The engine: needs torch, imported on use. Group creation, builds, refit execution and the live checks.
 
-Folders by concept (see the README's design section):
+Folders by concept (see ``docs/design.md``):
 
 * ``agreement``: the one protocol by which ranks agree before they act (store epochs, failures);
 * ``groups/``: creating process groups (``strategy``, ``create``) and window-local groups (``window``);
@@ -43,8 +43,10 @@ if TYPE_CHECKING:
     from .kept_plans import KeptPlans
     from .survivors import SurvivorWorld, form_survivor_world
     from .torch_state import TESTED_TORCH, check_torch_internals, import_torch, live_group_count, torch_internal_missing
-    from .transfer.execute import HeldVersion, TransferStats, execute_refit, held_version
+    from .transfer.allocate import RefitTensors, allocate_refit, seeded_box
+    from .transfer.execute import TransferStats, execute_refit, held_version
     from .transfer.group import RefitGroup, connect_refit
+    from .transfer.session import HeldVersion, RefitSession
 
 # Each public name and the module that owns it, imported on first use (PEP 562): ``import shardcore``
 # for plan, spec and layout work loads neither the executor nor the plugin discovery, and the executor's
@@ -58,9 +60,11 @@ _LAZY: dict[str, str] = {
     "DEFAULT_MAX_OPS": "..refit.options",
     "ENTRY_POINT_GROUP": ".backends.plugins",
     "ExecuteOptions": "..refit.options",
-    "HeldVersion": ".transfer.execute",
+    "HeldVersion": ".transfer.session",
     "KeptPlans": ".kept_plans",
     "RefitGroup": ".transfer.group",
+    "RefitSession": ".transfer.session",
+    "RefitTensors": ".transfer.allocate",
     "SHIPPED_BACKENDS": ".backends.plugins",
     "Shard": ".backends.shards",
     "Strategy": ".groups.strategy",
@@ -70,6 +74,7 @@ _LAZY: dict[str, str] = {
     "Verify": "..refit.options",
     "Window": ".groups.window",
     "all_gather_objects": ".collectives",
+    "allocate_refit": ".transfer.allocate",
     "build_shards": ".backends.shards",
     "check_torch_internals": ".torch_state",
     "comm_backend": ".device",
@@ -88,6 +93,7 @@ _LAZY: dict[str, str] = {
     "my_shard": ".backends.shards",
     "npu_status": ".device",
     "register_backend": ".backends.plugins",
+    "seeded_box": ".transfer.allocate",
     "torch_internal_missing": ".torch_state",
     "unregister_backend": ".backends.plugins",
     "window_of": ".groups.window",
@@ -120,6 +126,8 @@ __all__ = [
     "HeldVersion",
     "KeptPlans",
     "RefitGroup",
+    "RefitSession",
+    "RefitTensors",
     "Shard",
     "Strategy",
     "SurvivorWorld",
@@ -127,6 +135,7 @@ __all__ = [
     "Verify",
     "Window",
     "all_gather_objects",
+    "allocate_refit",
     "build_shards",
     "check_torch_internals",
     "comm_backend",
@@ -145,6 +154,7 @@ __all__ = [
     "my_shard",
     "npu_status",
     "register_backend",
+    "seeded_box",
     "torch_internal_missing",
     "unregister_backend",
     "window_of",

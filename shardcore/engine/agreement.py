@@ -35,6 +35,14 @@ declare a peer it lost (``declare_absent``) so that the next meeting does not wa
 **Bounded.** Every store call runs through ``torch_state.store_call``, on a connection of its own,
 bounded by the caller's timeout: a frozen store host is named, not waited on.
 
+**Admissions.** A party whose members are not known in advance (the processes of two jobs forming a group of
+their own: ``transfer.group``) forms at an *admission* (``admit``), a first meeting where each arrival claims its
+rank, naming itself, and brings terms that include the party's size. Values that differ end it at once for
+every rank in it (the arrivals disagree on how many meet, so no count could complete), and that outcome stands
+for the timeout, so the latecomers of the same attempt hear it too; a rank claimed twice (a job started twice)
+is refused at once, told who holds it. Its members are recorded as they arrive, and the next completed
+admission deletes the keys of those before it, whoever wrote them (a restarted job's processes are new ones).
+
 **Clean.** A meeting ends with one outcome, written once (compare-and-set) by its decider:
 ``complete`` or ``timeout``. Each rank deletes what it wrote in a meeting (the decider the shared keys
 too) once a later meeting of the same party completes, when no rank can still read it: the store holds
@@ -47,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -54,13 +63,15 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
 from ..errors import ShardcoreError
-from ..plan.arguments import shown_ranks
+from ..plan.arguments import shortened, shown_ranks
 from .torch_state import dist, store_call, store_in_background, world_token
 
 if TYPE_CHECKING:
     from torch.distributed import Store
 
     from .torch_state import OwnStore
+
+log = logging.getLogger("shardcore.agreement")
 
 GRACE = 2.0
 """Seconds allowed past the deadline for the store to answer before its host is called unresponsive."""
@@ -80,8 +91,17 @@ _DIFFER, _ALIKE = "~", "="
 _DIFFERING = 1 << 32
 """What a rank that brings another value than the reference adds to a meeting's arrival count (one more than
 any party's size), so that the last to arrive learns from the count alone whether values differ."""
+_CONFLICT = "conflict:"
+"""An admission's outcome when arrivals brought different values; then the time (``time.time``) until which it
+stands, and the two (claimant, value) pairs as JSON."""
+_HELD = "held:"
+"""What an admission tells an arrival whose rank someone else claimed; then the holder (never stored)."""
+_POLL = 0.5
+"""Seconds one wait for an admission's outcome lasts before it looks again (see ``_wait``)."""
 _SHOWN_ERROR = 500
-"""Characters of one rank's error kept for the others."""
+"""Characters of one rank's error kept for the others (``shortened``: whole items, and how many were left out)."""
+_SHOWN_FAILURES = 4
+"""Distinct errors of failed ranks shown in one message; the other failed ranks are counted."""
 
 ErrorType = Callable[[str, Sequence[int]], ShardcoreError]
 """How a caller's error is made: (message, the ranks at fault)."""
@@ -181,6 +201,27 @@ class Outcome(NamedTuple):
     """What the meeting's decider attached (``convene(..., decide=...)``); "" otherwise."""
 
 
+class Admission(NamedTuple):
+    """How an admission (``admit``) ended: the caller words the error of one that did not complete."""
+
+    epoch: int
+    """The admission's epoch (once complete, the party's generation: the first is 0)."""
+    complete: bool
+    conflict: tuple[tuple[str, str], tuple[str, str]] | None = None
+    """Arrivals brought different values: (claimant, value) of the one that differed, then of the first."""
+    holder: str | None = None
+    """Another arrival holds this rank already (the claimant it named): this one was refused."""
+    missing: tuple[int, ...] = ()
+    """At the timeout: the ranks that never arrived."""
+
+
+class _Claim(NamedTuple):
+    """An admission's arrival: who claims the rank (shown to a second claimant), and how long a conflict stands."""
+
+    claimant: str
+    lasts: float
+
+
 _pending: dict[tuple[Any, str], list[Meeting]] = {}
 """Per world and party: meetings this rank took part in whose keys it has not deleted yet."""
 
@@ -215,6 +256,52 @@ def convene(
         why), or the store's host died or stopped answering.
     """
     return _meet(party, purpose, None, OPEN, value, timeout, decide=decide, tally=tally)
+
+
+def admit(party: Party, purpose: Purpose, value: str, claimant: str, timeout: timedelta) -> Admission:
+    """The first meeting of a party whose members are not known in advance (see **Admissions** above): this
+    process claims its rank (``party.me``) as ``claimant``. Its waits look again every half second.
+
+    Args:
+        party: who meets: its ranks as this process counts them, and its store.
+        purpose: whose error a store that stops answering raises.
+        value: the terms every process must bring alike (``Terms.encode``), the party's size among them.
+        claimant: this process, as the others see it when they conflict with it or claim its rank.
+        timeout: how long to wait for every rank; also how long a conflict stands.
+
+    Returns:
+        How it ended: complete (its epoch is the party's generation), or why not, for the caller to word.
+
+    Raises:
+        The purpose's error: the store's host died or stopped answering.
+    """
+    rank, seconds = party.me, timeout.total_seconds()
+    deadline = time.monotonic() + seconds
+    claim = _Claim(claimant, seconds)
+
+    def attend(store: Store) -> tuple[Meeting, str, list[int]]:
+        meeting, known = _join(store, party, None, OPEN, value, rank, None, claim=claim)
+        outcome = _outcome(store, meeting, rank, deadline, False, known, poll=_POLL)[0]
+        missing = _missing(store, meeting) if outcome.startswith("timeout:") else []
+        return meeting, outcome, missing
+
+    meeting, outcome, missing = store_call(
+        attend,
+        seconds + GRACE,
+        f"at the admission {party.describe()}",
+        lambda message: purpose.error(message, []),
+        on=party.store,
+    )
+    if outcome == COMPLETE:
+        if meeting.decided:  # off the caller's path: the next store call runs after it
+            store_in_background(lambda store: _forget_admissions(store, meeting), on=party.store)
+        return Admission(meeting.epoch, True)
+    if outcome.startswith(_CONFLICT):
+        (who, differed), (first, reference) = json.loads(outcome[len(_CONFLICT) :].partition(":")[2])
+        return Admission(meeting.epoch, False, conflict=((who, differed), (first, reference)))
+    if outcome.startswith(_HELD):
+        return Admission(meeting.epoch, False, holder=outcome[len(_HELD) :])
+    return Admission(meeting.epoch, False, missing=tuple(missing))
 
 
 def barrier(party: Party, purpose: Purpose, timeout: timedelta, *, linger: bool = False) -> int:
@@ -277,7 +364,7 @@ def arrive_failed(
     must not clean up while the others may still use what it left (a build's group connect keys). Best
     effort: whatever the meeting says, or a store that cannot be reached, the caller raises its own error.
     """
-    text = f"{_FAILED}{type(error).__name__}: {error}"[:_SHOWN_ERROR]
+    text = _FAILED + shortened(f"{type(error).__name__}: {error}", _SHOWN_ERROR)
     try:
         if epoch is None:
             _meet(party, purpose, None, OPEN, text, timeout)
@@ -323,7 +410,7 @@ def published_failures(party: Party, epoch: int) -> dict[int, str]:
 
 def _record(rank: int, text: str) -> str:
     """One rank's line of text in a key many ranks append to (``_by_rank`` reads them)."""
-    return json.dumps([rank, text[:_SHOWN_ERROR]]) + "\n"
+    return json.dumps([rank, shortened(text, _SHOWN_ERROR)]) + "\n"
 
 
 def _by_rank(text: str) -> dict[int, str]:
@@ -338,7 +425,7 @@ def _by_rank(text: str) -> dict[int, str]:
 def declare_absent(party: Party, epoch: int, phase: str, ranks: Sequence[int], reason: str) -> None:
     """Arrive at ``phase`` for ``ranks`` that this rank lost (a closed connection): the meeting does not wait
     for them, and every rank names them with ``reason``. The first declaration of a rank counts; best effort."""
-    text = f"{_FAILED}{_ABSENT}{reason}"[:_SHOWN_ERROR]
+    text = _FAILED + _ABSENT + shortened(reason, _SHOWN_ERROR)
 
     def declare(store: Store) -> None:
         for lost in ranks:
@@ -442,7 +529,7 @@ def _meet(
     def attend(store: Store) -> tuple[Meeting, tuple[str, list[tuple[list[int], str]] | None, str]]:
         meeting, known = _join(store, party, epoch, phase, value, rank, decide, tally)
         _remember(meeting)
-        return meeting, _outcome(store, meeting, rank, max(0.001, deadline - time.monotonic()), linger, known)
+        return meeting, _outcome(store, meeting, rank, deadline, linger, known)
 
     meeting, (outcome, groups, payload) = store_call(
         attend, seconds + GRACE, _where(party, epoch, phase), lost, on=party.store
@@ -479,22 +566,43 @@ def _join(
     rank: int,
     decide: Callable[[Store], str] | None,
     tally: int | None = None,
+    *,
+    claim: _Claim | None = None,
 ) -> tuple[Meeting, str | None]:
     """Arrive (for ``rank``): read the epoch if needed, leave the value, count in; the last to arrive decides.
+    With ``claim``, an admission's arrival: a standing conflict is heard, values that differ decide at once, a
+    rank held by another claimant refuses this one, and the members are recorded.
 
     Returns:
-        The meeting, and its outcome when this call decided it (or found it decided): the decider learns it
-        from its own write and need not read it back.
+        The meeting, and its outcome when this call decided it (or found it decided; an admission's refusal):
+        the decider learns it from its own write and need not read it back.
     """
     base = f"shardcore/{party.scope}/"
     if epoch is None:  # a first meeting's outcome is written after the epoch moves on: none is decided at it
         epoch = store.add(f"{base}epoch", 0)
+        while claim is not None and store.check([result := f"{Meeting(party, epoch, phase).prefix}result"]):
+            outcome = store.get(result).decode()  # an admission's conflict (or one decided as this rank read)
+            if outcome.startswith(_CONFLICT) and time.time() < float(outcome[len(_CONFLICT) :].partition(":")[0]):
+                return Meeting(party, epoch, phase), outcome  # a latecomer of the attempt that conflicted
+            store.compare_set(f"{base}epoch", str(epoch), str(epoch + 1))  # it no longer stands: meet afresh
+            epoch = store.add(f"{base}epoch", 0)
     meeting = Meeting(party, epoch, phase)
     prefix = meeting.prefix
-    reference = store.compare_set(f"{prefix}reference", "", value).decode() if phase == OPEN else _ARRIVED
+    if claim is None:
+        reference = store.compare_set(f"{prefix}reference", "", value).decode() if phase == OPEN else _ARRIVED
+    else:  # the reference names who brought it, for a conflict's message
+        first, reference = json.loads(store.compare_set(f"{prefix}reference", "", json.dumps([claim.claimant, value])))
+        if reference != value:  # the arrivals disagree on who meets, so no count can complete: decided now
+            pairs = json.dumps([[claim.claimant, value], [first, reference]])
+            return meeting, _decide(store, meeting, f"{_CONFLICT}{time.time() + claim.lasts}:{pairs}", stands=True)
     stored = _SAME if reference == value else value
-    if store.compare_set(f"{prefix}value/{rank}", "", stored).decode() != stored:
-        return meeting, None  # already there: declared absent before it came (it reads the outcome and fails)
+    if claim is not None:
+        stored += claim.claimant
+    held = store.compare_set(f"{prefix}value/{rank}", "", stored).decode()
+    if held != stored:  # already there: declared absent before it came (it reads the outcome and fails)
+        return meeting, None if claim is None else _HELD + held[len(_SAME) :]  # or claimed by another process
+    if claim is not None:  # whoever deletes this admission's keys may never have met this process
+        store.append(f"{prefix}members", f"{rank},")  # type: ignore[attr-defined]  # not in torch's stubs
     if reference != value:
         store.append(f"{prefix}differ", f"{rank}:{_digest(value)},")  # type: ignore[attr-defined]  # not in stubs
     if tally is not None:  # before counting in: the last to count in reads every rank's
@@ -514,11 +622,12 @@ def _join(
     return meeting, None
 
 
-def _decide(store: Store, meeting: Meeting, outcome: str) -> str:
+def _decide(store: Store, meeting: Meeting, outcome: str, *, stands: bool = False) -> str:
     """Write the meeting's outcome unless someone did. A first meeting's decider moves the epoch on before, so
     that a rank that has read the outcome (and starts its next session) can never read this epoch again, while
-    a rank that read it before, late, still joins this meeting and reads its outcome."""
-    if meeting.phase == OPEN:
+    a rank that read it before, late, still joins this meeting and reads its outcome; unless the outcome
+    ``stands`` (an admission's conflict), for every rank that reads this epoch until it expires."""
+    if meeting.phase == OPEN and not stands:
         store.compare_set(f"shardcore/{meeting.party.scope}/epoch", str(meeting.epoch), str(meeting.epoch + 1))
     return store.compare_set(f"{meeting.prefix}result", "", outcome).decode()
 
@@ -528,19 +637,21 @@ def _digest(value: str) -> str:
 
 
 def _outcome(
-    store: Store, meeting: Meeting, rank: int, seconds: float, linger: bool, known: str | None = None
+    store: Store,
+    meeting: Meeting,
+    rank: int,
+    deadline: float,
+    linger: bool,
+    known: str | None = None,
+    *,
+    poll: float | None = None,
 ) -> tuple[str, list[tuple[list[int], str]] | None, str]:
-    """Wait for the meeting's outcome (deciding ``timeout`` if none came in time), unless it is ``known`` (this
-    rank decided it); on ``complete``, delete the keys of the party's earlier meetings and read the groups of
-    ranks by value if they differ."""
-    prefix = meeting.prefix
+    """Wait until ``deadline`` (``time.monotonic``) for the meeting's outcome (deciding ``timeout`` if none came in
+    time; ``poll``: see ``_wait``), unless it is ``known`` (this rank decided it); on ``complete``, delete the keys
+    of the party's earlier meetings and read the groups of ranks by value if they differ."""
     outcome = known
-    if outcome is None:
-        try:  # this client is shardcore's own: its timeout bounds the get's wait for the key
-            store.set_timeout(timedelta(seconds=seconds))
-            outcome = store.get(f"{prefix}result").decode()
-        except dist().DistStoreError:  # a wait timeout: the store answers, a rank did not
-            outcome = _decide(store, meeting, f"timeout:{rank}")
+    if outcome is None:  # none in time: the store answers, a rank did not
+        outcome = _wait(store, f"{meeting.prefix}result", deadline, poll) or _decide(store, meeting, f"timeout:{rank}")
     if not outcome.startswith(COMPLETE):
         return outcome, None, ""
     pending = _pending.get((meeting.party.token, meeting.party.scope), [])
@@ -561,20 +672,47 @@ def _outcome(
     return COMPLETE, groups, payload
 
 
+def _wait(store: Store, key: str, deadline: float, poll: float | None) -> str | None:
+    """The key's value once set, or None at ``deadline`` (``time.monotonic``; one look even past it). This client
+    is shardcore's own: its timeout bounds the get's wait. ``poll``: wait in slices of that many seconds, each
+    followed by a plain look (an admission: a reconnecting job once saw one long wait outlast a key set
+    meanwhile, 2 runs in about 10 on this machine, not explained; a slice bounds that to ``poll``)."""
+    while True:
+        left = deadline - time.monotonic()
+        piece = left if poll is None else min(poll, left)
+        try:
+            store.set_timeout(timedelta(seconds=max(0.001, piece)))
+            return store.get(key).decode()
+        except dist().DistStoreError:  # a wait timeout
+            if poll is not None and store.check([key]):
+                return store.get(key).decode()
+            if piece >= left:
+                return None
+
+
 def _linger(store: Store, meeting: Meeting, rank: int) -> None:
     """Count this rank as having read the outcome; the store's host waits (up to GRACE) for everyone to. Another
-    rank counts itself off the caller's path: its store thread does it next (at exit too: ``store_in_background``)."""
+    rank counts itself off the caller's path, on the party's store (a refit group's own, not its job's), where its
+    store thread does it next (at exit too: ``store_in_background``). A host that waits out the grace says so: a
+    rank went away right after the meeting, or counted itself elsewhere, and every meeting now costs GRACE."""
 
     def count(later: Store) -> None:
         if later.add(f"{meeting.prefix}read", 1) == meeting.party.size:
             later.set(f"{meeting.prefix}all-read", "1")
 
     if rank != meeting.party.host:
-        store_in_background(count)
+        store_in_background(count, on=meeting.party.store)
         return
     count(store)
-    with contextlib.suppress(dist().DistStoreError):  # a rank gone before it read: it will not
+    try:
         store.wait([f"{meeting.prefix}all-read"], timedelta(seconds=GRACE))
+    except dist().DistStoreError:  # a rank gone before it read: it will not
+        read = store.add(f"{meeting.prefix}read", 0)
+        log.warning(
+            "rank %d, the store's host: %d of %d ranks %s said they read the outcome of '%s' of session %d "
+            "within %gs; went on without the others",
+            rank, read, meeting.party.size, meeting.party.describe(), meeting.phase, meeting.epoch, GRACE,
+        )  # fmt: skip
 
 
 def _forget(store: Store, meeting: Meeting, rank: int) -> None:
@@ -587,6 +725,21 @@ def _forget(store: Store, meeting: Meeting, rank: int) -> None:
             store.delete_key(f"{prefix}{key}")
         if meeting.phase == OPEN:
             store.delete_key(f"{meeting.session}failed")
+
+
+def _forget_admissions(store: Store, completed: Meeting) -> None:
+    """Delete the keys of the party's admissions before ``completed``, back to the last one that completed (whose
+    decider did those before it), their members' too: they may have gone (a restarted job's processes are new)."""
+    for epoch in range(completed.epoch - 1, -1, -1):
+        prefix = replace(completed, epoch=epoch).prefix
+        outcome = store.get(f"{prefix}result").decode() if store.check([f"{prefix}result"]) else ""
+        members = store.get(f"{prefix}members").decode() if store.check([f"{prefix}members"]) else ""
+        for rank in filter(None, members.split(",")):
+            store.delete_key(f"{prefix}value/{rank}")
+        for key in ("reference", "members", "arrived", "result"):
+            store.delete_key(f"{prefix}{key}")
+        if outcome.startswith(COMPLETE):
+            return
 
 
 def _groups(store: Store, meeting: Meeting, arrived: Sequence[int]) -> list[tuple[list[int], str]]:
@@ -606,26 +759,32 @@ def _groups(store: Store, meeting: Meeting, arrived: Sequence[int]) -> list[tupl
     return sorted(groups, key=lambda group: (-len(group[0]), group[0][0]))
 
 
+def _missing(store: Store, meeting: Meeting) -> list[int]:
+    """After a timeout: the ranks that never arrived."""
+    return [rank for rank in meeting.party.ranks if not store.check([f"{meeting.prefix}value/{rank}"])]
+
+
 def _arrivals(store: Store, meeting: Meeting) -> tuple[list[int], list[tuple[list[int], str]] | None]:
     """After a timeout: the ranks that never arrived, and the others grouped by value."""
-    ranks = meeting.party.ranks
-    arrived = [rank for rank in ranks if store.check([f"{meeting.prefix}value/{rank}"])]
-    missing = sorted(set(ranks) - set(arrived))
+    missing = _missing(store, meeting)
+    absent = set(missing)
+    arrived = [rank for rank in meeting.party.ranks if rank not in absent]
     return missing, _groups(store, meeting, arrived) if arrived else None
 
 
 def _failures(groups: Sequence[tuple[Sequence[int], str]]) -> str:
-    """The ranks that arrived with an error, and each distinct error."""
+    """The ranks that arrived with an error, and each distinct error (the first few: the rest counted)."""
     parts = []
-    for ranks, value in groups:
-        if value.startswith(_FAILED):
-            error = value[len(_FAILED) :]
-            who = (
-                f"rank {ranks[0]} failed: "
-                if len(ranks) == 1
-                else f"ranks {shown_ranks(ranks)} failed (rank {ranks[0]}): "
-            )
-            parts.append(who + error)
+    failed = [(ranks, value) for ranks, value in groups if value.startswith(_FAILED)]
+    for ranks, value in failed[:_SHOWN_FAILURES]:
+        error = value[len(_FAILED) :]
+        who = (
+            f"rank {ranks[0]} failed: " if len(ranks) == 1 else f"ranks {shown_ranks(ranks)} failed (rank {ranks[0]}): "
+        )
+        parts.append(who + error)
+    more = [rank for ranks, _ in failed[_SHOWN_FAILURES:] for rank in ranks]
+    if more:
+        parts.append(f"ranks {shown_ranks(more)} failed too")
     return "; ".join(parts)
 
 
@@ -729,11 +888,13 @@ __all__ = [
     "COMPLETE",
     "GRACE",
     "OPEN",
+    "Admission",
     "Meeting",
     "Outcome",
     "Party",
     "Purpose",
     "Terms",
+    "admit",
     "arrive_failed",
     "barrier",
     "convene",

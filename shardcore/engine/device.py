@@ -7,6 +7,10 @@ import importlib.util
 from ..errors import BackendUnavailableError
 from .torch_state import EXTENSION_FIXES, import_torch
 
+COLLECTIVE_DEVICES = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
+"""The collective libraries shardcore moves tensors with, and the device type each moves tensors on: the one map
+between them (a process's library for its device, a refit group's libraries, the executor's device check)."""
+
 
 def npu_status() -> tuple[bool, str]:
     """(usable, why): torch_npu's import fails without Ascend's CANN toolkit, so it is guarded.
@@ -50,8 +54,8 @@ def device_type() -> str:
 
 
 def comm_backend(device: str) -> str:
-    """The collective library that goes with a device type."""
-    return {"cuda": "nccl", "npu": "hccl"}.get(device, "gloo")
+    """The collective library that goes with a device type (``COLLECTIVE_DEVICES``; gloo for any other)."""
+    return next((library for library, served in COLLECTIVE_DEVICES.items() if served == device), "gloo")
 
 
 def device_notes() -> list[str]:
@@ -69,4 +73,4 @@ def device_notes() -> list[str]:
     return [] if usable else [f"npu: {why}"]
 
 
-__all__ = ["comm_backend", "device_notes", "device_type", "npu_status"]
+__all__ = ["COLLECTIVE_DEVICES", "comm_backend", "device_notes", "device_type", "npu_status"]

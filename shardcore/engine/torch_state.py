@@ -357,6 +357,8 @@ class _Line:
     """Guards every line's state (one lock: a line's calls are rare and short)."""
     lines: ClassVar[list[_Line]] = []
     """Every line of this process, for the exit."""
+    draining: ClassVar[list[threading.Thread]] = []
+    """Workers of closed lines still finishing their queues, for the exit."""
     exit_pid: ClassVar[int | None] = None
     """The process that registered the exit's cleanup (a forked child registers its own)."""
 
@@ -366,6 +368,8 @@ class _Line:
         self.jobs: queue.SimpleQueue[Any] | None = None
         """The current worker's queue of (job, box, done); None until the first call (or after an abandoned one)."""
         self.generation = 0
+        self.given_up = threading.Event()
+        """Set when the current worker's line is given up: it ends after the job it runs, leaving its queue."""
         self.thread: threading.Thread | None = None
         self.pid: int | None = None
         """The process that started the worker (a forked child has none, and starts its own)."""
@@ -378,10 +382,15 @@ class _Line:
             self.jobs = self._start()
         self.jobs.put((job, box, done))
 
-    def retire(self) -> None:
-        """Let the current worker end once its queue is done (under ``lock``); the next call starts another."""
+    def retire(self, *, drain: bool = False) -> None:
+        """Let the current worker end (under ``lock``); the next call starts another. ``drain``: once its queue is
+        done (an orderly end: a group closed, the process exiting), so that the cleanup and counts queued behind
+        the last call still reach the store; else after the job it runs, never touching its client again (a call
+        on it was given up, or its world is gone)."""
         if self.jobs is not None:
             self.jobs.put(None)
+            if not drain:
+                self.given_up.set()
         self.jobs, self.generation = None, self.generation + 1
 
     def _start(self) -> queue.SimpleQueue[Any]:
@@ -394,7 +403,8 @@ class _Line:
         if self not in _Line.lines:
             _Line.lines.append(self)
         self.pid = os.getpid()
-        generation = self.generation
+        generation, given_up = self.generation, threading.Event()
+        self.given_up = given_up
 
         def serve() -> None:
             client: Store | None = None
@@ -406,7 +416,7 @@ class _Line:
                 except BaseException as failure:  # handed to the caller's thread
                     box["error"] = failure
                 done.set()
-                if self.generation != generation:  # abandoned while this job ran: never touch the client again
+                if given_up.is_set():  # abandoned while this job ran: never touch the client again
                     return
 
         self.thread = threading.Thread(target=serve, name=f"{self.name}-{generation}", daemon=True)
@@ -446,12 +456,16 @@ class OwnStore:
         self.line = _Line(f"shardcore-store-own{OwnStore._count}", lambda: _clone(store))
 
     def close(self) -> None:
-        """Stop this store's line once its queue is done; later calls fail at once."""
+        """Stop this store's line once its queue is done (the counts and cleanup the last calls queued reach the
+        store: a lingering meeting's host waits for them); later calls fail at once."""
         with _Line.lock:
             self.abandoned = True
-            self.line.retire()
+            thread = self.line.thread
+            self.line.retire(drain=True)
             if self.line in _Line.lines:
                 _Line.lines.remove(self.line)
+            if thread is not None and thread.is_alive():  # the exit waits for its queue too
+                _Line.draining = [*(alive for alive in _Line.draining if alive.is_alive()), thread]
 
 
 def abandon_store() -> None:
@@ -554,9 +568,9 @@ def _end_workers() -> None:
     """At exit: let every worker finish its queue (cleanup) and end, briefly, before the interpreter goes; a
     daemon thread still holding a store client then aborts the process ("terminate called")."""
     with _Line.lock:
-        threads = [line.thread for line in _Line.lines if line.pid == os.getpid()]
+        threads = [line.thread for line in _Line.lines if line.pid == os.getpid()] + _Line.draining
         for line in _Line.lines:
-            line.retire()
+            line.retire(drain=True)
     deadline = time.monotonic() + _EXIT_SECONDS
     for thread in threads:
         if thread is not None:

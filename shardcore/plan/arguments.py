@@ -144,6 +144,35 @@ def clipped(text: str, limit: int = MAX_SHOWN) -> str:
     return f"{text[: limit // 2]} ...({len(text) - limit} characters)... {text[-(limit // 2) :]}"
 
 
+def shortened(text: str, limit: int, separator: str = "; ") -> str:
+    """``text`` (another rank's error, say) for a message, about ``limit`` characters at most, cut where a reader
+    can tell: its first whole items (the parts ``separator`` joins, such as a rank's problems) and how many were
+    left out; a first item too long on its own is cut at a space, not inside a word, and says how much is left
+    out.
+
+    >>> shortened("tensor a is missing; tensor b is missing; tensor c is missing", 50)
+    'tensor a is missing; ... (2 more left out)'
+    """
+    if len(text) <= limit:
+        return text
+    reserve = len(f"{separator}... ({len(text)} characters left out)")
+    room = max(limit - reserve, 16)
+    items = text.split(separator)
+    kept: list[str] = []
+    size = 0
+    for item in items:
+        size += len(item) + (len(separator) if kept else 0)
+        if size > room:
+            break
+        kept.append(item)
+    if kept:
+        return f"{separator.join(kept)}{separator}... ({len(items) - len(kept)} more left out)"
+    cut = text[:room]
+    space = cut.rfind(" ")
+    cut = (cut[:space] if space > room // 2 else cut).rstrip(" ,;:")
+    return f"{cut} ... ({len(text) - len(cut)} characters left out)"
+
+
 _SHOWN_RUNS = 16
 """Runs of consecutive ranks shown in a message; the rest are counted."""
 
@@ -216,14 +245,23 @@ def check_count(
     """
     if type(value) is int and minimum <= value <= maximum:  # the common case, first: manifests check thousands
         return value
+    problem = count_problem(value, minimum=minimum, maximum=maximum)
+    if problem is None and isinstance(value, int):
+        return value
+    raise error(f"{name}={shown(value)}: {problem}")
+
+
+def count_problem(value: object, *, minimum: int = 1, maximum: int = MAX_WORLD_SIZE) -> str | None:
+    """What is wrong with ``value`` as a count in ``[minimum, maximum]`` (None: nothing), for a caller that names
+    the value its own way (``refit.options``: by the field, or by the CLI's flag)."""
     if isinstance(value, (LongNumber, bool)) or not isinstance(value, int):
         many = "too many digits; " if isinstance(value, LongNumber) else ""
-        raise error(f"{name}={shown(value)}: {many}expected a whole number from {minimum} to {maximum}")
+        return f"{many}expected a whole number from {minimum} to {maximum}"
     if not minimum <= value <= maximum:
         over = value > maximum
         limit = " (shardcore's limit)" if over and maximum == MAX_WORLD_SIZE else ""
-        raise error(f"{name}={shown(value)}: expected a whole number from {minimum} to {maximum}{limit}")
-    return value
+        return f"expected a whole number from {minimum} to {maximum}{limit}"
+    return None
 
 
 def check_flag(name: str, value: object) -> bool:
@@ -303,10 +341,12 @@ __all__ = [
     "check_names",
     "check_size",
     "clipped",
+    "count_problem",
     "counted",
     "did_you_mean",
     "format_bytes",
     "number_or_long",
+    "shortened",
     "shown",
     "shown_ranks",
 ]

@@ -13,7 +13,7 @@ from collections.abc import Collection, Iterator, Mapping
 
 from ..errors import LayoutError
 from .arguments import MAX_WORLD_SIZE, check_count, shown
-from .layout import DEFAULT_ORDER, Order, resolve_order
+from .layout import DEFAULT_ORDER, pipelines_differ, resolve_order
 from .spec import INT_KEYS, ShardSpec
 
 AXES: tuple[str, ...] = INT_KEYS
@@ -93,7 +93,7 @@ def valid_specs(
                 stage = tp * cp * dp
                 for expt_tp in sizes("expt_tp", stage) if "expt_tp" in limits else [tp]:
                     for ep in sizes("ep", stage // expt_tp):
-                        if resolved == Order.TP_CP_PP_DP and pp > 1 and expt_tp * ep != tp * cp:
+                        if pipelines_differ(resolved, tp, cp, pp, expt_tp, ep):
                             continue
                         yield ShardSpec(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, expt_tp=expt_tp, role=role, name=name)
 

@@ -40,6 +40,16 @@ GRID_DIMS: dict[Order, tuple[tuple[str, ...], tuple[str, ...]]] = {
 """Decoder and expert grid dims per order."""
 
 
+def pipelines_differ(order: Order, tp: int, cp: int, pp: int, expt_tp: int, ep: int) -> bool:
+    """Whether a shard's decoder and expert pipeline groups differ under ``order``: the one rule an expert grid adds.
+
+    Under ``tp-cp-pp-dp`` with pp > 1, pp is the third dim of both grids, so a stage's ranks are the same on both
+    only when their first two dims span as many ranks (expt_tp*ep = tp*cp); Megatron requires it. ``plan_layout``
+    refuses such a shard, and ``choices.valid_specs`` never yields one.
+    """
+    return order == Order.TP_CP_PP_DP and pp > 1 and expt_tp * ep != tp * cp
+
+
 class GroupName(StrEnum):
     """Megatron ProcessGroupCollection field names, in creation order (embedding groups last)."""
 
@@ -296,7 +306,7 @@ def _check_world(total_world_size: object, rank_offset: object) -> None:
 def _plan_shard(index: int, spec: ShardSpec, offset: int, order: Order) -> ShardPlan:
     decoder_dims, expert_dims = GRID_DIMS[order]
     sizes = {**spec.to_dict(), "expt_dp": spec.expt_dp}
-    if order == Order.TP_CP_PP_DP and spec.pp > 1 and spec.tp * spec.cp != spec.expt_tp * spec.ep:
+    if pipelines_differ(order, spec.tp, spec.cp, spec.pp, spec.expt_tp, spec.ep):
         raise LayoutError(
             f"shard {index} ('{spec}'): under order tp-cp-pp-dp its decoder and expert pp groups differ "
             f"(tp*cp = {spec.tp * spec.cp}, expt_tp*ep = {spec.expt_tp * spec.ep}); make expt_tp*ep equal tp*cp "
@@ -385,6 +395,7 @@ __all__ = [
     "ShardPlan",
     "distinct_groups",
     "embedding_groups",
+    "pipelines_differ",
     "plan_layout",
     "resolve_order",
 ]

@@ -29,11 +29,22 @@ MAX_SPEC_FILE_BYTES = 1 << 20
 ShardsInput = Union[str, "ShardSpec", Mapping[str, Any], Sequence[Union["ShardSpec", Mapping[str, Any], str]]]
 
 
+def _spelled(text: str) -> str:
+    """``text`` for a message, its non-ASCII characters escaped and named: a Cyrillic ``а`` in ``trаin`` looks
+    like ``a`` when printed, so the message shows ``'tr\\u0430in'`` and why it is not ``train``."""
+    if text.isascii():
+        return shown(text)
+    odd = sorted({f"U+{ord(char):04X}" for char in text if not char.isascii()})
+    escaped = shown(text).encode("ascii", "backslashreplace").decode("ascii")
+    return f"{escaped} (non-ASCII {', '.join(odd[:3])}{', ...' if len(odd) > 3 else ''})"
+
+
 def _role(role: object) -> str:
     """The role in lower case, as Megatron's grammar reads it, in every input format."""
     lowered = role.lower() if isinstance(role, str) else None
     if lowered not in ROLES:
-        raise ShardSpecError(f"role={shown(role)}: expected one of {', '.join(ROLES)} (any case) or no role")
+        given = _spelled(role) if isinstance(role, str) else shown(role)
+        raise ShardSpecError(f"role={given}: expected one of {', '.join(ROLES)} (any case) or no role")
     return lowered
 
 
@@ -183,37 +194,46 @@ def _parse_value(key: str, value: str) -> Any:
     try:
         number = number_or_long(value)  # as Megatron's parser: '+2', '1_0' and non-ASCII digits are numbers too
     except ValueError:
-        raise ShardSpecError(f"{key}={shown(value)}: expected a positive integer, e.g. {key}=2") from None
+        raise ShardSpecError(f"{key}={_spelled(value)}: expected a positive integer, e.g. {key}=2") from None
     if isinstance(number, LongNumber):  # Megatron's int() refuses it here, even if a later value would win
         check_count(key, number, error=ShardSpecError)
+    elif not value.isascii():  # Megatron's int() reads '４' (full width) as 4: so does shardcore, saying so
+        _warn(f"{key}={_spelled(value)} is read as {key}={number}: write the digits in ASCII")
     return number
 
 
 def _parse_one(index: int, shard: str) -> tuple[ShardSpec, bool]:
-    """One non-empty shard of the grammar (``key=value`` items, comma separated), and whether a key was
-    repeated in it (warned about).
+    """One non-empty shard of the grammar (``key=value`` items, comma separated), and whether it warned
+    (a repeated key, an empty item, a non-ASCII digit).
 
-    Empty items are skipped, so a shard of only commas is a default shard, as in Megatron.
+    Empty items are skipped, so a shard of only commas is a default shard, as in Megatron; one before the
+    last item (``tp=4,,pp=2``: a value left out?) is warned about.
     """
     values: dict[str, Any] = {}
-    repeated = False
-    for item in shard.split(","):
+    warned = False
+    items = shard.split(",")
+    for position, item in enumerate(items):
         key, equals, value = item.partition("=")
         key = key.strip()
         if not equals:
             if not key:
+                if position < len(items) - 1:
+                    warned = True
+                    _warn(f"shard {index} ({shown(shard)}): an empty item is skipped, as in Megatron; remove the comma")
                 continue
             name, _, typed = (part.strip() for part in key.partition(":"))
             colon = f" (write {name}={typed})" if name in KEYS and typed.isalnum() and len(typed) <= 24 else ""
             raise ShardSpecError(f"bad entry {shown(key)}: expected key=value, e.g. tp=2{colon}")
         if key not in KEYS:
             hint = f" (keys are lower case: {key.lower()})" if key.lower() in KEYS else ""
-            raise ShardSpecError(f"unknown key {shown(key)}{hint}: allowed keys are {', '.join(KEYS)}")
+            raise ShardSpecError(f"unknown key {_spelled(key)}{hint}: allowed keys are {', '.join(KEYS)}")
         if key in values:
-            repeated = True
+            warned = True
             _warn(f"shard {index} ({shown(shard)}): key {key!r} repeated; the last value wins")
-        values[key] = _parse_value(key, value.strip())
-    return ShardSpec(**values), repeated
+        value = value.strip()
+        warned |= key in INT_KEYS and not value.isascii()
+        values[key] = _parse_value(key, value)
+    return ShardSpec(**values), warned
 
 
 def _parse_grammar(text: str, first: int) -> list[ShardSpec]:
@@ -232,10 +252,10 @@ def _parse_grammar(text: str, first: int) -> list[ShardSpec]:
                 continue
             index = first + len(specs)
             try:
-                spec, repeated = _parse_one(index, shard)
+                spec, warned = _parse_one(index, shard)
             except ShardSpecError as error:
                 raise _in_shard(index, shard, error) from None
-            if not repeated:  # a shard with a repeated key warns each time it appears
+            if not warned:  # a shard that warned (a repeated key) warns each time it appears
                 seen[chunk] = spec
         specs.append(spec)
     return specs

@@ -88,8 +88,9 @@ class GroupFinding:
 
 
 @dataclass(frozen=True)
-class ShardPlacement:
-    """Where one shard's window falls on the nodes, and whether it shares a node with other ranks."""
+class NodeSpan:
+    """Where one shard's window falls on the nodes, and whether it shares a node with other ranks (not the refit's
+    ``ShardPlacement``, which is what a shard's ranks hold)."""
 
     shard: int
     ranks: range
@@ -128,7 +129,7 @@ class TopologyReport:
 
     ranks_per_node: int
     world_size: int
-    placements: tuple[ShardPlacement, ...]
+    placements: tuple[NodeSpan, ...]
     groups: tuple[GroupFinding, ...]
 
     @property
@@ -146,7 +147,7 @@ class TopologyReport:
         return tuple(f for f in self.groups if f.crosses)
 
     @property
-    def sharing(self) -> tuple[ShardPlacement, ...]:
+    def sharing(self) -> tuple[NodeSpan, ...]:
         """Shards that share a node with other ranks."""
         return tuple(p for p in self.placements if p.shares_node)
 
@@ -219,7 +220,7 @@ def _nodes(nodes: range) -> str:
     return f"node {nodes.start}" if len(nodes) == 1 else f"nodes {nodes.start}-{nodes.stop - 1}"
 
 
-def _sharing_note(p: ShardPlacement, ranks_per_node: int) -> str:
+def _sharing_note(p: NodeSpan, ranks_per_node: int) -> str:
     """Which node(s) the shard shares with other ranks, and where on them it starts or ends."""
     if not p.shares_node:
         return ""
@@ -299,9 +300,9 @@ def node_crossings(grid: Grid, dims: Sequence[str], k: int) -> tuple[int, int | 
     return count, first
 
 
-def _placement(plan: ShardPlan, k: int, world_size: int) -> ShardPlacement:
+def _placement(plan: ShardPlan, k: int, world_size: int) -> NodeSpan:
     ranks = plan.ranks
-    return ShardPlacement(
+    return NodeSpan(
         shard=plan.index,
         ranks=ranks,
         nodes=range(ranks.start // k, (ranks.stop - 1) // k + 1),
@@ -333,7 +334,7 @@ __all__ = [
     "BANDWIDTH_GROUPS",
     "TOPOLOGY_GROUPS",
     "GroupFinding",
-    "ShardPlacement",
+    "NodeSpan",
     "TopologyReport",
     "check_ranks_per_node",
     "check_topology",

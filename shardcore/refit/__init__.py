@@ -44,9 +44,11 @@ from .documents import load_manifest, manifest_from_dict, model_manifest
 from .estimate import RefitEstimate, estimate_refit
 from .families import FAMILIES, LAYOUTS, HFModel, ModelLayout, manifest_from_hf_config
 from .footprint import Footprint
+from .holdings import holdings, local_shape
 from .manifest import Manifest, TensorSpec
 from .models import PRESETS, TransformerConfig, manifest_from_config, preset
 from .options import ExecuteOptions
+from .part import RankRefit, Transfer
 from .placement import (
     ExplicitPlacement,
     HeldBox,
@@ -56,10 +58,9 @@ from .placement import (
     ShardPlacement,
     Slice,
     UnionPlacement,
-    holdings,
-    local_shape,
 )
-from .planner import RankRefit, RefitPlan, ShardRefitPlan, Transfer, plan_refit, plan_refit_from, tensors_matching
+from .plan import RefitPlan, ShardRefitPlan, tensors_matching
+from .planner import plan_refit, plan_refit_from
 from .request import RefitRequest
 from .search import Candidate, SearchResult, search
 from .weightmap import Link, MappedPlacement, WeightMap

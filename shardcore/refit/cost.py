@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .placement import Placement
-from .planner import Piece, RefitPlan, Tile, TileRun
+from .plan import RefitPlan
+from .worklines import Piece, Tile, TileRun, relay
 
 DEFAULT_INTRA_GBPS = 200.0
 """Default intra-node bandwidth per rank and direction, GB/s (NVLink-class)."""
@@ -91,7 +92,11 @@ def _new_loads() -> defaultdict[int, Load]:
 @dataclass(frozen=True)
 class ShardCost:
     """The traffic into one destination: ``index`` and ``spec`` are a shard's index and spec (another
-    placement's index and label)."""
+    placement's index and label).
+
+    ``busiest_rank`` / ``busiest_bytes``: the rank of the refit into it, sender or receiver, moving most in its
+    busier direction (often a source rank); ``busiest_receiver`` / ``received``: the destination rank receiving
+    most (None and 0 when it receives nothing over the wire)."""
 
     index: int
     spec: str
@@ -101,6 +106,8 @@ class ShardCost:
     busiest_bytes: int
     loads: dict[int, Load]
     relay_loads: dict[int, Load] = field(default_factory=dict)
+    busiest_receiver: int | None = None
+    received: int = 0
 
     def estimate_seconds(self, intra_gbps: float = DEFAULT_INTRA_GBPS, inter_gbps: float = DEFAULT_INTER_GBPS) -> float:
         """Estimated time of this shard's transfers alone."""
@@ -202,27 +209,27 @@ class _Tally:
         relay's forwards to its node's other needers. The relay changes from tile to tile, so the line is walked
         tile by tile, but its bytes are added per (sender, receiver) pair."""
         line, far = run.lines[-1], run.routes.far
-        starts, cuts, sources, seed = run.starts, line.cuts, line.sources, line.seed
+        starts, cuts = run.starts, line.cuts
         key, width = run.tiles[0].sources.key, starts[-1]
         moved: defaultdict[tuple[int, int, int], int] = defaultdict(int)  # (sender, receiver, hop) -> bytes
         k, pieces = 0, 0
         for i, group in enumerate(far):
             base = i * width
             for j, tile in enumerate(run.tiles):
-                relay = group[tile.seed % len(group)]
+                forwarder = relay(group, tile.seed)
                 low, high = base + starts[j], base + starts[j + 1]
                 size = high - low
                 while low < high:
                     while cuts[k + 1] <= low:
                         k += 1
                     end = min(high, cuts[k + 1])
-                    moved[sources[(k + seed) % len(sources)], relay, 0] += end - low
+                    moved[line.sender(k), forwarder, 0] += end - low
                     pieces += 1
                     low = end
                 for needer in group:
                     self.shard_bytes[shard_of[needer]] += size
-                    if needer != relay:
-                        moved[relay, needer, 1] += size
+                    if needer != forwarder:
+                        moved[forwarder, needer, 1] += size
                         pieces += 1
                 if tile.position in self.scales:
                     self.scale_bytes += size * len(group)
@@ -270,6 +277,9 @@ class _Tally:
         table = self.shard_loads[index]
         volume = {rank: max(load[0] + load[1], load[2] + load[3]) for rank, load in table.items()}
         top = max(volume, key=lambda rank: (volume[rank], -rank), default=None)
+        members = destination.ranks
+        received = {rank: load[2] + load[3] for rank, load in table.items() if rank in members and load[2] + load[3]}
+        receiver = max(received, key=lambda rank: (received[rank], -rank), default=None)
         return ShardCost(
             destination.index,
             destination.label,
@@ -279,6 +289,8 @@ class _Tally:
             volume.get(top, 0) if top is not None else 0,
             dict(table),
             dict(self.shard_relayed[index]),
+            receiver,
+            received.get(receiver, 0) if receiver is not None else 0,
         )
 
 
@@ -419,6 +431,8 @@ class RefitStats:
                     "local_bytes": shard.local_bytes,
                     "busiest_rank": shard.busiest_rank,
                     "busiest_bytes": shard.busiest_bytes,
+                    "busiest_receiver": shard.busiest_receiver,
+                    "received": shard.received,
                     "estimate_seconds": shard.estimate_seconds(intra_gbps, inter_gbps),
                 }
                 for shard in self.shards

@@ -1,6 +1,6 @@
 """Manifests from documents: a JSON or YAML file, a mapping in the file form, or a preset name.
 
-The file form is in the README ("Refit"): a ``tensors`` list, or a ``config`` (the fields of
+The file form is in ``docs/refit.md`` ("The manifest"): a ``tensors`` list, or a ``config`` (the fields of
 ``TransformerConfig``) from which one is generated.
 """
 
@@ -41,7 +41,7 @@ def manifest_from_dict(data: Mapping[str, Any], source: str = "the manifest") ->
     for a cast, the linear layers' weights for fp8.
 
     Args:
-        data: the document (see README, "Refit").
+        data: the document (see ``docs/refit.md``, "The manifest").
         source: what it is, for messages (``manifest 'm.yaml'``).
 
     Raises:
@@ -57,6 +57,8 @@ def manifest_from_dict(data: Mapping[str, Any], source: str = "the manifest") ->
 
 def _from_mapping(data: Mapping[str, Any]) -> Manifest:
     unknown = [key for key in data if key not in MANIFEST_KEYS]
+    if unknown and ("model_type" in data or "architectures" in data):  # every HF config.json has them
+        raise ManifestError(f"this looks like a Hugging Face config.json: pass it as {HF_PREFIX}PATH")
     if unknown:
         raise ManifestError(f"unknown key {shown(unknown[0])}; allowed keys are {', '.join(MANIFEST_KEYS)}")
     name = data.get("name", "model")
@@ -135,7 +137,7 @@ def _from_text(text: str, path: Path) -> Manifest:
 
 
 def load_manifest(source: str | Path) -> Manifest:
-    """Read a manifest from a JSON or YAML file (format in the README).
+    """Read a manifest from a JSON or YAML file (format in ``docs/refit.md``, "The manifest").
 
     Args:
         source: the file's path.

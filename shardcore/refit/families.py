@@ -16,9 +16,10 @@ A side of a refit is then a *layout* (``ModelLayout``, ``HFModel.layout``):
   kv heads], kv heads replicated when tp exceeds their count), ``MergedColumnParallelLinear.weight_loader``
   (``gate_up_proj`` = [its gate rows; its up rows]), ``RowParallelLinear`` (``o_proj`` / ``down_proj`` split on
   dim 1), ``VocabParallelEmbedding`` / ``ParallelLMHead`` (the vocabulary padded to a multiple of 64, then
-  split over tp; padding rows are left alone, the engine zeroes them) and ``FusedMoE.weight_loader``
-  (``w13_weight [local experts, 2*moe_ffn/tp, hidden]`` = per expert [gate; up], ``w2_weight [local experts,
-  hidden, moe_ffn/tp]``, the experts spread over ep, split over expt_tp).
+  split over tp; a refit writes the padding rows as zeros, as vLLM's loader does) and ``FusedMoE.weight_loader``
+  (``mlp.experts.routed_experts.w13_weight [local experts, 2*moe_ffn/tp, hidden]`` = per expert [gate; up],
+  ``w2_weight [local experts, hidden, moe_ffn/tp]``, the experts spread over ep, split over expt_tp; vLLM 0.32
+  holds them on ``FusedMoE``'s ``routed_experts`` module, ``FUSED_MOE``).
 
 An engine's "global" tensor is its ranks' local tensors laid side by side along the split dims, so its
 placement is plain tiling and the packing lies in the weight map: ``Megatron -> HF`` then ``HF -> vLLM``.
@@ -35,9 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ManifestError
-from ..plan.arguments import shown
+from ..plan.arguments import check_count, shown
 from ..plan.layout import ShardPlan
-from .manifest import ITEMSIZES, Manifest, TensorSpec, split_layers
+from .manifest import ITEMSIZES, MAX_ELEMENTS, Manifest, TensorSpec, split_layers
 from .models import TransformerConfig, manifest_from_config
 from .placement import ExplicitPlacement, HeldBox, Placement, ShardPlacement, check_fits
 from .weightmap import Link, MappedPlacement, WeightMap, rows, whole
@@ -61,12 +62,27 @@ MEGATRON_VOCAB_MULTIPLE = 128 * 8
 """Megatron pads its vocabulary to ``make_vocab_size_divisible_by`` (128) x tp; padding to tp=8's multiple
 lets every tp up to 8 split it."""
 
+FUSED_MOE = "mlp.experts.routed_experts."
+"""Where vLLM's ``FusedMoE`` keeps its stacked experts (``w13_weight``, ``w2_weight``), under a layer's prefix:
+vLLM 0.32's ``routed_experts`` submodule (checked against the installed engine in plugins/vllm's tests)."""
+
+EXPERT_KEYS = {
+    "qwen3_moe": ("num_experts", "num_local_experts"),
+    "deepseek_v3": ("n_routed_experts", "num_local_experts"),
+}
+"""Where each MoE family's config gives its routed experts per layer: transformers 4 saves Qwen3-MoE's as
+``num_experts``, transformers 5 as ``num_local_experts``; DeepSeek-V3's is ``n_routed_experts``, which
+transformers 5 also reads as ``num_local_experts``. Every key is read; one that cannot be is refused, never
+taken for a dense model."""
+
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16", "fp32": "float32", "bf16": "bfloat16"}
 
 
 def _key(config: Mapping[str, Any], name: str, default: Any = ManifestError) -> Any:
+    """The size ``name`` of an HF config (every key read here is a whole number), checked under the user's own
+    key (``hidden_size``, not the ``hidden`` it becomes); ``default`` when absent, else a ManifestError."""
     if name in config and config[name] is not None:
-        return config[name]
+        return check_count(f"HF config {name}", config[name], minimum=0, maximum=MAX_ELEMENTS, error=ManifestError)
     if default is ManifestError:
         raise ManifestError(
             f"HF config ({config.get('model_type')}) has no {name}: is it a config.json of a causal LM?"
@@ -388,7 +404,8 @@ class _VllmPacking:
         if not c.tied_embeddings:
             self._vocab("lm_head.weight", "last")
         targets = Manifest(tuple(self.tensors), layers=c.layers, name=f"{model.name} (vllm tp={tp})")
-        return targets, WeightMap(hf, targets, tuple(self.links), self.padding, name=f"hf -> vllm tp={tp}")
+        name = f"hf -> vllm tp={tp}"
+        return targets, WeightMap(hf, targets, tuple(self.links), self.padding, name=name, zeroed=True)
 
     def _vocab(self, name: str, stage: str) -> None:
         """``VocabParallelEmbedding`` / ``ParallelLMHead``: the vocabulary padded to a multiple of 64, split over tp."""
@@ -488,13 +505,13 @@ class _VllmPacking:
         by side, and ``w2_weight [experts, hidden, moe_ffn]`` (= each expert's down_proj, split on dim 2)."""
         c = self.model.config
         ffn, hidden, experts = c.moe_ffn or 0, c.hidden, c.experts
-        self.tensors.append(TensorSpec(f"{h}mlp.experts.w13_weight", (experts, 2 * ffn, hidden), c.dtype, **at))
-        self.tensors.append(TensorSpec(f"{h}mlp.experts.w2_weight", (experts, hidden, ffn), c.dtype, **at))
+        self.tensors.append(TensorSpec(f"{h}{FUSED_MOE}w13_weight", (experts, 2 * ffn, hidden), c.dtype, **at))
+        self.tensors.append(TensorSpec(f"{h}{FUSED_MOE}w2_weight", (experts, hidden, ffn), c.dtype, **at))
         for e in range(experts):
             m = f"{h}mlp.experts.{e}."
-            self._gate_up(m, f"{h}mlp.experts.", "w13_weight", ffn, self.expt_tp, lead=(e,))
+            self._gate_up(m, f"{h}{FUSED_MOE}", "w13_weight", ffn, self.expt_tp, lead=(e,))
             self.links.append(
-                Link(f"{h}mlp.experts.w2_weight", ((e, e + 1), (0, hidden), (0, ffn)), f"{m}down_proj.weight",
+                Link(f"{h}{FUSED_MOE}w2_weight", ((e, e + 1), (0, hidden), (0, ffn)), f"{m}down_proj.weight",
                      whole((hidden, ffn)))
             )  # fmt: skip
 
@@ -702,7 +719,7 @@ def manifest_from_hf_config(
 
     Raises:
         ManifestError: an unreadable file, an unsupported family (naming the supported ones), or a config
-            whose sizes are missing or inconsistent.
+            whose sizes are missing or inconsistent (an MoE family's expert count among them: ``EXPERT_KEYS``).
     """
     data = _read_config(config)
     family = data.get("model_type")
@@ -738,7 +755,7 @@ def manifest_from_hf_config(
 
 def _llama_like(data: Mapping[str, Any], family: str, sizes: dict[str, Any]) -> TransformerConfig:
     """Llama 3, Qwen2, Qwen3 and Qwen3-MoE: GQA, qkv bias (Qwen2), q/k norms (Qwen3), experts (Qwen3-MoE)."""
-    experts = int(data.get("num_experts", 0) or 0) if family == "qwen3_moe" else 0
+    experts = _experts(data, family) if family == "qwen3_moe" else 0
     dense_layers = 0
     if experts:
         only = list(data.get("mlp_only_layers") or [])
@@ -767,7 +784,7 @@ def _deepseek(data: Mapping[str, Any], family: str, sizes: dict[str, Any]) -> Tr
             f"HF config ({family}): moe_layer_freq={data.get('moe_layer_freq')}: only the first "
             f"first_k_dense_replace layers may be dense (moe_layer_freq 1)"
         )
-    experts = int(_key(data, "n_routed_experts", 0) or 0)
+    experts = _experts(data, family)
     return TransformerConfig(
         **sizes,
         experts=experts,
@@ -780,6 +797,31 @@ def _deepseek(data: Mapping[str, Any], family: str, sizes: dict[str, Any]) -> Tr
         qk_pos_emb_head_dim=_key(data, "qk_rope_head_dim"),
         v_head_dim=_key(data, "v_head_dim"),
     )
+
+
+def _experts(data: Mapping[str, Any], family: str) -> int:
+    """The routed experts per MoE layer of a ``family`` config, from every key transformers saves it under
+    (``EXPERT_KEYS``); 0 is a model whose layers are all dense.
+
+    Raises:
+        ManifestError: no key gives the count, one gives no non-negative integer, or two give different ones.
+    """
+    keys = EXPERT_KEYS[family]
+    given = {key: data[key] for key in keys if data.get(key) is not None}
+    if not given:
+        raise ManifestError(
+            f"HF config ({family}) has no expert count: expected {' or '.join(keys)} (the routed experts per MoE "
+            f"layer); pass the model's own config.json, as transformers saves it"
+        )
+    for key, value in given.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ManifestError(
+                f"HF config ({family}) {key}={shown(value)}: expected the routed experts per MoE layer, an integer >= 0"
+            )
+    if len(set(given.values())) > 1:
+        both = ", ".join(f"{key}={value}" for key, value in given.items())
+        raise ManifestError(f"HF config ({family}) gives two expert counts, {both}: keep one of them")
+    return int(next(iter(given.values())))
 
 
 def check_multiple(value: object) -> int:
@@ -806,6 +848,7 @@ def _read_config(config: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 __all__ = [
+    "EXPERT_KEYS",
     "FAMILIES",
     "HF_PREFIX",
     "LAYOUTS",

@@ -46,14 +46,20 @@ experts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from itertools import pairwise
 
-from ..errors import ManifestError
+from ..errors import ManifestError, RefitInputError
 from .manifest import SCALE_BLOCK, SCALED, Manifest, TensorSpec, blocked_from, tensor_label
 from .placement import Placement
 from .weightmap import MappedPlacement, WeightMap
 
+NO_DELTA = (
+    "with fp8 through a layout: the destinations quantize what lands, so they hold fp8, not the wire's bytes a "
+    "delta builds on; refit without delta"
+)
+"""Why a delta refit cannot land quantized (after the flag or keyword that asked for delta)."""
 FIX = "leave that tensor in its dtype (to_dtype per tensor in a manifest file), or choose sizes or a tp that do"
 """How to get past a tensor that cannot be block-quantized where the destination holds it."""
 
@@ -174,4 +180,19 @@ def _check_parts(destination: MappedPlacement, target: TensorSpec, packing: Weig
             )
 
 
-__all__ = ["carried", "landed"]
+def refuse_delta(destinations: Sequence[Placement], asked: str) -> None:
+    """Refuse a delta refit into destinations that quantize on landing, from the plan alone: before any process
+    starts (``refit --check``), as the executor refuses it on each rank.
+
+    Args:
+        destinations: the plan's destination placements.
+        asked: how delta was asked for, for the message (``--delta``, ``delta=True``).
+
+    Raises:
+        RefitInputError: a destination quantizes on landing.
+    """
+    if any(isinstance(placement, MappedPlacement) and placement.landing is not None for placement in destinations):
+        raise RefitInputError(f"{asked} {NO_DELTA}")
+
+
+__all__ = ["NO_DELTA", "carried", "landed", "refuse_delta"]

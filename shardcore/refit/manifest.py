@@ -528,7 +528,7 @@ class Manifest:
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
-        """The manifest-file form (see README, "Refit"); ``manifest_from_dict`` inverts it."""
+        """The manifest-file form (see ``docs/refit.md``, "The manifest"); ``manifest_from_dict`` inverts it."""
         out: dict[str, Any] = {"name": self.name, "layers": self.layers}
         for key in ("first_stage_layers", "last_stage_layers"):
             if getattr(self, key) is not None:

@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from datetime import timedelta
 from enum import StrEnum
+from typing import NamedTuple
 
-from ..errors import RefitInputError, ShardcoreError
-from ..plan.arguments import as_timedelta, check_count, shown
+from ..errors import OptionValueError, RefitInputError, ShardcoreError
+from ..plan.arguments import as_timedelta, count_problem, shown
 from .schedule import ALIGN
 
 DEFAULT_BUCKET_BYTES = 64 << 20
@@ -37,6 +38,52 @@ class Verify(StrEnum):
     """Every message's size (the default)."""
     CHECKSUM = "checksum"
     """Its size and a checksum of its bytes, computed by the sender and again by the receiver."""
+
+
+class OptionFlag(NamedTuple):
+    """How an option is given on the command line (``shardcore refit --check``)."""
+
+    flag: str
+    metavar: str | None
+    """None: a switch (given or not)."""
+    help: str
+
+
+DELTA_SHAPING = ("anchor_every", "delta_checksum")
+"""The options that shape a delta refit, and so need ``delta``."""
+
+OPTION_FLAGS: dict[str, OptionFlag] = {
+    "bucket_bytes": OptionFlag(
+        "--bucket-bytes",
+        "N",
+        f"bytes one batch of messages may hold, and so the staging memory a rank uses; at least {MIN_BUCKET_BYTES} "
+        f"(default {DEFAULT_BUCKET_BYTES >> 20} MiB)",
+    ),
+    "max_ops": OptionFlag(
+        "--max-ops", "N", f"operations per batch_isend_irecv (default {DEFAULT_MAX_OPS}, safe for NCCL)"
+    ),
+    "verify": OptionFlag(
+        "--verify",
+        None,
+        "check each received message's size against its sender's ledger (size, the default), or its size and a "
+        "checksum of its bytes",
+    ),
+    "version": OptionFlag(
+        "--refit-version", "STEP", "the refit's version (e.g. the training step), recorded with the destinations"
+    ),
+    "delta": OptionFlag(
+        "--delta",
+        None,
+        "a delta refit: a first refit, a simulated optimizer step, then a second refit that sends only what changed "
+        "(versions --refit-version, default 1, and the next)",
+    ),
+    "anchor_every": OptionFlag("--anchor-every", "K", "every version divisible by K is a full refit"),
+    "delta_checksum": OptionFlag(
+        "--delta-checksum", None, "checksum every destination piece once written, against its sender's"
+    ),
+}
+"""The CLI's flag for each option but ``timeout`` (``--timeout``, which every live command shares): the CLI builds
+its flags from it and names a refused value by its flag (``OptionValueError.field``)."""
 
 
 @dataclass(frozen=True)
@@ -73,22 +120,20 @@ class ExecuteOptions:
 
     def __post_init__(self) -> None:
         _checked_timeout(self.timeout)
-        check_count(
-            "bucket_bytes", self.bucket_bytes, minimum=MIN_BUCKET_BYTES, maximum=MAX_BUCKET_BYTES, error=RefitInputError
-        )
-        check_count("max_ops", self.max_ops, minimum=MIN_MAX_OPS, maximum=MAX_MAX_OPS, error=RefitInputError)
+        _check_count("bucket_bytes", self.bucket_bytes, MIN_BUCKET_BYTES, MAX_BUCKET_BYTES)
+        _check_count("max_ops", self.max_ops, MIN_MAX_OPS, MAX_MAX_OPS)
         if self.verify not in tuple(Verify):
-            raise RefitInputError(f"verify={shown(self.verify)}: expected one of {', '.join(Verify)}")
+            raise OptionValueError("verify", shown(self.verify), f"expected one of {', '.join(Verify)}")
         object.__setattr__(self, "verify", str(Verify(self.verify)))
         if self.version is not None:
-            check_count("version", self.version, minimum=0, maximum=MAX_VERSION, error=RefitInputError)
+            _check_count("version", self.version, 0, MAX_VERSION)
         if not isinstance(self.delta, bool) or not isinstance(self.delta_checksum, bool):
             raise RefitInputError(
                 f"delta={shown(self.delta)}, delta_checksum={shown(self.delta_checksum)}: expected bools"
             )
         if self.anchor_every is not None:
-            check_count("anchor_every", self.anchor_every, minimum=1, maximum=MAX_VERSION, error=RefitInputError)
-        if (self.anchor_every is not None or self.delta_checksum) and not self.delta:
+            _check_count("anchor_every", self.anchor_every, 1, MAX_VERSION)
+        if any(getattr(self, name) not in (None, False) for name in DELTA_SHAPING) and not self.delta:
             raise RefitInputError("anchor_every and delta_checksum shape a delta refit: pass delta=True too")
 
     @property
@@ -113,6 +158,7 @@ class ExecuteOptions:
     def merged(cls, options: ExecuteOptions | None = None, **given: object) -> ExecuteOptions:
         """``options`` (or the defaults) with each keyword in ``given`` that is not None in its place: how
         ``execute_refit(..., options=o, bucket_bytes=b)`` and the plugins' wrappers read their arguments.
+        ``options`` itself when nothing is given: it was checked when made, and is not checked again.
 
         Raises:
             RefitInputError: ``options`` that is not an ExecuteOptions, or a value the executor cannot run.
@@ -124,7 +170,20 @@ class ExecuteOptions:
         if unknown:
             raise RefitInputError(f"{unknown[0]}: not an option of the executor ({', '.join(sorted(names))})")
         chosen = {name: value for name, value in given.items() if value is not None}
+        if options is not None and not chosen:
+            return options
         return replace(options, **chosen) if options is not None else cls(**chosen)  # type: ignore[arg-type]
+
+
+def _check_count(field: str, value: object, minimum: int, maximum: int) -> None:
+    """Refuse ``value`` unless it is a whole number in ``[minimum, maximum]``.
+
+    Raises:
+        OptionValueError: naming ``field``, the value and the range.
+    """
+    problem = count_problem(value, minimum=minimum, maximum=maximum)
+    if problem is not None:
+        raise OptionValueError(field, shown(value), problem)
 
 
 def _checked_timeout(timeout: object) -> timedelta:
@@ -142,8 +201,11 @@ def _checked_timeout(timeout: object) -> timedelta:
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_MAX_OPS",
+    "DELTA_SHAPING",
     "MIN_BUCKET_BYTES",
     "MIN_MAX_OPS",
+    "OPTION_FLAGS",
     "ExecuteOptions",
+    "OptionFlag",
     "Verify",
 ]

@@ -1,12 +1,12 @@
-"""What one side of a refit holds: a *placement*, and the index math that gives a shard's.
+"""What one side of a refit holds: a *placement* (a shard's by the index math of ``holdings.py``).
 
 A placement answers, for one side of a refit (the source, or one destination), two questions:
 for a tensor, its *slices* (dense global boxes, each held whole by a set of ranks and starting at
 the same offset in each holder's local tensor), and for a rank, the tensors it holds, with their
 local shapes and its slices of each. A tensor's slices on one side never overlap, so every element
-has one holder set; that is all the planner needs (``planner.py``). Three kinds:
+has one holder set; that is all the planner needs (``plan.py``). Three kinds:
 
-- ``ShardPlacement``: a ``ShardPlan`` and a ``Manifest``, by Megatron's conventions. Dense tensors
+- ``ShardPlacement``: a ``ShardPlan`` and a ``Manifest``, by Megatron's conventions (``holdings.py``). Dense tensors
   live on the decoder grid: split over tp, replicated over cp and dp. Expert tensors live on the
   expert grid: owned by one ep rank, split over expt_tp, replicated over expt_dp. Both sit on the
   pipeline stage(s) of their layer or placement. A rank's local tensor is the concatenation, along
@@ -25,21 +25,23 @@ from __future__ import annotations
 import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
-from functools import lru_cache
 from math import prod
 from typing import Any, NamedTuple
 
 from ..errors import ManifestError, RefitError
 from ..plan.arguments import MAX_WORLD_SIZE, check_count, shown
 from ..plan.layout import ShardPlan
+from .boxes import Box, Holding, meets, subtract, volume
+from .holdings import (
+    ep_owner,
+    expert_range,
+    holders,
+    local_shape_on,
+    stages_of,
+    tp_boxes,
+    tp_size,
+)
 from .manifest import SCALE_BLOCK, Manifest, TensorSpec, blocked_from, tensor_label
-
-Box = tuple[tuple[int, int], ...]
-"""A global box: [start, stop) per dim."""
-
-Holding = tuple[Box, tuple[int, ...]]
-"""A global box a rank holds, and where it starts in the rank's local tensor."""
 
 
 class HolderSet(NamedTuple):
@@ -91,61 +93,6 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-from_fields = tuple.__new__
-"""Makes a named tuple (``Slice``, ``HeldTensor``, the planner's ``Tile`` and ``Transfer``) from a tuple of its
-fields, skipping the keyword handling of its class's constructor: a rank's part of a large MoE refit makes tens of
-thousands of each."""
-
-
-def meets(first: Box, second: Box) -> bool:
-    """Whether two boxes of one tensor share an element."""
-    for (a, b), (c, d) in zip(first, second):  # noqa: SIM110 (a loop: all() over a generator costs twice as much)
-        if d <= a or b <= c:
-            return False
-    return True
-
-
-def overlap(first: Box, second: Box) -> Box:
-    """The box two boxes that meet share."""
-    return tuple([(max(a, c), min(b, d)) for (a, b), (c, d) in zip(first, second)])
-
-
-def moved(offset: tuple[int, ...], box: Box, inner: Box) -> tuple[int, ...]:
-    """Where ``inner``, a box inside ``box``, starts in a local tensor in which ``box`` starts at ``offset``.
-
-    The dims of ``offset`` align with the boxes' from the right: a weight map may put a box in a tensor
-    with unit dims more or fewer on the left (one expert's slot of a stacked tensor), which never move."""
-    n = min(len(offset), len(box))
-    lead, skip = len(offset) - n, len(box) - n
-    tail = (o + lo - a for o, (lo, _), (a, _) in zip(offset[lead:], inner[skip:], box[skip:]))
-    return (*offset[:lead], *tail)
-
-
-def fitted(shape: tuple[int, ...], ndim: int) -> tuple[int, ...]:
-    """A box's extents in a tensor of ``ndim`` dims, dims aligned from the right: unit dims added or dropped
-    on the left (see ``moved``)."""
-    return (1,) * (ndim - len(shape)) + shape[max(0, len(shape) - ndim) :]
-
-
-def volume(box: Box) -> int:
-    """Elements in a box."""
-    return prod(stop - start for start, stop in box)
-
-
-def subtract(box: Box, cut: Box) -> list[Box]:
-    """``box`` minus ``cut``: at most two disjoint boxes per dim (``[box]`` when they do not meet)."""
-    if not meets(box, cut):
-        return [box]
-    pieces, rest = [], list(box)
-    for dim, ((start, stop), (low, high)) in enumerate(zip(box, cut)):
-        if start < low:
-            pieces.append((*rest[:dim], (start, low), *rest[dim + 1 :]))
-        if high < stop:
-            pieces.append((*rest[:dim], (high, stop), *rest[dim + 1 :]))
-        rest[dim] = (max(start, low), min(stop, high))
-    return pieces
-
-
 class Placement(ABC):
     """What one side of a refit holds (see the module doc); immutable.
 
@@ -185,6 +132,11 @@ class Placement(ABC):
         weight map puts them in an engine's own (``weightmap.MappedPlacement``)."""
         return self.manifest
 
+    def zeroed(self, rank: int) -> dict[str, tuple[Box, ...]]:
+        """The boxes of ``rank``'s local tensors that a refit writes as zeros (no source feeds them), by tensor
+        name, in local coordinates: none, unless a weight map pads an engine's tensors (``MappedPlacement``)."""
+        return {}
+
     def restrict(self, renumber: Mapping[int, int]) -> Placement:
         """These holdings on the ranks ``renumber`` names only, each under its new number.
 
@@ -200,147 +152,7 @@ class Placement(ABC):
         return f"{type(self).__name__}({self.label!r})"
 
 
-# -- a shard's holdings, by index math -----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TpPart:
-    """One tp rank's part of one packed block along ``tp_dim``: global [start, stop), local start."""
-
-    block: int
-    start: int
-    stop: int
-    local: int
-
-
-def tp_size(tensor: TensorSpec, plan: ShardPlan) -> int:
-    """How many ways the shard splits this tensor: expt_tp for an expert, tp otherwise (1 if unsplit)."""
-    if tensor.tp_dim is None:
-        return 1
-    return plan.spec.expt_tp if tensor.expert is not None else plan.spec.tp
-
-
-@lru_cache(maxsize=1 << 16)
-def tp_parts(blocks: tuple[int, ...], tp: int, rank: int) -> tuple[TpPart, ...]:
-    """The parts tp rank ``rank`` of ``tp`` holds along the split dim: its share of every block, in order."""
-    parts, offset, local = [], 0, 0
-    for block, size in enumerate(blocks):
-        part = size // tp
-        parts.append(TpPart(block, offset + rank * part, offset + (rank + 1) * part, local))
-        offset += size
-        local += part
-    return tuple(parts)
-
-
-def stages_of(tensor: TensorSpec, plan: ShardPlan, manifest: Manifest) -> tuple[int, ...]:
-    """The pipeline stages of ``plan`` that hold ``tensor``."""
-    pp = plan.spec.pp
-    if tensor.layer is not None:
-        for stage, layers in enumerate(manifest.stage_layers(pp)):
-            if tensor.layer in layers:
-                return (stage,)
-    if "all" in tensor.stage:
-        return tuple(range(pp))
-    return tuple(sorted({0 if name == "first" else pp - 1 for name in tensor.stage}))
-
-
-def ep_owner(tensor: TensorSpec, plan: ShardPlan, manifest: Manifest) -> int:
-    """The ep rank owning an expert tensor: experts are spread evenly, in order, over ep."""
-    return tensor.expert // (manifest.experts // plan.spec.ep)  # type: ignore[operator]
-
-
-def expert_range(plan: ShardPlan, manifest: Manifest, ep_rank: int) -> range:
-    """Global expert indices owned by ``ep_rank``."""
-    if not manifest.experts:
-        return range(0)
-    per = manifest.experts // plan.spec.ep
-    return range(ep_rank * per, (ep_rank + 1) * per)
-
-
-def tp_rank_of(tensor: TensorSpec, plan: ShardPlan, rank: int) -> int | None:
-    """The tp (or expt_tp) coordinate under which ``rank`` holds ``tensor``, or None if it holds none."""
-    if rank not in plan:
-        return None
-    if tensor.expert is not None:
-        coords = plan.expert_grid.coords(rank)
-        return coords["expt_tp"] if tensor.tp_dim is not None else 0
-    coords = plan.decoder_grid.coords(rank)
-    return coords["tp"] if tensor.tp_dim is not None else 0
-
-
-def holds(tensor: TensorSpec, plan: ShardPlan, rank: int, manifest: Manifest) -> bool:
-    """Whether ``rank`` holds any part of ``tensor`` in ``plan``."""
-    if rank not in plan:
-        return False
-    if tensor.expert is not None:
-        coords = plan.expert_grid.coords(rank)
-        if coords["ep"] != ep_owner(tensor, plan, manifest):
-            return False
-    return plan.decoder_grid.coords(rank)["pp"] in stages_of(tensor, plan, manifest)
-
-
-def holders(tensor: TensorSpec, plan: ShardPlan, manifest: Manifest, tp_rank: int) -> tuple[int, ...]:
-    """Every rank of ``plan`` holding tp slice ``tp_rank`` of ``tensor``, ascending: its replicas
-    over cp and dp (expt_dp for an expert), and over tp (expt_tp) too when the tensor is not split,
-    on every stage that holds it."""
-    split = tensor.tp_dim is not None
-    ranks: list[int] = []
-    for stage in stages_of(tensor, plan, manifest):
-        if tensor.expert is not None:
-            grid = plan.expert_grid
-            base = grid.rank_at({"expt_tp": tp_rank, "ep": ep_owner(tensor, plan, manifest), "pp": stage})
-            ranks += grid.group_ranks(base, ("expt_dp",) if split else ("expt_tp", "expt_dp"))
-        else:
-            grid = plan.decoder_grid
-            base = grid.rank_at({"tp": tp_rank, "pp": stage})
-            ranks += grid.group_ranks(base, ("cp", "dp") if split else ("tp", "cp", "dp"))
-    return tuple(sorted(ranks))
-
-
-def _boxes(tensor: TensorSpec, tp: int, tp_rank: int) -> Iterator[tuple[int, Box, tuple[int, ...]]]:
-    """(block, global box, local offset) of each part tp rank ``tp_rank`` of ``tp`` holds; block -1 when unsplit."""
-    full = tuple((0, size) for size in tensor.shape)
-    if tensor.tp_dim is None:
-        yield -1, full, (0,) * len(full)
-        return
-    dim = tensor.tp_dim
-    for part in tp_parts(tensor.blocks, tp, tp_rank):
-        box = (*full[:dim], (part.start, part.stop), *full[dim + 1 :])
-        yield part.block, box, tuple(part.local if d == dim else 0 for d in range(len(full)))
-
-
-def holdings(tensor: TensorSpec, plan: ShardPlan, rank: int, manifest: Manifest) -> tuple[Holding, ...]:
-    """The global boxes of ``tensor`` that ``rank`` holds under ``plan``, with their local offsets.
-
-    One box per packed block (one for an unsplit tensor), each a dense box of the rank's local
-    tensor starting at the given local offset. Empty when the rank holds none of it.
-
-    Args:
-        tensor: A tensor of ``manifest``.
-        plan: The shard (of any layout).
-        rank: A global rank.
-        manifest: The model, for the pipeline split and expert count.
-    """
-    tp_rank = tp_rank_of(tensor, plan, rank)
-    if tp_rank is None or not holds(tensor, plan, rank, manifest):
-        return ()
-    return tuple((box, offset) for _, box, offset in _boxes(tensor, tp_size(tensor, plan), tp_rank))
-
-
-def local_shape(tensor: TensorSpec, plan: ShardPlan, rank: int, manifest: Manifest) -> tuple[int, ...] | None:
-    """The shape of ``rank``'s local ``tensor`` under ``plan``, or None when it holds none."""
-    if not holds(tensor, plan, rank, manifest):
-        return None
-    return local_shape_on(tensor, plan)
-
-
-def local_shape_on(tensor: TensorSpec, plan: ShardPlan) -> tuple[int, ...]:
-    """The local shape of ``tensor`` on any rank of ``plan`` that holds it."""
-    if tensor.tp_dim is None:
-        return tensor.shape
-    shape = list(tensor.shape)
-    shape[tensor.tp_dim] //= tp_size(tensor, plan)
-    return tuple(shape)
+# -- a shard's placement, by index math ----------------------------------------------------------
 
 
 def check_fits(manifest: Manifest, plan: ShardPlan) -> None:
@@ -460,7 +272,7 @@ class ShardPlacement(Placement):
                 owners = self._holder_sets[replicas] = HolderSet(len(self._holder_sets), ranks, frozenset(ranks))
             tp = tp_size(tensor, self.plan)
             found = self._parts[key] = tuple(
-                Slice(box, offset, owners, block, tp_rank) for block, box, offset in _boxes(tensor, tp, tp_rank)
+                Slice(box, offset, owners, block, tp_rank) for block, box, offset in tp_boxes(tensor, tp, tp_rank)
             )
         return found
 
@@ -812,35 +624,14 @@ class UnionPlacement(Placement):
 
 
 __all__ = [
-    "Box",
     "ExplicitPlacement",
     "HeldBox",
     "HeldTensor",
     "HolderSet",
-    "Holding",
     "Placement",
     "Renumbered",
     "ShardPlacement",
     "Slice",
-    "TpPart",
     "UnionPlacement",
     "check_fits",
-    "ep_owner",
-    "expert_range",
-    "fitted",
-    "from_fields",
-    "holders",
-    "holdings",
-    "holds",
-    "local_shape",
-    "local_shape_on",
-    "meets",
-    "moved",
-    "overlap",
-    "stages_of",
-    "subtract",
-    "tp_parts",
-    "tp_rank_of",
-    "tp_size",
-    "volume",
 ]

@@ -16,7 +16,8 @@ from ..plan.layout import DEFAULT_ORDER, Layout, ShardPlan, plan_layout
 from .documents import model_manifest
 from .families import ModelLayout, shard_layouts
 from .manifest import Manifest
-from .planner import DEFAULT_MIN_PIECE_BYTES, ShardRefitPlan, plan_refit, tensors_matching
+from .plan import DEFAULT_MIN_PIECE_BYTES, ShardRefitPlan, tensors_matching
+from .planner import plan_refit
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,11 @@ class RefitRequest:
                 split over a shard).
         """
         layout = self.layout(world_size)
+        if self.dst_shards is None and self.src in self.dst:
+            raise RefitError(
+                f"destination shard {self.src} is the source shard: a refit onto itself moves nothing; name other "
+                "destination shards"
+            )
         targets: list[int | ShardPlan] = list(self.dst)
         if self.dst_shards is not None:
             other = plan_layout(world_size, self.dst_shards, order=self.order, allow_idle=self.allow_idle)

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from .part import Transfer, transfer_order
 from .placement import Placement
-from .planner import Transfer
 
 AMAX_BYTES = 4
 """A partial amax travels as one float32."""
@@ -41,7 +41,7 @@ class AmaxExchange(NamedTuple):
     partial: the sender's own partial is a [1] tensor, the receiver's vector has one entry per part.
 
     Attributes:
-        sends: This rank's partial amax to each rank that needs it, sorted like a plan's transfers.
+        sends: This rank's partial amax to each rank that needs it, in the order of a plan's part (``transfer_order``).
         recvs: Every other part's partial amax this rank needs.
         parts: For each per-tensor-scaled weight this rank holds: (its own part's index, the number of parts).
     """
@@ -80,11 +80,8 @@ def amax_exchange(plan: Any, rank: int) -> AmaxExchange:
             recvs.append(Transfer(tensor.name, other[k % len(other)], rank, ((j, j + 1),), (0,), (j,), AMAX_BYTES))
             for client in other[k :: len(own)]:  # the holders of part j that this rank serves
                 sends.append(Transfer(tensor.name, rank, client, ((mine, mine + 1),), (0,), (mine,), AMAX_BYTES))
-    return AmaxExchange(tuple(sorted(sends, key=_order)), tuple(sorted(recvs, key=_order)), parts)
-
-
-def _order(transfer: Transfer) -> tuple[int, int, str, tuple[tuple[int, int], ...]]:
-    return transfer.src, transfer.dst, transfer.tensor, transfer.box
+    order = transfer_order(manifest)
+    return AmaxExchange(tuple(sorted(sends, key=order)), tuple(sorted(recvs, key=order)), parts)
 
 
 __all__ = ["AMAX_BYTES", "AmaxExchange", "amax_exchange"]

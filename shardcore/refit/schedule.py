@@ -74,7 +74,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from .placement import moved
+from .boxes import moved
 
 ALIGN = 16
 """Byte offset of each piece in a packed message: any dtype's view of it is aligned."""
@@ -106,7 +106,7 @@ class Piece(NamedTuple):
     """A dense box of one tensor: its shape, and where it starts in the sender's and the receiver's local tensor.
 
     Through a weight map the receiver's tensor is another one, ``target`` (``Transfer.target``), whose dims
-    align with the box's from the right (``placement.fitted``)."""
+    align with the box's from the right (``boxes.fitted``)."""
 
     tensor: str
     shape: tuple[int, ...]

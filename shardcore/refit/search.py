@@ -1,4 +1,4 @@
-"""Layout search: which destination spec to choose for R ranks and a memory budget, ranked by refit time.
+"""Layout search: which destination spec to choose for R ranks and a memory budget, ranked by an objective.
 
 Every valid spec of R ranks (``shardcore.plan.valid_specs``) is a candidate. The steps, cheapest first,
 each on what the step before left:
@@ -13,7 +13,11 @@ each on what the step before left:
    measured models; see BENCHMARKS.md). Walking a DeepSeek-V3 plan costs seconds, so the default plans
    none.
 
-The result is ranked by estimated seconds, then weight bytes; the Pareto front over (weight bytes per
+The result is ranked by an **objective** (``OBJECTIVES``), the refit's cost always the last tie-breaker:
+``replicas`` (the default: what a serving engineer wants first) puts the most replicas first (the spec's dp:
+each replica serves requests on its own), then the most memory headroom (the fewest weight bytes per rank,
+room for the KV cache), then the fastest refit; ``memory`` puts the most headroom first, then the fastest
+refit; ``refit-time`` the fastest refit first, then the headroom. The Pareto front over (weight bytes per
 rank, seconds) is marked. When no spec fits, a ``NoLayoutError`` names what cannot be met and the
 nearest constraint that would admit a layout (more memory, or a nearby number of ranks).
 """
@@ -37,6 +41,8 @@ from .manifest import Manifest
 from .planner import plan_refit, resolve_shard
 
 Progress = Callable[[str], None]
+OBJECTIVES = ("replicas", "memory", "refit-time")
+"""What a search ranks by first (the module doc says each order); the first is the default."""
 NEAREST_SPECS = 100_000
 """How many specs a failed search looks at, at most, for a nearby number of ranks that would fit."""
 NEAREST_RANKS = 1024
@@ -80,12 +86,18 @@ class Candidate:
     def inter_node_bytes(self) -> int:
         return self.stats.inter_node_bytes if self.stats is not None else self.estimate.inter_node_bytes
 
+    @property
+    def replicas(self) -> int:
+        """Copies of the model the destination serves with (its dp): each answers requests on its own."""
+        return self.spec.dp
+
     def to_dict(self) -> dict[str, Any]:
         rank, size = self.busiest
         return {
             "spec": str(self.spec),
             "sizes": self.spec.to_dict(),
             "ranks": [self.destination.rank_offset, self.destination.ranks.stop],
+            "replicas": self.replicas,
             "weight_bytes": self.weight_bytes,
             "estimate_seconds": self.seconds,
             "busiest_rank": rank,
@@ -102,7 +114,8 @@ class SearchResult:
     """The candidates that fit, ranked, and how many each step kept.
 
     Attributes:
-        candidates: Ranked by seconds, then weight bytes, then enumeration order.
+        candidates: Ranked by ``objective`` (see the module doc), then enumeration order.
+        objective: What they are ranked by first (``OBJECTIVES``).
         enumerated / split / fit_memory: Specs enumerated, those the model splits over, those that fit memory.
         estimated: Refit classes estimated (specs sharing one estimate count once).
         planned: Candidates planned with plan_refit and RefitStats.
@@ -123,6 +136,7 @@ class SearchResult:
     shared_node: bool
     intra_gbps: float
     inter_gbps: float
+    objective: str = OBJECTIVES[0]
 
     @property
     def best(self) -> Candidate:
@@ -140,6 +154,7 @@ class SearchResult:
             "source": {"index": self.source.index, "spec": str(self.source.spec)},
             "ranks": self.ranks,
             "memory_bytes": self.memory_bytes,
+            "objective": self.objective,
             "enumerated": self.enumerated,
             "split": self.split,
             "fit_memory": self.fit_memory,
@@ -234,9 +249,17 @@ def _check_window(layout: Layout, source: ShardPlan, ranks: int, offset: int | N
     return start
 
 
-def _rank(candidates: Iterable[Candidate]) -> tuple[Candidate, ...]:
-    """Sorted by seconds, then weight bytes (stable: enumeration order last), with the Pareto front marked."""
-    ranked = sorted(candidates, key=lambda c: (c.seconds, c.weight_bytes))
+_ORDERS: dict[str, Callable[[Candidate], tuple[float, ...]]] = {
+    "replicas": lambda c: (-c.replicas, c.weight_bytes, c.seconds),
+    "memory": lambda c: (c.weight_bytes, c.seconds),
+    "refit-time": lambda c: (c.seconds, c.weight_bytes),
+}
+"""Each objective's sort key: smaller first."""
+
+
+def _rank(candidates: Iterable[Candidate], objective: str) -> tuple[Candidate, ...]:
+    """Sorted by ``objective`` (stable: enumeration order last), with the Pareto front marked."""
+    ranked = sorted(candidates, key=_ORDERS[objective])
     best_seconds, marked = float("inf"), set()
     by_memory = sorted(range(len(ranked)), key=lambda i: (ranked[i].weight_bytes, ranked[i].seconds))
     position = 0
@@ -261,8 +284,11 @@ def _check_arguments(
     axes: Collection[str] | Mapping[str, int],
     bandwidths: tuple[float, float],
     plan: int,
+    objective: str,
 ) -> tuple[ShardPlan, dict[str, int]]:
     """The source shard and the axis limits, once every argument is checked."""
+    if objective not in OBJECTIVES:
+        raise RefitError(f"objective={shown(objective)}: choose one of {', '.join(OBJECTIVES)}")
     if not isinstance(layout, Layout):
         raise LayoutError(f"layout must be a shardcore Layout; got {type(layout).__name__}")
     if not isinstance(manifest, Manifest):
@@ -319,7 +345,7 @@ def _plan_best(
     bandwidths: tuple[float, float],
     say: Progress,
 ) -> list[Candidate]:
-    """The ``count`` best candidates planned with plan_refit and RefitStats: their cost becomes the plan's."""
+    """The first ``count`` of ``ranked`` planned with plan_refit and RefitStats: their cost becomes the plan's."""
     for position in range(min(count, len(ranked))):
         candidate = ranked[position]
         say(f"planning {position + 1}/{min(count, len(ranked))}: '{candidate.spec}'")
@@ -343,9 +369,10 @@ def search(
     inter_gbps: float = DEFAULT_INTER_GBPS,
     plan: int = 0,
     progress: Progress | None = None,
+    objective: str = OBJECTIVES[0],
 ) -> SearchResult:
     """Every destination spec of ``ranks`` ranks that the model splits over and whose weights fit
-    ``memory_bytes`` per rank, ranked by the estimated time to refit it from ``source``.
+    ``memory_bytes`` per rank, ranked by ``objective``, the estimated time to refit it from ``source`` last.
 
     Args:
         layout: The layout holding the source shard; the destination goes on ranks no shard uses.
@@ -361,19 +388,21 @@ def search(
         intra_gbps / inter_gbps: Bandwidths per rank and direction for the time, GB/s.
         plan: How many of the best candidates to plan exactly (plan_refit and RefitStats).
         progress: Called with a line of progress at each step (the CLI prints it on stderr).
+        objective: What to rank by first: "replicas" (most dp, then fewest weight bytes per rank, then fastest
+            refit), "memory" (fewest weight bytes, then fastest) or "refit-time" (fastest, then fewest bytes).
 
     Raises:
         NoLayoutError: no spec fits, naming what cannot be met and the nearest constraint that would
             admit a layout.
         LayoutError: a bad argument, or no room for the destination in the world.
-        RefitError: a bad source shard, bandwidth or plan count.
+        RefitError: a bad source shard, bandwidth, plan count or objective.
         ManifestError: the model does not split over the source shard.
     """
     started = time.perf_counter()
     say = progress or (lambda line: None)
     bandwidths = (intra_gbps, inter_gbps)
     origin, limits = _check_arguments(
-        layout, source, manifest, ranks, memory_bytes, ranks_per_node, axes, bandwidths, plan
+        layout, source, manifest, ranks, memory_bytes, ranks_per_node, axes, bandwidths, plan, objective
     )
     start = _check_window(layout, origin, ranks, offset)
     footprint = Footprint(manifest)
@@ -388,13 +417,15 @@ def search(
     if role is not None:
         fitting = [replace(spec, role=role) for spec in fitting]
     candidates, classes = _estimate_all(layout, origin, fitting, start, footprint, ranks_per_node, inter_gbps, say)
-    ranked = _plan_best(list(_rank(candidates)), plan, layout, origin, manifest, ranks_per_node, bandwidths, say)
+    ranked = _plan_best(
+        list(_rank(candidates, objective)), plan, layout, origin, manifest, ranks_per_node, bandwidths, say
+    )
     return SearchResult(
         source=origin,
         manifest=manifest,
         ranks=ranks,
         memory_bytes=memory_bytes,
-        candidates=_rank(ranked),
+        candidates=_rank(ranked, objective),
         enumerated=len(specs),
         split=len(split),
         fit_memory=len(fitting),
@@ -404,7 +435,8 @@ def search(
         shared_node=any(candidate.estimate.shared_node for candidate in candidates),
         intra_gbps=intra_gbps,
         inter_gbps=inter_gbps,
+        objective=objective,
     )
 
 
-__all__ = ["Candidate", "SearchResult", "search"]
+__all__ = ["OBJECTIVES", "Candidate", "SearchResult", "search"]

@@ -5,11 +5,12 @@ q, k and v rows into ``linear_qkv`` (per query group: its q heads, then its k, t
 keeps ``q_proj`` / ``k_proj`` / ``v_proj``, and vLLM packs each tp rank's q and kv heads into its own
 ``qkv_proj``. Between any two of them every destination element is one source element, moved whole:
 a ``WeightMap`` lists those correspondences as ``Link``s, boxes in the tensors' global coordinates.
-The box math is the planner's (``placement.py``); no tensor exists here.
+The box math is the planner's (``boxes.py``); no tensor exists here.
 
 A map is checked when made: every box inside its tensor, the two boxes of a link of one extent, and the
-links of each destination tensor tiling it exactly, except the boxes it names as *padding* (rows an
-engine pads its vocabulary with, which no source feeds and a refit leaves alone). Maps compose
+links of each destination tensor tiling it exactly, except the boxes it names as *padding* (rows a layout
+pads its vocabulary with, which no source feeds: a refit writes them as zeros where the engine's own loader
+zeroes them, vLLM's, and leaves them alone otherwise, Megatron's). Maps compose
 (``then``: Megatron -> Hugging Face -> vLLM is one map) and a one-to-one map reverses (``reversed``:
 Hugging Face -> Megatron, a training job starting from a checkpoint).
 
@@ -27,19 +28,9 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..errors import ManifestError
+from .boxes import Box, from_fields, meets, moved, overlap, subtract, volume
 from .manifest import Manifest, tensor_label
-from .placement import (
-    Box,
-    HeldTensor,
-    HolderSet,
-    Placement,
-    Slice,
-    from_fields,
-    meets,
-    overlap,
-    subtract,
-    volume,
-)
+from .placement import HeldTensor, HolderSet, Placement, Slice
 
 
 class Link(NamedTuple):
@@ -104,6 +95,9 @@ class WeightMap:
         links: The correspondences.
         padding: Per destination tensor, boxes no source feeds (an engine's vocabulary padding).
         name: What it maps, for messages and fingerprints ("megatron -> hf").
+        zeroed: The destination holds zeros in its padding (an engine whose own loader zeroes it, as vLLM's
+            does): a refit writes them (``MappedPlacement.zeroed``). False: a refit leaves the padding as it is
+            (Megatron's vocabulary padding, which its checkpoint converters fill their own way).
 
     Raises:
         ManifestError: a link naming a tensor that is not there, a box outside its tensor, a link whose two
@@ -116,6 +110,7 @@ class WeightMap:
     links: tuple[Link, ...]
     padding: Mapping[str, tuple[Box, ...]] = field(default_factory=dict)
     name: str = "map"
+    zeroed: bool = False
     _into: dict[str, tuple[Link, ...]] = field(init=False, repr=False, compare=False)
     _from: dict[str, tuple[Link, ...]] = field(init=False, repr=False, compare=False)
     _feeds: dict[str, tuple[int, ...]] = field(init=False, repr=False, compare=False)
@@ -218,8 +213,8 @@ class WeightMap:
 
     def then(self, after: WeightMap) -> WeightMap:
         """This map followed by ``after`` (whose sources are this map's targets): one map from this map's
-        sources to ``after``'s targets. Padding stays ``after``'s; an element ``after`` reads from this map's
-        padding would be fed by nothing, and is an error.
+        sources to ``after``'s targets. Padding stays ``after``'s (and whether it is zeroed); an element
+        ``after`` reads from this map's padding would be fed by nothing, and is an error.
 
         Raises:
             ManifestError: the two maps do not meet (naming the tensor), or a composed box reads padding.
@@ -246,11 +241,13 @@ class WeightMap:
                     f"{self.name} then {after.name}: {tensor_label(second.target)} reads padding of "
                     f"{tensor_label(second.source)} that no source of {self.sources.name!r} feeds"
                 )
-        return WeightMap(self.sources, after.targets, tuple(links), after.padding, f"{self.name} -> {after.name}")
+        return WeightMap(
+            self.sources, after.targets, tuple(links), after.padding, f"{self.name} -> {after.name}", after.zeroed
+        )
 
     def reversed(self, name: str | None = None) -> WeightMap:
         """The same correspondences read the other way: this map's sources filled from its targets. The parts
-        of a source no link reads (Megatron's vocabulary padding) become the reversed map's padding.
+        of a source no link reads (Megatron's vocabulary padding) become the reversed map's padding, left as it is.
 
         Raises:
             ManifestError: a source element that this map copies into two places (an engine's replicated kv
@@ -275,7 +272,7 @@ class WeightMap:
 
     def digest(self) -> str:
         """A short digest that equal maps share (in a plan's fingerprint)."""
-        text = repr((self.name, self.links, sorted(self.padding.items())))
+        text = repr((self.name, self.links, sorted(self.padding.items()), self.zeroed))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -495,6 +492,25 @@ class MappedPlacement(Placement):
             shape = held.shape
             for source, pieces in sorted(by_source.items()):
                 yield from_fields(HeldTensor, (source, shape, tuple(pieces), name))
+
+    def zeroed(self, rank: int) -> dict[str, tuple[Box, ...]]:
+        """The boxes of ``rank``'s local tensors that a refit writes as zeros, in local coordinates, by tensor name:
+        the padding of a map that zeroes it (``WeightMap.zeroed``: vLLM's loader zeroes its vocabulary padding, and
+        its reload path leaves it as it was, uninitialised); {} for any other map or rank."""
+        weights, found = self.weights, {}
+        for name, padding in weights.padding.items() if weights.zeroed else ():
+            boxes = []
+            for piece in self.engine.slices(weights.targets.index(name)):
+                for box in padding if rank in piece.holders.members else ():
+                    if meets(piece.box, box):
+                        shared = overlap(piece.box, box)
+                        start = moved(piece.offset, piece.box, shared)
+                        extents = [stop - lo for lo, stop in shared][-len(start) :]
+                        extents = [1] * (len(start) - len(extents)) + extents  # unit dims on the left never move
+                        boxes.append(tuple((at, at + size) for at, size in zip(start, extents)))
+            if boxes:
+                found[name] = tuple(boxes)
+        return found
 
     def local_tensors(self) -> Manifest:
         """The tensors this side's ranks hold locally (the destination's, by their own names and dtypes, with the

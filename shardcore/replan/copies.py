@@ -16,17 +16,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..plan.layout import Layout, ShardPlan
+from ..refit.boxes import Box, Holding
+from ..refit.holdings import ep_owner, holders, holdings, stages_of, tp_parts, tp_size
 from ..refit.manifest import Manifest, TensorSpec
-from ..refit.placement import (
-    Box,
-    Holding,
-    ep_owner,
-    holders,
-    holdings,
-    stages_of,
-    tp_parts,
-    tp_size,
-)
 from .fate import holdings_key
 from .renumbering import Renumbering, format_ranks, named_ranks
 

@@ -18,8 +18,8 @@ from typing import Any
 
 from ..plan.layout import GRID_GROUP_NAMES, GROUP_NAMES, Layout, ShardPlan
 from ..plan.topology import BANDWIDTH_GROUPS, node_crossings
+from ..refit.holdings import expert_range
 from ..refit.manifest import Manifest
-from ..refit.placement import expert_range
 from .renumbering import Renumbering
 
 HoldingsKey = tuple[int, ...]
@@ -128,7 +128,9 @@ def unchanged(old: Layout, new: ShardPlan, renumbering: Renumbering) -> ShardPla
     if plan is None or plan.index != new.index or plan.spec != new.spec or plan.rank_offset != first:
         return None
     last = renumbering.old_of(new.ranks.stop - 1)
-    return plan if last is not None and last - first == new.size - 1 else None
+    if last is None or last - first != new.size - 1:
+        return None
+    return None if renumbering.replaces_within(first, last) else plan  # a replacement inside needs weights
 
 
 class _Owners:
@@ -198,7 +200,7 @@ def _survives(
     if plan is None or last >= plan.ranks.stop:
         return False
     shape = shapes[plan.index]
-    if last - first == group[-1] - group[0]:  # no gone rank inside: the group shifted
+    if last - first == group[-1] - group[0] and not renumbering.replaces_within(first, last):  # the group shifted
         return shape.runs == mine.runs and shape.starts(first)
     return tuple(renumbering.old_of(rank) for rank in group) == plan.groups_of(first, (name,))[name]
 

@@ -1,6 +1,6 @@
 """Candidate new layouts after a loss: a spec per shard (same roles, same order) and the survivors released.
 
-Four kinds, each cheap to propose (``shardcore.replan.replan`` evaluates and ranks them):
+Five kinds, each cheap to propose (``shardcore.replan.replan`` evaluates and ranks them):
 
 - **shrink**: each shard that lost ranks drops the whole replicas holding them: the blocks of dp that
   are also whole blocks of expt_dp (lcm(tp*cp, expt_tp*ep) ranks per stage), on every stage. Its other
@@ -10,6 +10,12 @@ Four kinds, each cheap to propose (``shardcore.replan.replan`` evaluates and ran
   larger than before), the closest to its old spec first; the surplus is released;
 - **shift**: every shard keeps its spec, the windows close over the gap (every shard after the loss
   moves down), possible when the survivors and added ranks can hold them all;
+- **replace**: every shard keeps its spec and every survivor its rank: added ranks take the lost ranks'
+  places (``Renumbering.replaced``), so only they need weights, and no group moves to another node;
+  possible when at least as many ranks are added as were lost;
+- **borrow**: a shard named in ``keep`` that lost ranks keeps its spec by taking the places of ranks another
+  shard gives up: that shard drops whole dp replicas (as shrink does) from its end, and every window between
+  them closes over the gap, as shift does;
 - **grow**: any of the above, with the last shard grown into the idle and added ranks at the end.
 
 A proposal's kind says what it did: ``shrink+relayout`` when a shard that could not shrink (one replica
@@ -36,9 +42,17 @@ RELAYOUT_SIZES = 1024
 """How many sizes below its survivors a relayout looks through for one with a spec that fits."""
 
 
+DEFAULT_TRAIN_BYTES_PER_PARAM = 16.0
+"""What a training rank holds per parameter with mixed-precision Adam: bf16 weights 2, fp32 master weights 4,
+Adam's two fp32 moments 8, bf16 gradients 2 (activations not counted)."""
+
+
 @dataclass(frozen=True)
 class Constraints:
-    """What every new shard must satisfy: the model splits over it, its weights fit, kept shards keep their spec."""
+    """What every new shard must satisfy: the model splits over it, its memory fits, kept shards keep their spec.
+
+    A shard of role ``train`` holds its gradients and optimizer state too: ``train_bytes_per_param`` bytes per
+    parameter of its weights (``memory_of``)."""
 
     footprint: Footprint
     memory: float
@@ -46,9 +60,20 @@ class Constraints:
     order: Order
     axes: dict[str, int]
     """The axes a new spec may vary (``Footprint.axes``: ep and expt_tp only for a model with experts)."""
+    train_bytes_per_param: float = DEFAULT_TRAIN_BYTES_PER_PARAM
+
+    def memory_of(self, spec: ShardSpec) -> float:
+        """The most memory a rank of a shard of ``spec`` needs: its weights, and for a train shard its weights'
+        parameters times ``train_bytes_per_param`` (weights, master weights, gradients, optimizer state)."""
+        weights = self.footprint.weight_bytes(spec)
+        if spec.role != "train":
+            return weights
+        manifest = self.footprint.manifest
+        bytes_per_param = manifest.nbytes / max(1, sum(t.numel for t in manifest if t.scale_of is None))
+        return weights / bytes_per_param * self.train_bytes_per_param
 
     def admits(self, spec: ShardSpec) -> bool:
-        return self.footprint.fits(spec) is None and self.footprint.weight_bytes(spec) <= self.memory
+        return self.footprint.fits(spec) is None and self.memory_of(spec) <= self.memory
 
 
 @dataclass(frozen=True)
@@ -59,6 +84,8 @@ class Proposal:
     specs: tuple[ShardSpec, ...]
     released: tuple[int, ...]
     notes: tuple[str, ...]
+    replaced: tuple[int, ...] = ()
+    """Lost ranks whose places added ranks take (replace)."""
 
 
 def _closeness(old: ShardSpec, spec: ShardSpec, constraints: Constraints) -> tuple[int, ...]:
@@ -168,6 +195,59 @@ def _grown(proposal: Proposal, spare: int, constraints: Constraints) -> Proposal
     )
 
 
+def _borrowed(old: Layout, base: Renumbering, constraints: Constraints, failed: list[str]) -> list[Proposal]:
+    """Keep the kept shard that lost ranks whole by shrinking another (each other one in turn, nearest first):
+    the lender drops as few whole replica blocks as cover the loss, and gives the ranks at its edge nearest the
+    kept shard to it (the windows in between close over the gap); ranks it drops beyond the loss are released."""
+    lost = sorted(base.lost)
+    needy = [
+        plan
+        for plan in old.shards
+        if plan.index in constraints.keep and bisect_left(lost, plan.ranks.stop) > bisect_left(lost, plan.rank_offset)
+    ]
+    if len(needy) != 1 or base.added:
+        return []  # nothing to make whole, more than one kept shard to, or added ranks that shift or replace can use
+    keeper = needy[0]
+    short = bisect_left(lost, keeper.ranks.stop) - bisect_left(lost, keeper.rank_offset)
+    found = []
+    for lender in sorted(old.shards, key=lambda plan: abs(plan.index - keeper.index)):
+        if (
+            lender is keeper
+            or lender.index in constraints.keep
+            or bisect_left(lost, lender.ranks.stop) > bisect_left(lost, lender.rank_offset)
+        ):
+            continue
+        lent = _lend(lender, short, lender.index > keeper.index, constraints)
+        if lent is None:
+            failed.append(f"borrow: shard {lender.index} ('{lender.spec}') cannot give {short} ranks and still fit")
+            continue
+        spec, freed = lent
+        specs = tuple(spec if plan is lender else plan.spec for plan in old.shards)
+        note = (
+            f"shard {keeper.index} ('{keeper.spec}') keeps its spec on {counted(short, 'rank')} shard {lender.index} "
+            f"gives up: '{lender.spec}' -> '{spec}'" + (f", releases {len(freed)}" if freed else "")
+        )
+        found.append(Proposal("borrow", specs, tuple(freed), (note,)))
+    return found
+
+
+def _lend(plan: ShardPlan, short: int, after: bool, constraints: Constraints) -> tuple[ShardSpec, list[int]] | None:
+    """``plan`` less the fewest whole replica blocks holding ``short`` ranks: (its new spec, the ranks released),
+    or None when no replica would remain or the spec does not fit. It gives its first ``short`` ranks (``after``:
+    it lies after the kept shard) or its last, and releases the next ones it drops."""
+    spec = plan.spec
+    block = lcm(spec.tp * spec.cp, spec.expt_tp * spec.ep) // (spec.tp * spec.cp)  # dp coordinates per block
+    per_block = spec.world_size // spec.dp * block
+    blocks = -(-short // per_block)
+    dp = spec.dp - blocks * block
+    smaller = replace(spec, dp=dp) if dp >= 1 else None
+    if smaller is None or not constraints.admits(smaller):
+        return None
+    dropped, ranks = blocks * per_block, plan.ranks
+    freed = ranks[short:dropped] if after else ranks[plan.size - dropped : plan.size - short]
+    return smaller, list(freed)
+
+
 def proposals(old: Layout, base: Renumbering, constraints: Constraints) -> tuple[list[Proposal], list[str]]:
     """Every candidate for losing ``base.lost`` (and gaining ``base.added``), and why the other kinds failed."""
     lost = set(base.lost)
@@ -186,8 +266,17 @@ def proposals(old: Layout, base: Renumbering, constraints: Constraints) -> tuple
         found.append(Proposal("shift", specs, (), ("every shard keeps its spec; the windows close over the gap",)))
     else:
         failed.append(f"shift: the shards need {needed} ranks, the new world has {base.new_world}")
+    if base.lost and base.added >= len(base.lost):
+        note = (
+            f"every shard keeps its spec and every survivor its rank: {len(base.lost)} added ranks take the lost places"
+        )
+        found.append(Proposal("replace", specs, (), (note,), base.lost))
+    elif base.lost and base.added:
+        failed.append(f"replace: {len(base.lost)} ranks lost, only {base.added} added to take their places")
+    found += _borrowed(old, base, constraints, failed)
     for proposal in list(found):
-        spare = base.new_world - len(proposal.released) - head - sum(spec.world_size for spec in proposal.specs)
+        start = base.with_replaced(proposal.replaced).survivors_below(old.rank_offset)
+        spare = base.new_world - len(proposal.released) - start - sum(spec.world_size for spec in proposal.specs)
         grown = _grown(proposal, spare, constraints)
         if grown is not None:
             found.append(grown)

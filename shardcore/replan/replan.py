@@ -22,11 +22,12 @@ from ..plan.choices import AXES, check_axes
 from ..plan.layout import Layout, plan_layout, resolve_order
 from ..plan.topology import check_topology
 from ..refit.footprint import Footprint
+from ..refit.holdings import expert_range
 from ..refit.manifest import Manifest
-from ..refit.placement import check_fits, expert_range
+from ..refit.placement import check_fits
 from .copies import Copies, MissingCopy, RestoreSources
 from .fate import GroupFate, RankMove, group_fates, rank_moves
-from .options import Constraints, Proposal, proposals
+from .options import DEFAULT_TRAIN_BYTES_PER_PARAM, Constraints, Proposal, proposals
 from .renumbering import Renumbering, named_ranks
 
 
@@ -35,7 +36,8 @@ class ReplanOption:
     """One new layout and what it does to the old one.
 
     Attributes:
-        kind: shrink, relayout, shift or keep, with ``+grow`` when the last shard grows (see ``options``).
+        kind: shrink, relayout, shift, replace, borrow or keep, with ``+grow`` when the last shard grows (see
+            ``options``).
         notes: What was done to each shard that changed, for people.
         layout: The new layout over the new world.
         renumbering: Old ranks to new ones (lost, released, added).
@@ -130,6 +132,7 @@ class ReplanOption:
             "world_size": self.layout.world_size,
             "used": self.used,
             "released": list(self.renumbering.released),
+            "replaced": list(self.renumbering.replaced),
             "moved": len(self.moves),
             "needing_weights": sum(move.needs_weights for move in self.moves),
             "restore_bytes": self.restore_bytes,
@@ -193,7 +196,7 @@ def _evaluate(
     ranks_per_node: int | None,
 ) -> ReplanOption:
     """A proposal's new layout and everything it does to the old one."""
-    renumbering = base.with_released(proposal.released)
+    renumbering = base.with_released(proposal.released).with_replaced(proposal.replaced)
     layout = plan_layout(
         renumbering.new_world,
         proposal.specs,
@@ -261,7 +264,7 @@ def _no_layout(
     if math.isfinite(constraints.memory):
         found, _ = proposals(old, base, replace(constraints, memory=math.inf))
         if found:
-            need = max(footprint.weight_bytes(spec) for spec in found[0].specs)
+            need = max(constraints.memory_of(spec) for spec in found[0].specs)
             nearest.append(
                 f"with {format_bytes(need)} per rank ({found[0].kind}: {'+'.join(map(str, found[0].specs))})"
             )
@@ -284,6 +287,7 @@ def replan(
     memory_bytes: float | None = None,
     ranks_per_node: int | None = None,
     keep: Collection[int] = (),
+    train_bytes_per_param: float = DEFAULT_TRAIN_BYTES_PER_PARAM,
 ) -> ReplanResult:
     """The new layouts possible after losing ``lost`` (or moving to a world of ``world_size``), ranked.
 
@@ -297,12 +301,17 @@ def replan(
         lost: Old ranks that are gone.
         world_size: The new world's size instead (or as well): with no lost ranks, a smaller world loses
             its last ranks; a larger one than the survivors gains ranks at the end.
-        memory_bytes: Memory per rank for weights (None: no limit).
+        memory_bytes: Memory per rank (None: no limit): for a shard's weights, and for a train shard's weights,
+            gradients and optimizer state (``train_bytes_per_param``).
         ranks_per_node: Node size: groups spanning physical nodes are counted (and ranked against).
         keep: Indices of shards that must keep their spec.
+        train_bytes_per_param: What a rank of a train shard holds per parameter (default 16, mixed-precision
+            Adam: bf16 weights 2 + fp32 master weights 4 + Adam's moments 8 + bf16 gradients 2); what
+            ``memory_bytes`` must hold of a train shard.
 
     Raises:
-        LayoutError: a lost rank outside the world, a bad world size, node size, memory or shard index.
+        LayoutError: a lost rank outside the world, a bad world size, node size, memory, bytes per parameter or
+            shard index.
         NoLayoutError: every rank lost, or no option: naming what cannot be met and the nearest layout with
             one constraint relaxed (no kept shards, more memory, more ranks).
         ManifestError: the model does not split over an old shard.
@@ -320,6 +329,15 @@ def replan(
         isinstance(memory_bytes, bool) or not isinstance(memory_bytes, (int, float)) or not memory_bytes > 0
     ):
         raise LayoutError(f"memory_bytes={shown(memory_bytes)}: expected a positive number of bytes per rank")
+    if (
+        isinstance(train_bytes_per_param, bool)
+        or not isinstance(train_bytes_per_param, (int, float))
+        or not 0 < train_bytes_per_param < math.inf
+    ):
+        raise LayoutError(
+            f"train_bytes_per_param={shown(train_bytes_per_param)}: expected a positive number of bytes, e.g. 16 "
+            "for mixed-precision Adam"
+        )
     kept = frozenset(keep) if isinstance(keep, Collection) and not isinstance(keep, str) else None
     if kept is None or any(
         isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(layout.shards) for i in kept
@@ -330,7 +348,7 @@ def replan(
     footprint = Footprint(manifest)
     memory = math.inf if memory_bytes is None else memory_bytes
     axes = footprint.axes(check_axes(AXES))
-    constraints = Constraints(footprint, memory, kept, resolve_order(layout.order), axes)
+    constraints = Constraints(footprint, memory, kept, resolve_order(layout.order), axes, train_bytes_per_param)
     found, failed = proposals(layout, base, constraints)
     if not found:
         raise _no_layout(layout, base, failed, constraints, footprint)

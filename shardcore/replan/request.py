@@ -13,6 +13,7 @@ from ..errors import LayoutError
 from ..plan.layout import DEFAULT_ORDER, Layout, plan_layout
 from ..refit.documents import model_manifest
 from ..refit.manifest import Manifest
+from .options import DEFAULT_TRAIN_BYTES_PER_PARAM
 from .replan import ReplanOption, ReplanResult, replan
 from .restore import restore_plan
 
@@ -31,6 +32,7 @@ class ReplanRequest:
         memory_bytes: Memory per rank for weights (None: no limit).
         ranks_per_node: Node size: groups spanning physical nodes are counted.
         keep: Indices of shards that must keep their spec.
+        train_bytes_per_param: What a train shard's rank holds per parameter (``replan``'s).
     """
 
     model: str | Manifest
@@ -43,6 +45,7 @@ class ReplanRequest:
     memory_bytes: float | None = None
     ranks_per_node: int | None = None
     keep: tuple[int, ...] = ()
+    train_bytes_per_param: float = DEFAULT_TRAIN_BYTES_PER_PARAM
 
     def layout(self) -> Layout:
         """The old layout.
@@ -67,6 +70,7 @@ class ReplanRequest:
             memory_bytes=self.memory_bytes,
             ranks_per_node=self.ranks_per_node,
             keep=list(self.keep),  # named in an error as given on the command line: [5]
+            train_bytes_per_param=self.train_bytes_per_param,
         )
 
     def option(self, number: int = 1) -> ReplanOption:

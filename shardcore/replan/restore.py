@@ -16,7 +16,8 @@ from collections import Counter
 
 from ..errors import LostWeightsError, RefitError
 from ..refit.placement import ShardPlacement, UnionPlacement
-from ..refit.planner import DEFAULT_MIN_PIECE_BYTES, RefitPlan, plan_refit_from
+from ..refit.plan import DEFAULT_MIN_PIECE_BYTES, RefitPlan
+from ..refit.planner import plan_refit_from
 from .renumbering import format_ranks
 from .replan import ReplanOption
 

@@ -1,5 +1,9 @@
 """An SVG picture of a layout: nodes as rows, local ranks as columns, each rank coloured by shard.
 
+A layout after a loss (``shardcore replan --svg``) is drawn where its processes sit: ``places`` gives each
+rank's physical slot (its old rank's, so a survivor stays on its node), and ``absent`` draws the slots left
+empty (the lost ranks, the released ones), so a group the tables say stays inside a node is drawn inside one.
+
 Plain SVG text from the standard library (ElementTree escapes it), so the core gains no
 dependency. While the rank grid fits ``MAX_GRID_WIDTH`` x ``MAX_GRID_HEIGHT`` pixels every
 rank is a cell labelled with its (pp, dp, cp, tp) coordinates; a larger world is drawn one
@@ -10,7 +14,8 @@ from __future__ import annotations
 
 import colorsys
 import xml.etree.ElementTree as ET
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import LayoutError
@@ -30,6 +35,8 @@ FILLS = ("#8ec5e8", "#f9b97a", "#93d39a", "#f3a1b0", "#c3aee0", "#f2d57e", "#8fd
 STROKES = ("#1f4e79", "#b3261e", "#1b7340", "#6b3fa0", "#a35200", "#0b6e69", "#7a1f5c", "#3d3d3d")
 """Dark outline colours for the first highlighted groups; later ones get golden-angle hues (``_stroke``)."""
 IDLE_FILL = "#dcdcdc"
+ABSENT_FILL = "#ffffff"
+"""An empty slot (a lost or released rank's): white, outlined in ``MARK``, labelled with why."""
 MARK = "#d1000f"
 """Outline of the ranks a caller marks (``render_svg(marked=...)``)."""
 INK, MUTED = "#1e1e1e", "#5c5c5c"
@@ -63,15 +70,33 @@ def _stroke(number: int) -> str:
     return f"#{round(red * 255):02x}{round(green * 255):02x}{round(blue * 255):02x}"
 
 
-def nodes_of(layout: Layout, k: int) -> int:
-    """Nodes of ``k`` ranks the world fills (the last may be partial)."""
-    return -(-layout.world_size // k)
+@dataclass(frozen=True)
+class Places:
+    """Where each rank of a layout is drawn: its slot (node = slot // k), and the slots drawn empty."""
+
+    slots: Sequence[int] | None = None
+    """Per rank, its slot; None: its own rank (every rank in place)."""
+    absent: Mapping[int, str] | None = None
+    """Empty slots, each with why (e.g. "lost")."""
+
+    def of(self, rank: int) -> int:
+        return rank if self.slots is None else self.slots[rank]
+
+    def count(self, layout: Layout) -> int:
+        """Slots drawn: every rank's and every empty one."""
+        last = max(self.slots, default=-1) if self.slots is not None else layout.world_size - 1
+        return max(last, max(self.absent or (), default=-1)) + 1
 
 
-def draws_ranks(layout: Layout, ranks_per_node: int) -> bool:
+def nodes_of(layout: Layout, k: int, places: Places | None = None) -> int:
+    """Nodes of ``k`` ranks the world fills (the last may be partial); with ``places``, the slots drawn."""
+    return -(-(layout.world_size if places is None else places.count(layout)) // k)
+
+
+def draws_ranks(layout: Layout, ranks_per_node: int, places: Places | None = None) -> bool:
     """Whether the picture draws every rank (True) or one cell per node: by the rank grid's size in pixels."""
     k = check_ranks_per_node(ranks_per_node)
-    nodes = nodes_of(layout, k)
+    nodes = nodes_of(layout, k, places)
     return nodes * (CELL_H + GAP) <= MAX_GRID_HEIGHT and min(k, layout.world_size) * (CELL_W + GAP) <= MAX_GRID_WIDTH
 
 
@@ -95,9 +120,9 @@ def _legend_lines(layout: Layout) -> list[tuple[str, str]]:
     return lines
 
 
-def _header(svg: ET.Element, layout: Layout, k: int, notes: list[str]) -> float:
+def _header(svg: ET.Element, layout: Layout, k: int, notes: list[str], places: Places) -> float:
     """Title, notes and legend; returns the y where the grid starts."""
-    nodes = -(-layout.world_size // k)
+    nodes = nodes_of(layout, k, places)
     title = f"{counted(layout.world_size, 'rank')} on {counted(nodes, 'node')} of {k} · order {layout.order}"
     _el(svg, "text", title, x=MARGIN, y=MARGIN + 16, font_size=18, font_weight="bold", fill=INK)
     y = MARGIN + 40
@@ -106,7 +131,8 @@ def _header(svg: ET.Element, layout: Layout, k: int, notes: list[str]) -> float:
         y += 18
     y += 6
     legend = _el(svg, "g", class_="legend")
-    for colour, text in _legend_lines(layout):
+    absent = sorted(set((places.absent or {}).values()))
+    for colour, text in [*_legend_lines(layout), *((ABSENT_FILL, f"{why} · an empty place") for why in absent)]:
         _el(
             legend,
             "rect",
@@ -156,29 +182,61 @@ def _label_width(texts: list[str], font_size: float) -> float:
 
 
 def _rank_cells(
-    svg: ET.Element, layout: Layout, k: int, top: float, highlight: str | None, marked: frozenset[int]
+    svg: ET.Element,
+    layout: Layout,
+    k: int,
+    top: float,
+    highlight: str | None,
+    marked: frozenset[int],
+    places: Places,
 ) -> tuple[float, float]:
-    """One cell per rank and the highlight outlines; returns the grid's right and bottom edges."""
-    nodes = -(-layout.world_size // k)
+    """One cell per rank at its place, the empty places, and the highlight outlines; returns the grid's right and
+    bottom edges."""
+    nodes = nodes_of(layout, k, places)
     cells = [_rank_label(layout, rank) for rank in range(layout.world_size)]
-    cell_w = max(CELL_W, _label_width([label for _, label, _ in cells], 13))
+    absent = dict(places.absent or {})
+    cell_w = max(CELL_W, _label_width([label for _, label, _ in cells] + list(absent.values()), 13))
     node_labels = [f"node {node}" for node in range(nodes)]
     left = MARGIN + _label_width(node_labels, 12)
     pitch_x, pitch_y = cell_w + GAP, CELL_H + GAP
-    columns = min(k, layout.world_size)
+    columns = min(k, places.count(layout))
     top = _grid_headers(svg, columns, node_labels, left, top, cell_w)
 
-    def corner(rank: int) -> tuple[float, float]:
-        return left + (rank % k) * pitch_x, top + (rank // k) * pitch_y
+    def corner(slot: int) -> tuple[float, float]:
+        return left + (slot % k) * pitch_x, top + (slot // k) * pitch_y
 
     group = _el(svg, "g", class_="ranks")
     for rank, (plan, label, tooltip) in enumerate(cells):
-        _rank_cell(group, rank, plan, label, tooltip, corner(rank), cell_w)
+        _rank_cell(group, rank, plan, label, tooltip, corner(places.of(rank)), cell_w)
+    for slot, why in sorted(absent.items()):
+        _absent_cell(group, slot, why, corner(slot), cell_w)
     if highlight is not None:
-        _outlines(svg, layout, k, highlight, corner, cell_w)
+        _outlines(svg, layout, k, highlight, lambda rank: corner(places.of(rank)), cell_w, places)
     if marked:
-        _marks(svg, marked, corner, cell_w)
+        _marks(svg, marked, lambda rank: corner(places.of(rank)), cell_w)
     return left + columns * pitch_x, top + nodes * pitch_y
+
+
+def _absent_cell(group: ET.Element, slot: int, why: str, corner: tuple[float, float], cell_w: float) -> None:
+    """An empty place (old rank ``slot``, lost or released): white, a dashed red outline, labelled ``why``."""
+    x, y = corner
+    cell = _el(
+        group,
+        "rect",
+        class_="absent",
+        x=x,
+        y=y,
+        width=cell_w,
+        height=CELL_H,
+        rx=5,
+        fill=ABSENT_FILL,
+        stroke=MARK,
+        stroke_dasharray="4 3",
+        data_slot=slot,
+        data_absent=why,
+    )
+    _el(cell, "title", f"old rank {slot}: {why}")
+    _el(group, "text", why, x=x + cell_w / 2, y=y + 28, font_size=12, fill=MARK, text_anchor="middle")
 
 
 def _grid_headers(
@@ -249,17 +307,24 @@ def _marks(
 
 
 def _outlines(
-    svg: ET.Element, layout: Layout, k: int, name: str, corner: Callable[[int], tuple[float, float]], cell_w: float
+    svg: ET.Element,
+    layout: Layout,
+    k: int,
+    name: str,
+    corner: Callable[[int], tuple[float, float]],
+    cell_w: float,
+    places: Places,
 ) -> None:
     """Outline each group of ``name`` with more than one rank: one rectangle per run of neighbouring
-    ranks, dashed when it spans nodes."""
+    places, dashed when it spans nodes (``corner``: a rank's cell)."""
     outlines = _el(svg, "g", class_="highlight", fill="none", stroke_width=2.5)
     number = 0
     for plan in layout.shards:
         for members in plan.iter_groups(name):
             if len(members) == 1:
                 continue
-            attrs = {"stroke_dasharray": "6 4"} if members[0] // k != members[-1] // k else {}
+            slots = [places.of(rank) for rank in members]
+            attrs = {"stroke_dasharray": "6 4"} if len({slot // k for slot in slots}) > 1 else {}
             box = _el(
                 outlines,
                 "g",
@@ -271,8 +336,9 @@ def _outlines(
                 **attrs,
             )
             number += 1
-            for first, last in _outline_segments(members, k):
-                x, y = corner(first)
+            at = dict(zip(slots, members))
+            for first, last in _outline_segments(tuple(sorted(slots)), k):
+                x, y = corner(at[first])
                 _el(
                     box,
                     "rect",
@@ -284,23 +350,44 @@ def _outlines(
                 )
 
 
-def _node_owners(layout: Layout, k: int) -> list[list[tuple[str, int]]]:
-    """Per node, (shard index or "idle", ranks it holds there) in rank order; O(nodes + shards)."""
-    windows = sorted(
-        [(p.rank_offset, p.ranks.stop, str(p.index)) for p in layout.shards]
-        + [(w.start, w.stop, "idle") for w in layout.idle]
-    )
-    owners: list[list[tuple[str, int]]] = [[] for _ in range(-(-layout.world_size // k))]
-    for start, stop, key in windows:
-        for node in range(start // k, (stop - 1) // k + 1):
-            held = min(stop, (node + 1) * k) - max(start, node * k)
-            owners[node].append((key, held))
-    return owners
+def _node_owners(layout: Layout, k: int, places: Places) -> list[list[tuple[str, int]]]:
+    """Per node, (shard index, "idle" or why a place is empty, places it holds there) in place order; O(nodes +
+    shards) for ranks in place, O(places) otherwise."""
+    owners: list[list[tuple[str, int]]] = [[] for _ in range(nodes_of(layout, k, places))]
+    if places.slots is None and not places.absent:
+        windows = sorted(
+            [(p.rank_offset, p.ranks.stop, str(p.index)) for p in layout.shards]
+            + [(w.start, w.stop, "idle") for w in layout.idle]
+        )
+        for start, stop, key in windows:
+            for node in range(start // k, (stop - 1) // k + 1):
+                held = min(stop, (node + 1) * k) - max(start, node * k)
+                owners[node].append((key, held))
+        return owners
+    keys: dict[int, str] = dict(places.absent or {})
+    for plan in layout.shards:
+        keys.update((places.of(rank), str(plan.index)) for rank in plan.ranks)
+    for window in layout.idle:
+        keys.update((places.of(rank), "idle") for rank in window)
+    for slot in sorted(keys):
+        parts = owners[slot // k]
+        if parts and parts[-1][0] == keys[slot]:
+            parts[-1] = (keys[slot], parts[-1][1] + 1)
+        else:
+            parts.append((keys[slot], 1))
+    return [parts or [("empty", k)] for parts in owners]
 
 
-def _node_cells(svg: ET.Element, layout: Layout, k: int, top: float) -> tuple[float, float]:
+def _key_fill(key: str) -> str:
+    """A node cell part's colour: its shard's, idle grey, or white for empty places."""
+    if key.isdigit():
+        return _fill(int(key))
+    return IDLE_FILL if key == "idle" else ABSENT_FILL
+
+
+def _node_cells(svg: ET.Element, layout: Layout, k: int, top: float, places: Places) -> tuple[float, float]:
     """One cell per node, split by colour where shards share it; returns the right and bottom edges."""
-    owners = _node_owners(layout, k)
+    owners = _node_owners(layout, k, places)
     defs = _el(svg, "defs")
     pitch = NODE_CELL + NODE_GAP
     rows = -(-len(owners) // NODES_PER_ROW)
@@ -314,7 +401,7 @@ def _node_cells(svg: ET.Element, layout: Layout, k: int, top: float) -> tuple[fl
     cells = _el(svg, "g", class_="nodes")
     for node, held in enumerate(owners):
         row, col = divmod(node, NODES_PER_ROW)
-        colours = [IDLE_FILL if key == "idle" else _fill(int(key)) for key, _ in held]
+        colours = [_key_fill(key) for key, _ in held]
         fill = colours[0]
         if len(held) > 1:
             gradient = _el(defs, "linearGradient", id=f"node{node}")
@@ -337,8 +424,8 @@ def _node_cells(svg: ET.Element, layout: Layout, k: int, top: float) -> tuple[fl
             data_node=node,
             data_shards=" ".join(key for key, _ in held),
         )
-        parts = ", ".join(f"{'idle' if key == 'idle' else 'shard ' + key} ({n})" for key, n in held)
-        _el(cell, "title", f"node {node}: ranks {node * k}-{min((node + 1) * k, layout.world_size) - 1}: {parts}")
+        parts = ", ".join(f"{'shard ' + key if key.isdigit() else key} ({n})" for key, n in held)
+        _el(cell, "title", f"node {node}: places {node * k}-{(node + 1) * k - 1}: {parts}")
     return left + min(len(owners), NODES_PER_ROW) * pitch, top + rows * pitch
 
 
@@ -348,19 +435,28 @@ def render_svg(
     highlight: str | None = None,
     marked: Collection[int] = (),
     marked_label: str = "marked ranks",
+    places: Sequence[int] | None = None,
+    absent: Mapping[int, str] | None = None,
 ) -> str:
     """The layout as SVG text: rank cells while they fit (``draws_ranks``), node cells beyond.
 
     Args:
         layout: The layout.
-        ranks_per_node: Ranks per row (node = rank // K).
+        ranks_per_node: Places per row (node = place // K).
         highlight: A group name whose groups are outlined.
         marked: Ranks outlined in red (drawn only rank by rank), described in a note as ``marked_label``.
+        places: Per rank, the place it is drawn at (after a loss: its old rank's, ``Renumbering.physical``);
+            None: its own rank. No two ranks may share one.
+        absent: Places drawn empty, each with why (``{old rank: "lost"}``); none may hold a rank.
+
+    Raises:
+        LayoutError: a bad node size, group name, marked rank, or places that are not one distinct place per rank.
     """
     k = check_ranks_per_node(ranks_per_node)
+    where = _check_places(layout, places, absent)
     if highlight is not None and highlight not in TOPOLOGY_GROUPS:
         raise LayoutError(f"highlight={shown(highlight)}: expected a group name, one of {', '.join(TOPOLOGY_GROUPS)}")
-    by_rank = draws_ranks(layout, k)
+    by_rank = draws_ranks(layout, k, where)
     marks = frozenset(marked)
     outside = [
         rank
@@ -372,6 +468,8 @@ def render_svg(
     svg = ET.Element("svg", {"xmlns": "http://www.w3.org/2000/svg", "font-family": FONT})
     if by_rank:
         notes = ["each cell: rank, then its coordinates pp,dp,cp,tp"]
+        if places is not None:
+            notes.append("each rank drawn at its process's place (its old rank's): nodes as they are")
         if highlight is not None:
             notes.append(
                 f"outlined: the {highlight} groups of more than one rank, one colour each; dashed: spans nodes"
@@ -387,11 +485,11 @@ def render_svg(
             notes.append(f"{highlight} groups are outlined only when every rank is drawn")
         if marks:
             notes.append(f"{marked_label} ({counted(len(marks), 'rank')}) are outlined only when every rank is drawn")
-    top = _header(svg, layout, k, notes)
+    top = _header(svg, layout, k, notes, where)
     if by_rank:
-        right, bottom = _rank_cells(svg, layout, k, top, highlight, marks)
+        right, bottom = _rank_cells(svg, layout, k, top, highlight, marks, where)
     else:
-        right, bottom = _node_cells(svg, layout, k, top)
+        right, bottom = _node_cells(svg, layout, k, top, where)
     width = max(right, MARGIN + _text_width(svg)) + MARGIN
     height = bottom + MARGIN
     svg.set("width", f"{width:.0f}")
@@ -401,6 +499,22 @@ def render_svg(
     svg.insert(0, background)
     ET.indent(svg, space=" ")
     return ET.tostring(svg, encoding="unicode") + "\n"
+
+
+def _check_places(layout: Layout, places: Sequence[int] | None, absent: Mapping[int, str] | None) -> Places:
+    """``places`` and ``absent`` checked: one distinct non-negative place per rank, empty places none of them."""
+    if places is not None:
+        if isinstance(places, (str, bytes)) or not isinstance(places, Sequence) or len(places) != layout.world_size:
+            raise LayoutError(f"places: expected one place per rank of the layout ({layout.world_size})")
+        bad = [p for p in places if isinstance(p, bool) or not isinstance(p, int) or p < 0]
+        if bad or len(set(places)) != len(places):
+            raise LayoutError(f"places: expected distinct non-negative places, got {shown(bad[0] if bad else places)}")
+    if absent is not None:
+        taken = set(range(layout.world_size) if places is None else places)
+        clash = [slot for slot in absent if isinstance(slot, bool) or not isinstance(slot, int) or slot in taken]
+        if clash or any(slot < 0 for slot in absent):
+            raise LayoutError(f"absent place {shown(clash[0] if clash else min(absent))}: a rank is drawn there")
+    return Places(places, absent)
 
 
 __all__ = ["DEFAULT_RANKS_PER_NODE", "MAX_GRID_HEIGHT", "MAX_GRID_WIDTH", "draws_ranks", "render_svg"]

@@ -1,6 +1,6 @@
 """The one-way import rule, read from the source: every import statement, those inside functions too.
 
-The rule (stated once more in the README's design section and in ``shardcore/__init__.py``):
+The rule (stated once more in ``docs/design.md`` and in ``shardcore/__init__.py``):
 
 * ``cli`` -> ``engine`` -> ``refit`` -> ``plan``, and ``views`` -> ``plan``; ``replan`` (elastic re-layout)
   sits on ``refit`` and ``views``, and only ``engine`` and ``cli`` import it; every part may use ``errors``;

@@ -416,10 +416,12 @@ def test_unreadable_shard_file(tmp_path: Path) -> None:
     "text",
     [" tp=2 ", "\ttp=2\n", "tp = 2", "tp=2 + tp=2", "tp=2;\n;tp=2", "  tp=2 ,, pp=1 , ", "tp=2\u3000", "+tp=2+"],
 )
+@pytest.mark.filterwarnings("ignore::shardcore.errors.ShardSpecWarning")  # Megatron-valid input that warns
 def test_whitespace_variants_are_valid(text: str) -> None:
     assert {spec.tp for spec in parse_shards(text)} == {2}
 
 
+@pytest.mark.filterwarnings("ignore::shardcore.errors.ShardSpecWarning")  # Megatron-valid input that warns
 @settings(deadline=None, max_examples=200)
 @given(st.integers(-5, 1 << 30), st.text(alphabet="tpdcer_=,+;0123456789 -x:[]{}", max_size=25))
 def test_any_world_and_text_is_planned_or_a_typed_error(world: int, text: str) -> None:

@@ -295,3 +295,102 @@ def test_every_error_has_one_prefix(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 2
     assert usage_error.startswith("shardcore: error: argument --world: x is not")
     assert spec_error.startswith("shardcore: error: ")
+
+
+def _usage_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    """argparse's usage error: exit 2, and the last line of stderr (after the usage), one line."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "unknown", "meant"),
+    [
+        (["plan", "--world", "8", "--shard", "tp=8"], "--shard", "--shards"),  # was taken as --shards
+        (["plan", "--wor", "8", "--shards", "tp=8"], "--wor", "--world"),
+        (["check", "--shards", "tp=2", "--nproc", "2", "--time", "3"], "--time", "--timeout"),
+        (
+            ["refit", "--world", "4", "--shards", "tp=2+tp=2", "--from", "0", "--to", "1", "--mod", "tiny-dense"],
+            "--mod",
+            "--model",
+        ),
+        (
+            ["replan", "--world", "8", "--shards", "tp=8", "--lost", "3", "--model", "tiny-dense", "--memory", "8"],
+            "--memory",
+            "--memory-gb",
+        ),
+    ],
+)
+def test_abbreviated_flags_are_refused_on_every_subcommand(
+    capsys: pytest.CaptureFixture[str], argv: list[str], unknown: str, meant: str
+) -> None:
+    """argparse's allow_abbrev is off everywhere: a prefix is no flag, so a flag added later never changes
+    what an old command line means."""
+    assert _usage_error(capsys, argv) == f"shardcore: error: unrecognized option '{unknown}'; did you mean '{meant}'?"
+
+
+@pytest.mark.parametrize(
+    ("argv", "unknown", "meant"),
+    [
+        (["check", "--nprocs", "4", "--shards", "tp=4"], "--nprocs", "--nproc"),
+        (["plan", "--wrold", "8", "--shards", "tp=8"], "--wrold", "--world"),  # before "--world is required"
+        (["plan", "--world", "8", "--shards=tp=8", "--jsn=1"], "--jsn", "--json"),
+        (["backends", "--jason"], "--jason", "--json"),
+        (["--versoin"], "--versoin", "--version"),
+        (["plan", "--world", "8", "--shards", "tp=8", "--zzzzzz"], "--zzzzzz", None),
+    ],
+)
+def test_an_unknown_flag_is_named_with_the_closest_one(
+    capsys: pytest.CaptureFixture[str], argv: list[str], unknown: str, meant: str | None
+) -> None:
+    hint = "" if meant is None else f"; did you mean '{meant}'?"
+    assert _usage_error(capsys, argv) == f"shardcore: error: unrecognized option '{unknown}'{hint}"
+
+
+def test_a_value_that_looks_like_a_flag_after_a_double_dash_is_left_to_argparse(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert "unrecognized arguments: -- --x" in _usage_error(
+        capsys, ["plan", "--world", "8", "--shards", "tp=8", "--", "--x"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("shards", "warning"),
+    [
+        ("tp=4,,pp=2", "shard 0 ('tp=4,,pp=2'): an empty item is skipped, as in Megatron; remove the comma"),
+        ("tp=\uff14,pp=2", r"tp='\uff14' (non-ASCII U+FF14) is read as tp=4: write the digits in ASCII"),
+    ],
+)
+def test_megatron_valid_but_careless_specs_warn_in_one_line(
+    capsys: pytest.CaptureFixture[str], shards: str, warning: str
+) -> None:
+    code, out, err = _run(capsys, "plan", "--world", "8", "--shards", shards)
+    assert code == 0 and err == f"shardcore: warning: {warning}\n"
+    assert out.splitlines()[1].split()[5:8] == ["4", "1", "2"]  # tp, cp, pp
+
+
+def test_a_look_alike_role_is_one_line_showing_the_character(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, "plan", "--world", "8", "--shards", "tp=4,pp=2,role=tr\u0430in")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert r"role='tr\u0430in' (non-ASCII U+0430): expected one of train, prefill, decode" in err
+
+
+def test_progress_says_what_the_running_ranks_hold_when_quiet_for_a_while() -> None:
+    import io
+
+    from shardcore.cli.check import HELD_EVERY, Progress
+
+    out = io.StringIO()
+    progress = Progress(4, verbose=False, quiet=False, out=out)
+    progress.held({0: 1 << 30, 3: 3 << 30}, 12.5)
+    assert out.getvalue() == ""  # a progress line was just printed (at the start): nothing yet
+    progress.printed -= HELD_EVERY
+    progress.held({0: 1 << 30, 3: 3 << 30}, 12.5)
+    assert out.getvalue() == "  running  2 ranks hold 4.29 GB, the most rank 3 (3.22 GB) (12.5s)\n"
+    Progress(4, verbose=False, quiet=True, out=out).held({0: 1}, 1.0)  # -q: nothing
+    assert out.getvalue().count("\n") == 1

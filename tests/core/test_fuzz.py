@@ -114,6 +114,7 @@ def test_plan_cli(world: str, spec: str, flags: list[str]) -> None:
 
 
 @FUZZ
+@pytest.mark.filterwarnings("ignore::shardcore.errors.ShardSpecWarning")  # Megatron-valid input that warns
 @given(stressed)
 def test_parser_stress(spec: str) -> None:
     bounded(lambda: parse_shards(spec))

@@ -159,6 +159,7 @@ def test_grammar_parity(text: str) -> None:
         assert mine is not None and _fields(mine) == extended
 
 
+@pytest.mark.filterwarnings("ignore::shardcore.errors.ShardSpecWarning")  # Megatron-valid input that warns
 @settings(deadline=None, max_examples=300)
 @given(st.text(max_size=40))
 def test_any_text_is_parsed_or_a_shard_spec_error(text: str) -> None:
@@ -234,3 +235,30 @@ def test_no_warning_without_repeats() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert parse_shards("tp=2,pp=2+tp=2")[0].pp == 2
+
+
+def test_an_empty_item_inside_a_shard_is_read_as_megatron_does_with_a_warning() -> None:
+    """``tp=4,,pp=2``: Megatron skips the empty item (a value left out?), so shardcore must accept it with the
+    same meaning; it says so. A trailing comma is Megatron's documented style and stays silent."""
+    with pytest.warns(ShardSpecWarning, match=r"shard 0 \('tp=4,,pp=2'\): an empty item is skipped"):
+        (spec,) = parse_shards("tp=4,,pp=2")
+    assert (spec.tp, spec.pp) == (4, 2) and _fields((spec,)) == reference_parse("tp=4,,pp=2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert parse_shards("tp=4,pp=2,")[0].pp == 2
+
+
+def test_a_non_ascii_digit_is_read_as_megatron_does_with_a_warning() -> None:
+    """Python's int() (so Megatron's parser) reads a full-width ``４`` as 4: shardcore reads it so too, and
+    shows the character escaped, so the user sees what was typed."""
+    with pytest.warns(ShardSpecWarning, match=r"tp='\\uff14' \(non-ASCII U\+FF14\) is read as tp=4"):
+        (spec,) = parse_shards("tp=\uff14,pp=2")
+    assert spec.tp == 4 and _fields((spec,)) == reference_parse("tp=\uff14,pp=2")
+
+
+def test_a_look_alike_letter_is_shown_escaped() -> None:
+    """A Cyrillic ``а`` in ``trаin`` prints like ``train``: the message shows it escaped and names it."""
+    with pytest.raises(ShardSpecError, match=r"role='tr\\u0430in' \(non-ASCII U\+0430\): expected one of train"):
+        parse_shards("tp=2,role=tr\u0430in")
+    with pytest.raises(ShardSpecError, match=r"unknown key 't\\u0440' \(non-ASCII U\+0440\)"):
+        parse_shards("t\u0440=2")

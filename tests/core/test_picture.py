@@ -10,7 +10,7 @@ import pytest
 from shardcore.cli import main
 from shardcore.errors import LayoutError
 from shardcore.plan.layout import plan_layout
-from shardcore.views.picture import MAX_GRID_HEIGHT, STROKES, draws_ranks, render_svg
+from shardcore.views.picture import MAX_GRID_HEIGHT, STROKES, Places, draws_ranks, render_svg
 
 NS = "{http://www.w3.org/2000/svg}"
 SPEC = "tp=4,pp=2,role=train+tp=2,dp=4,role=prefill,name=a&b<c>+tp=8,role=decode"
@@ -139,3 +139,46 @@ def test_cli_says_when_the_node_view_drops_the_highlight(tmp_path: Path, capsys:
     assert "note: --highlight tp was not drawn" in capsys.readouterr().err
     assert main(["plan", "--world", "16", "--shards", "tp=8,dp=2", "--svg", str(path), "--highlight", "tp"]) == 0
     assert "not drawn" not in capsys.readouterr().err
+
+
+def test_a_layout_after_a_loss_is_drawn_where_its_processes_are() -> None:
+    """``places``: each rank at its place (here: after rank 1 is lost, new rank r sits at old rank r + 1 from rank 1
+    on), so the decode shard's tp=8 group, on node 1 in fact, is drawn in node 1's row alone and not dashed;
+    ``absent`` draws the lost place, empty and named. Places that collide or miss a rank are refused."""
+    layout = plan_layout(15, "tp=1,dp=3,role=train + tp=4,role=prefill + tp=8,role=decode")
+    places = [0, *range(2, 16)]
+    root = _parse(render_svg(layout, 8, highlight="tp", places=places, absent={1: "lost"}))
+    corner = {
+        int(c.get("data-rank", -1)): (float(c.get("x", 0)), float(c.get("y", 0)))
+        for c in _by_class(root, "rect", "rank")
+    }
+    decode = [corner[rank] for rank in range(7, 15)]
+    assert len({y for _, y in decode}) == 1 and decode[0][1] > corner[0][1]  # one row: node 1
+    assert [x for x, _ in decode] == sorted(x for x, _ in decode)
+    group = next(g for g in _by_class(root, "g", "group") if g.get("data-members") == "7 8 9 10 11 12 13 14")
+    assert group.get("stroke-dasharray") is None  # inside one node
+    (lost,) = _by_class(root, "rect", "absent")
+    assert lost.get("data-slot") == "1" and lost.get("data-absent") == "lost"
+    assert (float(lost.get("x", 0)), float(lost.get("y", 0))) == (
+        (corner[0][0] + corner[1][0]) / 2,
+        corner[0][1],
+    )
+    assert any("lost · an empty place" in (t.text or "") for t in root.iter(f"{NS}text"))
+    plain = _parse(render_svg(layout, 8, highlight="tp"))  # by new rank numbers, the same group spans two nodes
+    spanning = next(g for g in _by_class(plain, "g", "group") if g.get("data-members") == "7 8 9 10 11 12 13 14")
+    assert spanning.get("stroke-dasharray") == "6 4"
+    with pytest.raises(LayoutError, match="places: expected distinct non-negative places"):
+        render_svg(layout, 8, places=[0, 0, *range(2, 15)])
+    with pytest.raises(LayoutError, match="absent place 2: a rank is drawn there"):
+        render_svg(layout, 8, places=places, absent={2: "lost"})
+
+
+def test_the_node_view_places_ranks_and_empty_places_too() -> None:
+    """Too many nodes to draw rank by rank (one-rank nodes, ranks 4 places apart): each node cell is its place's."""
+    layout = plan_layout(15, "tp=1,dp=3,role=train + tp=4,role=prefill + tp=8,role=decode")
+    places = [4 * rank for rank in range(15)]
+    assert not draws_ranks(layout, 1, Places(places))
+    nodes = _by_class(_parse(render_svg(layout, 1, places=places, absent={1: "lost"})), "rect", "node")
+    assert len(nodes) == 57 and nodes[1].get("data-shards") == "lost" and nodes[1].get("fill") == "#ffffff"
+    assert [nodes[4 * rank].get("data-shards") for rank in range(15)] == ["0"] * 3 + ["1"] * 4 + ["2"] * 8
+    assert nodes[2].get("data-shards") == "empty"

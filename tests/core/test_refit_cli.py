@@ -11,6 +11,7 @@ from shardcore.cli import main
 from shardcore.cli.check import local_limit
 from shardcore.plan.layout import plan_layout
 from shardcore.refit import PRESETS, RefitStats, plan_refit, preset
+from shardcore.refit.options import OPTION_FLAGS
 
 SPEC = "tp=2,pp=2,dp=2,ep=2,role=train + tp=4,ep=4,expt_tp=1,role=prefill + tp=1,dp=4,ep=2,role=decode"
 BASE = ("refit", "--world", "16", "--shards", SPEC, "--from", "0", "--to", "1,2", "--model", "tiny-moe")
@@ -27,11 +28,34 @@ def test_summary_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0 and err == ""
     lines = out.splitlines()
     assert lines[0].startswith("refit tiny-moe (78 tensors")
-    assert lines[1].split()[:3] == ["to", "role", "spec"] and "busiest rank" in lines[1]
+    assert lines[1].split()[:3] == ["to", "role", "spec"] and "busiest receiver" in lines[1]
     assert lines[2].split()[:2] == ["1", "prefill"] and lines[3].split()[:2] == ["2", "decode"]
     assert "busiest sender: rank" in out and "lower bound" in out and "estimate" in out
     stats = RefitStats.of(plan_refit(plan_layout(16, SPEC), 0, [1, 2], preset("tiny-moe"), 4))
     assert f"peers per rank (each a connection): max {stats.most_peers}, median {stats.median_peers}" in out
+
+
+def test_a_destination_row_names_its_busiest_receiver(capsys: pytest.CaptureFixture[str]) -> None:
+    """The 'busiest receiver' of a destination row is a rank of that destination receiving most (the whole refit's
+    busiest sender, a source rank, is named on its own line), in the table and in JSON."""
+    code, out, _ = _run(capsys, *BASE)
+    assert code == 0
+    layout = plan_layout(16, SPEC)
+    plan = plan_refit(layout, 0, [1, 2], preset("tiny-moe"))
+    received: dict[int, int] = {}
+    for transfer in plan.transfers():
+        if not transfer.is_local:
+            received[transfer.dst] = received.get(transfer.dst, 0) + transfer.bytes
+    header, *rows = out.splitlines()[1:4]
+    column = header.index("busiest receiver")
+    for row, shard in zip(rows, (1, 2)):
+        ranks = layout.shards[shard].ranks
+        rank = int(row[column:].split()[0])
+        assert rank in ranks and received[rank] == max(received[r] for r in ranks)
+    code, out, _ = _run(capsys, *BASE, "--json")
+    for entry in json.loads(out)["shards"]:
+        ranks = layout.shards[entry["shard"]].ranks
+        assert entry["busiest_receiver"] in ranks and entry["received"] == max(received[r] for r in ranks)
 
 
 def test_rank_transfers_match_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
@@ -234,6 +258,7 @@ def test_flags_that_act_with_another_are_refused_without_it(
     [
         (("--bucket-bytes", "1"), "--bucket-bytes 1: expected a whole number from 32 to"),  # the executor's minimum
         (("--max-ops", "1"), "--max-ops 1: expected a whole number from 2 to"),
+        (("--delta", "--anchor-every", str(2**63)), f"--anchor-every {2**63}: expected a whole number from 1 to"),
         (("--transfers", "--json"), "--transfers lists the plan's transfers, not the live run's"),
     ],
 )
@@ -243,3 +268,55 @@ def test_check_refuses_what_the_executor_cannot_run_before_any_start(
     """Before a process starts: here torch is not even needed."""
     args = ("refit", "--check", "--nproc", "4", "--shards", "tp=2+tp=2", "--from", "0", "--to", "1")
     assert message in _one_line_error(capsys, *args, "--model", "tiny-dense", *extra)
+
+
+def test_every_executor_option_has_its_flag_in_the_help(capsys: pytest.CaptureFixture[str]) -> None:
+    """The flags are made from the options' own table (``OPTION_FLAGS``), with its help."""
+    with pytest.raises(SystemExit):
+        main(["refit", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    for option in OPTION_FLAGS.values():
+        assert option.flag in shown and " ".join(option.help.split()) in shown
+
+
+QWEN2_SMALL = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 1000,
+    "torch_dtype": "bfloat16",
+}
+
+
+@pytest.mark.parametrize(("key", "value"), [("hidden_size", "256"), ("vocab_size", "1000"), ("head_dim", 6.5)])
+def test_a_bad_hf_config_field_is_named_by_its_hf_key(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, key: str, value: object
+) -> None:
+    """The user's key (``hidden_size``), not the internal field it becomes (``hidden``); a string vocab_size
+    was a TypeError."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**QWEN2_SMALL, key: value}))
+    args = ("refit", "--world", "4", "--shards", "tp=2+tp=2", "--from", "0", "--to", "1", "--model", f"hf:{path}")
+    err = _one_line_error(capsys, *args)
+    assert f"HF config {key}={value!r}: expected a whole number" in err, err
+
+
+def test_an_hf_config_without_its_prefix_is_told_to_pass_it_as_hf(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN2_SMALL))
+    args = ("refit", "--world", "4", "--shards", "tp=2+tp=2", "--from", "0", "--to", "1", "--model", str(path))
+    err = _one_line_error(capsys, *args)
+    assert "this looks like a Hugging Face config.json: pass it as hf:PATH" in err and str(path) in err
+
+
+@pytest.mark.parametrize("to", ["0", "1,0"])
+def test_a_shard_onto_itself_is_refused(capsys: pytest.CaptureFixture[str], to: str) -> None:
+    args = ("refit", "--world", "4", "--shards", "tp=2+tp=2", "--from", "0", "--to", to, "--model", "tiny-dense")
+    err = _one_line_error(capsys, *args)
+    assert "destination shard 0 is the source shard: a refit onto itself moves nothing" in err

@@ -18,10 +18,12 @@ import pytest
 from shardcore.errors import ManifestError, RefitError
 from shardcore.plan.layout import plan_layout
 from shardcore.refit import RefitStats
+from shardcore.refit.boxes import fitted, meets
 from shardcore.refit.families import FAMILIES, HFModel, manifest_from_hf_config
+from shardcore.refit.holdings import holdings
 from shardcore.refit.manifest import Manifest, TensorSpec
-from shardcore.refit.placement import fitted, holdings, meets
-from shardcore.refit.planner import RefitPlan, plan_refit, plan_refit_from
+from shardcore.refit.plan import RefitPlan
+from shardcore.refit.planner import plan_refit, plan_refit_from
 from shardcore.refit.weightmap import Link, WeightMap, rows, whole
 
 BASE = {
@@ -150,7 +152,7 @@ def test_hf_shapes_and_names_follow_the_model_classes() -> None:
     assert hf["model.layers.0.mlp.gate.weight"] == (4, 64)
     assert hf["model.embed_tokens.weight"] == hf["lm_head.weight"] == (100, 64)
     stacked = {t.name: t.shape for t in model.vllm(2, 1)[0]}
-    assert stacked["model.layers.0.mlp.experts.w13_weight"] == (4, 64, 64)
+    assert stacked["model.layers.0.mlp.experts.routed_experts.w13_weight"] == (4, 64, 64)
     assert stacked["model.layers.0.self_attn.qkv_proj.weight"] == (2 * (2 + 2) * 16, 64)
     assert stacked["model.embed_tokens.weight"] == (128, 64)  # 100 padded to a multiple of 64
     assert "lm_head.weight" not in {t.name for t in model_of("llama").hf_manifest}  # tied: the embedding
@@ -172,7 +174,7 @@ def test_deepseek_v3_names_shapes_and_vllm_packing() -> None:
     assert shapes["model.layers.1.self_attn.fused_qkv_a_proj.weight"] == (48 + 40, 64)
     assert shapes["model.layers.1.self_attn.q_b_proj.weight"] == (2 * 24, 48)
     assert shapes["model.layers.2.mlp.shared_experts.gate_up_proj.weight"] == (32, 64)
-    assert shapes["model.layers.2.mlp.experts.w13_weight"] == (4, 32, 64)
+    assert shapes["model.layers.2.mlp.experts.routed_experts.w13_weight"] == (4, 32, 64)
     fused = [t for t in plan.for_rank(3).recvs + plan.for_rank(3).copies if "fused_qkv_a" in t.destination]
     layer1 = {(t.tensor.rsplit(".", 2)[-2], t.dst_offset[0]) for t in fused if t.tensor.startswith("decoder.layers.1.")}
     assert layer1 == {("linear_q_down_proj", 0), ("linear_kv_down_proj", 48)}
@@ -359,7 +361,7 @@ def test_fan_out_and_subsets_compose_with_layouts() -> None:
     kept = [t for t in every if t.tensor.endswith("weight1")]
     assert kept and sorted(experts.transfers()) == sorted(kept)
     assert {t.destination for t in kept} >= {
-        "model.layers.0.mlp.experts.w13_weight",
+        "model.layers.0.mlp.experts.routed_experts.w13_weight",
         "model.layers.0.mlp.experts.gate_up_proj",
     }
 
@@ -521,7 +523,10 @@ def test_fp8_stacked_experts_are_blocked_per_expert() -> None:
     expt_tp and in hf-stacked; the expert dim is split anywhere (2 experts a rank), never blocked."""
     model = manifest_from_hf_config(FP8_MOE, vocab_multiple=128)
     fp8 = model.manifest.converted("float8_e4m3fn")
-    w13, w2 = "model.layers.1.mlp.experts.w13_weight", "model.layers.1.mlp.experts.w2_weight"
+    w13, w2 = (
+        "model.layers.1.mlp.experts.routed_experts.w13_weight",
+        "model.layers.1.mlp.experts.routed_experts.w2_weight",
+    )
     for engine, shapes in (
         ("tp=2,ep=2,expt_tp=1", {w13: (2, 512, 512), w2: (2, 512, 256)}),
         ("tp=2,expt_tp=2", {w13: (4, 256, 512), w2: (4, 512, 128)}),
@@ -665,3 +670,119 @@ def test_fp8_into_a_destination_in_the_source_layout_is_refused_naming_the_fix()
     words = r"shard 2 .* holds the source's own layout: .* convert into this shard in a refit of its own"
     with pytest.raises(ManifestError, match=words):
         plan_refit(layout, 0, [1, 2], model.manifest.converted("float8_e4m3fn"), layouts={1: model.layout("vllm")})
+
+
+def test_a_rank_part_gives_dtypes_beside_shapes() -> None:
+    """``RankRefit`` names the dtype of every tensor it names a shape of, as the executor checks them: the source's
+    bf16 on the trainer; on an engine rank quantizing fp8 on landing, its linear weights in float8_e4m3fn, their
+    scale tensors in float32, and what it keeps (embedding, norms, biases) in bf16."""
+    model = manifest_from_hf_config({**FP8, **CONFIGS["qwen2"]}, vocab_multiple=128)
+    plan = plan_refit(plan_layout(4, "tp=2,role=train + tp=2"), 0, [1], model.manifest.converted("float8_e4m3fn"),
+                      layouts={1: model.layout("vllm")})  # fmt: skip
+    trainer, engine = plan.for_rank(0), plan.for_rank(2)
+    assert trainer.source_dtypes.keys() == trainer.source_shapes.keys() and set(trainer.source_dtypes.values()) == {
+        "bfloat16"
+    }
+    assert engine.destination_dtypes.keys() == engine.destination_shapes.keys()
+    dtypes = engine.destination_dtypes
+    assert dtypes["model.layers.0.self_attn.qkv_proj.weight"] == "float8_e4m3fn"
+    assert dtypes["model.layers.0.self_attn.qkv_proj.weight_scale_inv"] == "float32"
+    assert dtypes["model.embed_tokens.weight"] == dtypes["model.layers.0.self_attn.qkv_proj.bias"] == "bfloat16"
+    for name, dtype in dtypes.items():  # the executor's own expectation, tensor by tensor
+        assert plan.destination_tensor(name).destination_dtype == dtype, name
+
+
+def test_boxes_in_the_destination_tensors_own_coordinates(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--coords dest``: a vLLM rank's receives shown as rows of its own local ``qkv_proj`` (tp rank 1's start at 0,
+    where their global boxes start past tp rank 0's), each element written once; JSON adds ``dst_box``; the
+    default stays global, and the flag without --rank or --transfers is refused."""
+    from shardcore.cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**BASE, **CONFIGS["qwen2"]}))
+    argv = ["refit", "--world", "4", "--shards", "tp=2,role=train + tp=2", "--from", "0", "--to", "1"]
+    argv += ["--model", f"hf:{config}", "--to-layout", "vllm", "--rank", "3"]
+    plan = plan_refit(plan_layout(4, "tp=2,role=train + tp=2"), 0, [1], model_of("qwen2").manifest,
+                      layouts={1: model_of("qwen2").layout("vllm")})  # fmt: skip
+    mine = plan.for_rank(3)
+    qkv = [t for t in mine.recvs if t.destination == "model.layers.0.self_attn.qkv_proj.weight"]
+    assert min(t.box[0][0] for t in qkv) > 0 and min(t.dst_box[0][0] for t in qkv) == 0
+    shapes, count = written(plan, 3)
+    for transfer in (*mine.recvs, *mine.copies):  # each dst_box lies inside its local tensor, and they tile it
+        shape = shapes[transfer.destination]
+        assert all(0 <= start < stop <= size for (start, stop), size in zip(transfer.dst_box, shape))
+    assert sum(prod(t.shape) for t in (*mine.recvs, *mine.copies)) == len(count) and set(count.values()) == {1}
+    assert main([*argv, "--coords", "dest"]) == 0
+    out = capsys.readouterr().out
+    assert "box in the destination rank's tensor" in out
+    shown = "[" + ", ".join(f"{a}:{b}" for a, b in qkv[0].dst_box) + "]"
+    assert any("qkv_proj.weight" in line and shown in line for line in out.splitlines())
+    assert main(argv) == 0 and "global box" in capsys.readouterr().out
+    assert main([*argv, "--coords", "dest", "--json"]) == 0
+    recvs = json.loads(capsys.readouterr().out)["rank"]["recvs"]
+    for recv in recvs:  # at its offset in the destination's tensor, as large as its global box
+        assert [start for start, _ in recv["dst_box"]] == recv["dst_offset"]
+        assert prod(b - a for a, b in recv["dst_box"]) == prod(b - a for a, b in recv["box"])
+    assert main([*argv[:-2], "--coords", "dest"]) == 2
+    assert "--coords needs --rank or --transfers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("family", "keys"),
+    [
+        ("qwen3_moe", {"num_experts": 4}),  # transformers 4
+        ("qwen3_moe", {"num_local_experts": 4}),  # transformers 5
+        ("qwen3_moe", {"num_experts": 4, "num_local_experts": 4}),
+        ("deepseek_v3", {"n_routed_experts": 4}),
+        ("deepseek_v3", {"num_local_experts": 4}),  # transformers 5's other name for it
+    ],
+)
+def test_every_key_transformers_saves_the_expert_count_under_gives_the_moe_model(
+    family: str, keys: dict[str, int]
+) -> None:
+    config = {k: v for k, v in CONFIGS[family].items() if k not in ("num_experts", "n_routed_experts")}
+    model = manifest_from_hf_config({**BASE, **config, **keys}, vocab_multiple=128)
+    assert model.config.experts == 4
+    assert model.manifest == model_of(family).manifest
+    assert any(".mlp.experts." in tensor.name for tensor in model.manifest)
+
+
+@pytest.mark.parametrize(
+    ("family", "keys", "words"),
+    [
+        ("qwen3_moe", {}, ["no expert count", "num_experts or num_local_experts"]),
+        ("deepseek_v3", {}, ["no expert count", "n_routed_experts or num_local_experts"]),
+        ("qwen3_moe", {"num_local_experts": "4"}, ["num_local_experts='4'", "integer"]),
+        ("qwen3_moe", {"num_experts": 4.0}, ["num_experts=4.0", "integer"]),
+        ("qwen3_moe", {"num_local_experts": True}, ["num_local_experts=True"]),
+        ("deepseek_v3", {"n_routed_experts": -1}, ["n_routed_experts=-1"]),
+        ("qwen3_moe", {"num_experts": 4, "num_local_experts": 8}, ["num_experts=4, num_local_experts=8", "keep one"]),
+    ],
+)
+def test_an_expert_count_that_cannot_be_read_is_refused_never_a_dense_plan(
+    family: str, keys: dict[str, Any], words: list[str]
+) -> None:
+    config = {k: v for k, v in CONFIGS[family].items() if k not in ("num_experts", "n_routed_experts")}
+    with pytest.raises(ManifestError) as error:
+        manifest_from_hf_config({**BASE, **config, **keys})
+    message = str(error.value)
+    assert "\n" not in message and len(message) < 300, message
+    for word in words:
+        assert word in message, message
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_vllm_vocabulary_padding_is_zeroed_and_megatrons_left_alone(family: str) -> None:
+    """vLLM's loader zeroes its vocabulary padding (a refit writes it so, on the tp ranks that hold it, in their
+    local coordinates); Megatron's padding, refit from a checkpoint, is left as it is."""
+    model = model_of(family)
+    hidden = BASE["hidden_size"]
+    layout = plan_layout(2 + 2, "tp=2,role=train + tp=2")
+    (engine,) = plan_refit(layout, 0, [1], model.manifest, layouts={1: model.layout("vllm")}).destination_placements
+    heads = ["model.embed_tokens.weight"] + ([] if model.config.tied_embeddings else ["lm_head.weight"])
+    assert engine.zeroed(2) == {}  # its rows 0-63 are all real
+    assert engine.zeroed(3) == {name: (((100 - 64, 64), (0, hidden)),) for name in heads}  # global rows 100-127
+    assert engine.zeroed(0) == {}  # not an engine rank
+    back = plan_layout(1 + 2, "dp=1 + tp=2,role=train")
+    (megatron,) = plan_refit(back, 0, [1], model.manifest, layouts={0: model.layout("hf")}).destination_placements
+    assert megatron.weights.padding and all(megatron.zeroed(rank) == {} for rank in (1, 2))

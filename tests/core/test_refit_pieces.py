@@ -26,7 +26,8 @@ from shardcore.refit import (
     plan_refit,
     preset,
 )
-from shardcore.refit.planner import DEFAULT_MIN_PIECE_BYTES, line_cuts
+from shardcore.refit.plan import DEFAULT_MIN_PIECE_BYTES
+from shardcore.refit.worklines import line_cuts
 from tests.core.test_refit_plan import _tiny, check_for_rank, check_pieces, check_stats, simulate
 
 BENCH_MODEL = manifest_from_config(

@@ -34,8 +34,9 @@ from shardcore.refit import (
     plan_refit_from,
     preset,
 )
+from shardcore.refit.boxes import meets, volume
 from shardcore.refit.cost import lower_bound
-from shardcore.refit.placement import meets, volume
+from shardcore.refit.part import transfer_order
 from tests.core.test_refit_plan import _cells, _flat, manifests, refits, shard_specs
 
 FEW = settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
@@ -92,13 +93,10 @@ def simulate(plan: RefitPlan) -> list[Transfer]:
             assert got[t.dst][t.tensor][at] is None, f"{t}: an element written twice"
             got[t.dst][t.tensor][at] = value
     assert got == want
-    position = {tensor.name: i for i, tensor in enumerate(plan.manifest)}
+    key = transfer_order(plan.manifest)
     for rank in world:
         mine = plan.for_rank(rank)
-        ours = sorted(
-            (t for t in transfers if rank in (t.src, t.dst)),
-            key=lambda t: (t.src, t.dst, position[t.tensor], t.box, t.hop),
-        )
+        ours = sorted((t for t in transfers if rank in (t.src, t.dst)), key=key)
         assert [*mine.sends, *mine.recvs, *mine.copies] == [
             *[t for t in ours if t.src == rank != t.dst],
             *[t for t in ours if t.dst == rank != t.src],

@@ -21,6 +21,7 @@ from shardcore.plan.layout import Layout, ShardPlan, plan_layout
 from shardcore.plan.spec import ShardSpec
 from shardcore.refit import Manifest, RefitPlan, RefitStats, TensorSpec, Transfer, holdings, local_shape, plan_refit
 from shardcore.refit.cost import _Tally
+from shardcore.refit.part import transfer_order
 
 SIM = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -117,11 +118,7 @@ def _expected(refit: RefitPlan) -> dict[tuple[int, str], list[object]]:
 
 def check_for_rank(refit: RefitPlan, transfers: list[Transfer]) -> None:
     """for_rank(r), computed alone, is exactly rank r's share of the global plan, in the agreed order."""
-    position = {tensor.name: i for i, tensor in enumerate(refit.manifest)}
-
-    def key(t: Transfer) -> tuple[object, ...]:
-        return (t.src, t.dst, position[t.tensor], t.box, t.hop)
-
+    key = transfer_order(refit.manifest)
     moved = {t.name for p, t in enumerate(refit.manifest) if refit.tensors is None or p in refit.tensors}
     for rank in range(refit.layout.world_size):
         mine = refit.for_rank(rank)

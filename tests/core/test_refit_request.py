@@ -71,7 +71,7 @@ def test_execute_options_are_checked_when_made() -> None:
 
 def test_keywords_take_the_place_of_the_options_fields() -> None:
     base = ExecuteOptions(timeout=30, bucket_bytes=4096, max_ops=8, verify="checksum", version=3)
-    assert ExecuteOptions.merged(base) == base
+    assert ExecuteOptions.merged(base) is base  # checked when made, not again per refit
     assert ExecuteOptions.merged(base, bucket_bytes=None, max_ops=16) == replace(base, max_ops=16)
     assert ExecuteOptions.merged(None, version=5) == ExecuteOptions(version=5)
     defaults = ExecuteOptions()

@@ -13,7 +13,16 @@ from shardcore import LayoutError, ManifestError, NoLayoutError, plan_layout
 from shardcore.cli import main
 from shardcore.errors import RefitError
 from shardcore.plan import ShardSpec, valid_specs
-from shardcore.refit import Footprint, RefitStats, estimate_refit, local_shape, plan_refit, preset, search
+from shardcore.refit import (
+    Footprint,
+    RefitStats,
+    estimate_refit,
+    local_shape,
+    manifest_from_hf_config,
+    plan_refit,
+    preset,
+    search,
+)
 from shardcore.refit.placement import check_fits
 
 TRAIN = "tp=2,pp=2,dp=2,ep=2,role=train"
@@ -94,7 +103,7 @@ def _moe_search(**options: object) -> object:
 
 
 def test_ranked_by_seconds_with_the_pareto_front_marked() -> None:
-    result = _moe_search()
+    result = _moe_search(objective="refit-time")
     candidates = result.candidates
     assert result.enumerated > result.split >= result.fit_memory == len(candidates) > 0
     assert result.estimated < len(candidates)  # specs differing only in cp x dp share one estimate
@@ -112,6 +121,54 @@ def test_ranked_by_seconds_with_the_pareto_front_marked() -> None:
     assert all(c.destination.rank_offset == 8 and c.destination.size == 16 for c in candidates)
 
 
+QWEN2_7B = {
+    "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+    "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "torch_dtype": "bfloat16",
+}  # fmt: skip
+
+
+def _qwen2_7b(**options: object) -> object:
+    layout = plan_layout(24, "tp=4,dp=2,role=train", allow_idle=True)
+    manifest = manifest_from_hf_config(QWEN2_7B).manifest
+    return search(layout, 0, manifest, 16, 80e9, ranks_per_node=8, **options)  # type: ignore[arg-type]
+
+
+def test_ranked_by_replicas_then_headroom_then_refit_time_by_default() -> None:
+    """A serving engineer's order: Qwen2-7B on 16 ranks of 80 GB is best served by 16 replicas (tp=1,dp=16), not
+    by the fastest refit (one replica); equal replicas go by memory headroom, then by refit time. Each objective
+    is what the result says it used."""
+    result = _qwen2_7b()
+    assert result.objective == "replicas" and result.best.replicas == 16 and str(result.best.spec) == "tp=1,dp=16"
+    keys = [(-c.replicas, c.weight_bytes, c.seconds) for c in result.candidates]
+    assert keys == sorted(keys)
+    fastest = _qwen2_7b(objective="refit-time")
+    assert fastest.objective == "refit-time" and fastest.best.replicas == 1  # what search ranked first before
+    assert fastest.best.seconds == min(c.seconds for c in result.candidates) < result.best.seconds
+    roomy = _qwen2_7b(objective="memory")
+    assert roomy.best.weight_bytes == min(c.weight_bytes for c in result.candidates)
+    assert [(c.weight_bytes, c.seconds) for c in roomy.candidates] == sorted(
+        (c.weight_bytes, c.seconds) for c in roomy.candidates
+    )
+
+
+def test_cli_says_which_objective_ranked_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SEARCH, "--memory-gb", "0.005", "--top", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2].startswith("ranked by replicas: most replicas (the spec's dp) first, then the most memory headroom")
+    header = out[3].split()
+    assert header[:5] == ["#", "spec", "replicas", "weight/rank", "headroom"] and "slowest" in header
+    replicas = [int(line.split()[2]) for line in out[4:7]]
+    assert replicas == sorted(replicas, reverse=True) and replicas[0] == max(
+        c.replicas for c in _moe_search().candidates
+    )  # type: ignore[attr-defined]
+    assert main([*SEARCH, "--memory-gb", "0.005", "--objective", "refit-time", "--json", "--top", "2"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["objective"] == "refit-time" and all("replicas" in c for c in data["candidates"])
+    assert main(["refit", "--world", "8", "--shards", "tp=4 + tp=4", "--from", "0", "--to", "1", "--model",
+                 "tiny-dense", "--objective", "memory", "-q"]) == 2  # fmt: skip
+    assert "--objective needs --search" in capsys.readouterr().err
+
+
 def test_every_fitting_spec_is_a_candidate() -> None:
     footprint = Footprint(preset("tiny-moe"))
     expected = {s for s in valid_specs(16) if footprint.fits(s) is None and footprint.weight_bytes(s) <= 5e6}
@@ -119,7 +176,7 @@ def test_every_fitting_spec_is_a_candidate() -> None:
 
 
 def test_planned_candidates_take_the_plans_numbers() -> None:
-    result = _moe_search(plan=2)
+    result = _moe_search(plan=2, objective="refit-time")
     planned = [c for c in result.candidates if c.stats is not None]  # type: ignore[attr-defined]
     assert result.planned == len(planned) == 2  # type: ignore[attr-defined]
     for candidate in planned:
@@ -165,6 +222,7 @@ def test_no_layout_names_the_memory_and_the_nearest_ranks() -> None:
         ({"plan": -1}, RefitError, "plan=-1"),
         ({"inter_gbps": 0}, RefitError, "inter_gbps=0"),
         ({"ranks_per_node": 0}, LayoutError, "ranks_per_node=0"),
+        ({"objective": "speed"}, RefitError, "objective='speed': choose one of replicas, memory, refit-time"),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, object], error: type[Exception], message: str) -> None:
@@ -199,9 +257,8 @@ def test_cli_table(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("search tiny-moe (78 tensors") and "to 16 ranks [8, 24)" in out[0]
     assert "specs enumerated" in out[1] and "refit classes estimated" in out[1]
-    assert out[2].split()[:4] == ["#", "spec", "weight/rank", "estimate"]
-    assert [line.split()[0] for line in out[3:6]] == ["1", "2", "3"]
-    assert "*" in out[3]  # the fastest is on the front
+    assert out[3].split()[:6] == ["#", "spec", "replicas", "weight/rank", "headroom", "estimate"]
+    assert [line.split()[0] for line in out[4:7]] == ["1", "2", "3"]
 
 
 def test_cli_json_matches_the_api(capsys: pytest.CaptureFixture[str]) -> None:
@@ -247,13 +304,13 @@ def test_cli_progress_on_stderr_when_it_runs_long(
 def test_cli_marks_every_planned_row(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*SEARCH, "--memory-gb", "0.005", "--plan", "3", "--top", "0"]) == 0
     out = capsys.readouterr().out.splitlines()
-    header = out[2].split()
+    header = out[3].split()
     assert header[-2:] == ["alike", "planned"]
     rows = [line.split() for line in out[3:] if line[:1].isdigit()]
     planned = [row for row in rows if row[-1] == "yes"]
     # a planned cost never hides as 'alike' behind an estimated row: the yes rows hold the 3 planned
     assert sum(1 + int(row[-2][1:]) if row[-2].startswith("+") else 1 for row in planned) == 3
-    assert any(line.startswith("planned: the 3 best by estimate") for line in out)
+    assert any(line.startswith("planned: the 3 best by replicas") for line in out)
 
 
 def test_cli_progress_names_a_long_step_while_it_runs(

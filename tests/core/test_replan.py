@@ -39,6 +39,31 @@ def test_renumbering_keeps_the_survivors_in_order(data: st.DataObject) -> None:
     assert renumbering.old_ranks(window) == [renumbering.old_of(new) for new in window]
 
 
+@settings(deadline=None, max_examples=200)
+@given(st.data())
+def test_replacements_keep_every_survivors_number_and_place(data: st.DataObject) -> None:
+    """Added ranks that replace lost ones take their numbers and places; survivors keep theirs where nothing
+    closes up below them; a replacement holds nothing (old_of None) and every new rank has one distinct place."""
+    world = data.draw(st.integers(1, 64))
+    lost = sorted(data.draw(st.sets(st.integers(0, world - 1), max_size=world - 1)))
+    replaced = sorted(data.draw(st.sets(st.sampled_from(lost))) if lost else set())
+    added = len(replaced) + data.draw(st.integers(0, 3))
+    numbering = Renumbering(world, tuple(lost), (), added, tuple(replaced))
+    assert numbering.new_world == world - len(lost) + added
+    closed = [rank for rank in lost if rank not in replaced]
+    for old in range(world):
+        if old not in lost:
+            assert numbering.new_of(old) == old - sum(gap < old for gap in closed)
+            assert numbering.old_of(numbering.new_of(old)) == old  # type: ignore[arg-type]
+    for rank in replaced:
+        new = rank - sum(gap < rank for gap in closed)
+        assert numbering.old_of(new) is None and numbering.physical(new) == rank
+    places = [numbering.physical(new) for new in range(numbering.new_world)]
+    assert len(set(places)) == len(places) and not set(places) & set(closed)
+    window = range(data.draw(st.integers(0, numbering.new_world)), numbering.new_world)
+    assert numbering.old_ranks(window) == [numbering.old_of(new) for new in window]
+
+
 def _held(plan: object, rank: int, manifest: Manifest) -> set[tuple[str, object]]:
     return {(t.name, box) for t in manifest for box, _ in holdings(t, plan, rank, manifest)}  # type: ignore[arg-type]
 
@@ -91,6 +116,9 @@ SCENARIOS = [
     ("tp=2,dp=2,role=train+tp=4,role=decode", 12, DENSE, (1, 5), {}),
     ("tp=2,pp=2,role=train+tp=2,dp=2,role=decode", 12, DENSE, (), {"world_size": 10}),
     ("tp=1,dp=4,ep=2,role=train+tp=2,dp=2,ep=2,role=decode", 8, TINY, (3,), {"keep": (1,)}),
+    ("tp=1,dp=4,ep=2,role=train+tp=2,dp=2,ep=2,role=decode", 8, TINY, (5,), {"keep": (1,)}),  # borrow from before
+    ("tp=2,dp=2,role=train+tp=2,dp=4,role=prefill+tp=2,pp=2,role=decode", 16, DENSE, (2, 3), {"keep": (0,)}),
+    ("tp=2,pp=2,dp=2,role=train+tp=2,dp=2,role=decode", 12, DENSE, (1, 6), {"world_size": 13}),  # 2 replaced, 1 more
 ]
 
 
@@ -166,17 +194,75 @@ def test_restore_sources_cover_what_the_moving_ranks_need() -> None:
         option.restore_sources(5)
 
 
-def test_a_kept_shard_shifts_or_there_is_no_layout() -> None:
+def test_a_kept_shard_shifts_borrows_or_there_is_no_layout() -> None:
     old = plan_layout(8, "tp=1,dp=4,ep=2,role=train+tp=2,dp=2,ep=2,role=decode")
-    with pytest.raises(NoLayoutError) as caught:
-        replan(old, TINY, lost=[5], keep=[1])
+    with pytest.raises(NoLayoutError) as caught:  # both kept: nothing to borrow from
+        replan(old, TINY, lost=[5], keep=[0, 1])
     message = str(caught.value)
     assert "shard 1 ('tp=2,dp=2,ep=2,role=decode') lost 1 of 4 ranks and must keep its spec" in message
     assert (
         "nearest: without keep" in message and "with 1 more rank (world_size 8) every shard keeps its spec" in message
     )
-    shifted = replan(old, TINY, lost=[5], keep=[1], world_size=8)  # one rank added: the decode shard shifts
-    assert {option.kind for option in shifted.options} == {"shift"}
+    borrowed = replan(old, TINY, lost=[5], keep=[1])  # the train shard gives a replica block: dp 4 -> 2
+    assert "borrow" in {option.kind for option in borrowed.options}
+    shifted = replan(old, TINY, lost=[5], keep=[1], world_size=8)  # one rank added: shift, or it takes rank 5's place
+    assert {option.kind for option in shifted.options} == {"shift", "replace"}
+    assert shifted.best.kind == "replace" and [m.new for m in shifted.best.moves if m.needs_weights] == [5]
+
+
+MIXED = "tp=4,dp=2,role=train + tp=2,dp=4,role=prefill + tp=4,dp=2,role=decode"
+"""24 ranks on three 8-rank nodes: a trainer, and two engines."""
+
+
+def test_replacements_take_the_lost_places_when_that_moves_fewer_bytes() -> None:
+    """Two ranks lost and two added: shift slides every window after the loss (16 ranks need weights, groups
+    cross nodes); replace puts the new ranks in the lost places, so only they need weights and no group moves to
+    another node, and it ranks above shift. Survivors keep their numbers and their physical places."""
+    old = plan_layout(24, MIXED)
+    result = replan(old, preset("llama3-8b"), lost=[2, 3], world_size=24, ranks_per_node=8)
+    kinds = [option.kind for option in result.options]
+    replace, shift = (result.options[kinds.index(kind)] for kind in ("replace", "shift"))
+    assert kinds.index("replace") < kinds.index("shift") and replace.restore_bytes < shift.restore_bytes
+    assert [m.new for m in replace.moves if m.needs_weights] == [2, 3] and replace.crossing == 0 < shift.crossing
+    assert sum(m.needs_weights for m in shift.moves) == 16
+    numbering = replace.renumbering
+    assert replace.layout.to_dict() == old.to_dict() and numbering.replaced == (2, 3)
+    assert all(numbering.new_of(r) == r and numbering.physical(r) == r for r in range(24) if r not in (2, 3))
+    assert numbering.old_of(2) is None and numbering.physical(2) == 2  # a new process, in the lost one's place
+    assert replace.restore_sources(0)  # the survivors hold what the replacements need
+    fewer = replan(old, preset("llama3-8b"), lost=[2, 3], world_size=23)
+    assert "replace" not in {option.kind for option in fewer.options}  # one added rank cannot take two places
+
+
+def test_a_kept_shard_borrows_a_replica_from_another() -> None:
+    """--keep 0 after losing 2 training ranks, no ranks added: the prefill shard gives one of its dp=4 replicas
+    (the ranks next to the trainer), so the trainer keeps its spec; the prefill's other replicas keep their
+    weights. Without keep, the trainer itself shrinks."""
+    old = plan_layout(24, MIXED)
+    result = replan(old, preset("llama3-8b"), lost=[2, 3], keep=[0], ranks_per_node=8)
+    borrow = result.best
+    assert borrow.kind == "borrow" and [str(plan.spec) for plan in borrow.layout.shards] == [
+        "tp=4,dp=2,role=train", "tp=2,dp=3,role=prefill", "tp=4,dp=2,role=decode"
+    ]  # fmt: skip
+    assert not borrow.renumbering.released and not borrow.missing
+    assert not borrow.needing_weights(1) and not borrow.needing_weights(2)  # only the trainer restores
+    assert "shard 0 ('tp=4,dp=2,role=train') keeps its spec on 2 ranks shard 1 gives up" in borrow.notes[0]
+    assert replan(old, preset("llama3-8b"), lost=[2, 3]).best.kind == "shrink"
+
+
+def test_a_training_shard_holds_its_optimizer_state() -> None:
+    """The memory check of a train shard counts train_bytes_per_param bytes a parameter (16 by default: weights,
+    master weights, Adam's moments, gradients); an engine shard, its weights alone; a bad factor is named."""
+    old = plan_layout(8, "tp=2,dp=2,role=train+tp=4,role=decode")
+    footprint = Footprint(DENSE)
+    train = footprint.weight_bytes(old.shards[0].spec)  # float32 weights: 4 bytes a parameter
+    room = train * 2  # the weights fit twice over, weights and optimizer state (16 / 4 = 4x) do not
+    with pytest.raises(NoLayoutError, match=r"nearest: with [\d.]+ MB per rank"):
+        replan(old, DENSE, lost=[1], memory_bytes=room)  # the trainer, re-laid out, must hold its state
+    assert replan(old, DENSE, lost=[1], memory_bytes=room, train_bytes_per_param=8).options
+    assert replan(old, DENSE, lost=[1], memory_bytes=train * 4).options
+    with pytest.raises(LayoutError, match="train_bytes_per_param=0: expected a positive number of bytes"):
+        replan(old, DENSE, lost=[5], train_bytes_per_param=0)
 
 
 def test_memory_is_a_constraint_with_the_nearest_memory_named() -> None:

@@ -97,3 +97,54 @@ def test_one_lost_rank_and_one_option_read_in_the_singular(capsys: pytest.Captur
     assert code == 0
     assert out.splitlines()[0].startswith("replan tiny-dense on a world of 6 after losing rank 1: 1 of shard 0")
     assert "; 1 option in " in out.splitlines()[0]
+
+
+MIXED = ("replan", "--world", "24", "--shards", "tp=4,dp=2,role=train + tp=2,dp=4,role=prefill + tp=4,dp=2,role=decode")
+MIXED += ("--model", "llama3-8b", "--ranks-per-node", "8", "--lost", "2,3")
+
+
+def test_replacements_and_borrowing_are_offered(capsys: pytest.CaptureFixture[str]) -> None:
+    """--new-world 24 after losing 2: replace (2 ranks need weights, none crossing nodes) above shift; --keep 0:
+    the prefill shard lends a replica (dp 4 -> 3). Both say what they did, in the table and as JSON."""
+    code, out, _ = _run(capsys, *MIXED, "--new-world", "24")
+    assert code == 0
+    rows = {line.split()[1]: line.split() for line in out.splitlines()[2:8] if line[:1].isdigit()}
+    assert rows["replace"][-6] == "2" and rows["replace"][-2] == "0" and int(rows["shift"][-6]) > 2  # moved, crossing
+    assert int(rows["replace"][0]) < int(rows["shift"][0])
+    code, out, _ = _run(capsys, *MIXED, "--new-world", "24", "--json")
+    replace = next(option for option in json.loads(out)["options"] if option["kind"] == "replace")
+    assert replace["replaced"] == [2, 3] and replace["needing_weights"] == 2
+    code, out, _ = _run(capsys, *MIXED, "--keep", "0")
+    assert code == 0 and "best: option 1 (borrow)" in out
+    assert "keeps its spec on 2 ranks shard 1 gives up: 'tp=2,dp=4,role=prefill' -> 'tp=2,dp=3,role=prefill'" in out
+
+
+def test_train_memory_counts_optimizer_state(capsys: pytest.CaptureFixture[str]) -> None:
+    """--memory-gb for a train shard holds --train-bytes-per-param bytes a parameter (16 by default, as --help
+    says): 8B parameters' trainer re-laid out on 6 ranks needs ~32 GB a rank at tp=4, 4 at 2 bytes a parameter."""
+    code, out, err = _run(capsys, *MIXED, "--memory-gb", "20", "-q")
+    assert code == 2 and "no layout survives" in err
+    code, out, _ = _run(capsys, *MIXED, "--memory-gb", "20", "--train-bytes-per-param", "2")
+    assert code == 0 and "best: option 1" in out
+    code, out, err = _run(capsys, *MIXED, "--train-bytes-per-param", "0")
+    assert code == 2 and "--train-bytes-per-param 0.0: expected a positive number" in err
+    with pytest.raises(SystemExit):
+        main(["replan", "--help"])
+    helped = " ".join(capsys.readouterr().out.split())
+    assert "--train-bytes-per-param B" in helped and "(default 16: mixed-" in helped
+    assert "bf16 weights 2 + fp32 master weights 4 + Adam's two fp32 moments 8 + bf16 gradients 2" in helped
+
+
+def test_svg_draws_the_nodes_as_they_are_and_the_lost_rank(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Rank 1 lost: the decode shard (old ranks 8-15, node 1; new ranks 7-14) is drawn in node 1's row, as the
+    table's 0 crossing groups say, and rank 1's place is drawn empty, marked lost."""
+    picture = tmp_path / "new.svg"
+    argv = ("replan", "--world", "16", "--shards", "tp=4,role=train + tp=4,role=prefill + tp=8,role=decode")
+    code, out, _ = _run(capsys, *argv, "--lost", "1", "--model", "tiny-dense", "--ranks-per-node", "8", "--svg",
+                        str(picture))  # fmt: skip
+    assert code == 0 and out.splitlines()[2].split()[-2] == "0"  # no group crosses nodes
+    cells = [e for e in ET.parse(picture).iter() if e.tag.endswith("rect") and e.get("class") == "rank"]
+    rows = {int(e.get("data-rank", -1)): float(e.get("y", 0)) for e in cells}
+    assert len({rows[rank] for rank in range(7, 15)}) == 1 and rows[7] > rows[0]
+    lost = [e for e in ET.parse(picture).iter() if e.tag.endswith("rect") and e.get("class") == "absent"]
+    assert [(e.get("data-slot"), e.get("data-absent")) for e in lost] == [("1", "lost")]

@@ -18,7 +18,7 @@ from shardcore import LostWeightsError, NoLayoutError, plan_layout
 from shardcore.errors import RefitError
 from shardcore.plan.layout import Layout
 from shardcore.refit import Manifest, ShardPlacement, TensorSpec, UnionPlacement, preset
-from shardcore.refit.placement import subtract, volume
+from shardcore.refit.boxes import subtract, volume
 from shardcore.replan import ReplanOption, replan, restore_plan
 from tests.core.test_refit_placement import _local
 from tests.core.test_refit_plan import _cells, _flat, _tiny, manifests, shard_specs

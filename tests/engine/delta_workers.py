@@ -10,6 +10,7 @@ import torch
 from shardcore import ExecuteOptions, ShardcoreError, execute_refit
 from shardcore.engine.live.refit_check import KnownWeights, cut, mismatches
 from shardcore.engine.transfer import delta as delta_module
+from shardcore.engine.transfer.session import DEFAULT_SESSION
 from shardcore.refit import RefitRequest, TransformerConfig, manifest_from_config, tensors_matching
 
 SMALL = TransformerConfig(layers=1, hidden=128, ffn=256, heads=2, kv_heads=2, vocab=512, dtype="bfloat16")
@@ -69,7 +70,7 @@ def steps(rank: int, world: int, run: dict[str, Any]) -> list[dict[str, Any]]:
         if event == "fresh destination" and rank == 3:
             destinations = _fresh(full, rank)
         if event == "fresh sender" and rank == 0:
-            delta_module.forget_snapshots()
+            DEFAULT_SESSION.forget_snapshots()
         if event == "behind its back" and rank == 2:
             name = "decoder.layers.0.mlp.linear_fc1.weight"
             destinations[name].data[0, 0] = 7.0
@@ -86,9 +87,9 @@ def steps(rank: int, world: int, run: dict[str, Any]) -> list[dict[str, Any]]:
         )
         options = ExecuteOptions(timeout=60, version=index + 1, delta=event != "dense", **run.get("options", {}))
         seen: dict[str, Any] = {"event": event, "changed": _changed(before, sources) if index else (0, 0)}
-        real = delta_module.DeltaSession.land
+        real = delta_module.DeltaSession.unpack
         if event == "fail" and rank == 2:
-            delta_module.DeltaSession.land = _failing  # type: ignore[method-assign]
+            delta_module.DeltaSession.unpack = _failing  # type: ignore[method-assign]
         try:
             stats = execute_refit(plan, sources, destinations, options=options)
             seen.update(
@@ -102,7 +103,7 @@ def steps(rank: int, world: int, run: dict[str, Any]) -> list[dict[str, Any]]:
         except ShardcoreError as error:
             seen["outcome"] = f"{type(error).__name__}: {error}"
         finally:
-            delta_module.DeltaSession.land = real  # type: ignore[method-assign]
+            delta_module.DeltaSession.unpack = real  # type: ignore[method-assign]
         written = plan.for_rank(rank).destination_shapes
         seen["mismatches"] = mismatches(plan, rank, {n: destinations[n] for n in written}, weights, None)
         out.append(seen)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 from shardcore import build_shards
@@ -12,6 +14,8 @@ from shardcore.errors import ShardcoreError
 
 SPEC = "tp=2+tp=2"
 OTHER_SPEC = "tp=4"
+BALLAST = 300 << 20
+"""What the rank ``held_then_killed`` kills holds first, in bytes."""
 
 
 def _attempt(world: int, spec: str, timeout: float, **kwargs: Any) -> tuple[str, str, str, float]:
@@ -102,3 +106,20 @@ def build_destroy_cycles(rank: int, world: int, cycles: int, spec: str, strategy
 
     dist.barrier()  # rank 0 hosts the store: it must not exit while the others still read it
     return {"before": before, "after": after, "shardcore_keys": ours}
+
+
+def held_then_killed(victim: int, on_stage: Callable[[str], None]) -> int:
+    """A job of ``launch.run_local_job``: rank ``victim`` holds BALLAST bytes for a few of the parent's memory
+    samples, then is killed by SIGKILL, as the kernel's out-of-memory killer kills; the others report at once."""
+    import torch.distributed as dist
+
+    from shardcore.engine.live.launch import SAMPLE_SECONDS
+
+    rank = dist.get_rank()
+    if rank == victim:
+        ballast = b"\x01" * BALLAST  # written, so resident
+        on_stage("holding")
+        time.sleep(3 * SAMPLE_SECONDS)
+        os.kill(os.getpid(), signal.SIGKILL)
+        print(len(ballast))  # not reached: kept alive until the kill
+    return rank

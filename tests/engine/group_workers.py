@@ -289,3 +289,64 @@ def _parts_disagree(group: RefitGroup, timeout: float) -> dict[str, Any]:
     untouched = all(torch.equal(t, torch.full_like(t, -1)) for t in destinations.values())
     dropped = plan.for_rank(0).sends[-1]
     return {"rank": group.rank, "outcome": outcome, "untouched": untouched, "dropped": (dropped.src, dropped.dst)}
+
+
+# ----------------------------------------------------------------------------- a one-process engine job
+
+
+ALONE_TRAINER = "tp=2,role=train"
+"""The trainer's shard when a one-process engine (``tp=1``) is refit: 2 ranks."""
+
+
+def _heard() -> tuple[list[str], Any]:
+    """The warnings shardcore's agreement logs in this process (a store host that waited out its grace) from now
+    on, and the handler that collects them (remove it when done)."""
+    import logging
+
+    heard: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: heard.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("shardcore.agreement").addHandler(handler)
+    return heard, handler
+
+
+def trainer_to_one_process(rank: int, world: int, address: str, config: str, refits: int, timeout: float) -> dict:
+    """``refits`` refits into a one-process engine job; what the refits left on this job's own store (the number
+    of its keys before and after: the group's meetings live on the group's store) and every lingering meeting
+    whose host waited out its grace (the warnings heard)."""
+    import logging
+
+    from shardcore.engine.torch_state import default_store
+
+    heard, handler = _heard()
+    keys = default_store().num_keys()
+    group = connect_refit(address, side="trainer", rank=rank, trainer_ranks=world, engine_ranks=1, timeout=timeout)
+    plan = RefitRequest(f"hf:{config}", f"{ALONE_TRAINER} + tp=1", 0, (1,), to_layout="vllm").plan(group.size)
+    stats = [_send(plan, group, step, timeout=timeout) for step in range(refits)]
+    group.close()
+    logging.getLogger("shardcore.agreement").removeHandler(handler)
+    return {"keys": (keys, default_store().num_keys()), "heard": heard, "moved": [s.bytes_sent for s in stats]}
+
+
+def engine_without_default_group(rank: int, world: int, address: str, config: str, refits: int, timeout: float):
+    """A one-process engine job with no default process group at all (its world is torn down first): each refit
+    completes and lands bitwise, and no meeting's host waited out its grace."""
+    import logging
+
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    heard, handler = _heard()
+    group = connect_refit(address, side="engine", rank=rank, trainer_ranks=2, engine_ranks=world, timeout=timeout)
+    plan = RefitRequest(f"hf:{config}", f"{ALONE_TRAINER} + tp=1", 0, (1,), to_layout="vllm").plan(group.size)
+    destinations = _destinations(plan, group)
+    outcomes, wrong, versions = [], [], []
+    for step in range(refits):
+        refit = lambda version=step: execute_refit(plan, {}, destinations, group=group, version=version)  # noqa: E731
+        outcomes.append(timed_outcome(refit))
+        wrong += [(step, name) for name in _mismatches(plan, group, destinations, step)]
+        versions.append(tuple(held_version(destinations) or ()))
+    group.close()
+    logging.getLogger("shardcore.agreement").removeHandler(handler)
+    initialized = dist.is_initialized()
+    return {"outcomes": outcomes, "wrong": wrong, "versions": versions, "heard": heard, "default": initialized}

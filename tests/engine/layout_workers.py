@@ -155,14 +155,14 @@ def vllm_to_hf(ranks: list[dict[str, torch.Tensor]], model: HFModel, expt_tp: in
         elif name.endswith("w13_weight"):
             w13 = torch.cat(parts[:: tp // expt_tp], dim=1) if expt_tp > 1 else parts[0]
             f = w13.shape[1] // 2 // expt_tp
-            prefix = name.removesuffix("w13_weight")
+            prefix = name.removesuffix("routed_experts.w13_weight")
             for e in range(w13.shape[0]):
                 chunks = [w13[e, r * 2 * f : (r + 1) * 2 * f] for r in range(expt_tp)]
                 out[f"{prefix}{e}.gate_proj.weight"] = torch.cat([chunk[:f] for chunk in chunks])
                 out[f"{prefix}{e}.up_proj.weight"] = torch.cat([chunk[f:] for chunk in chunks])
         elif name.endswith("w2_weight"):
             w2 = torch.cat(parts[:: tp // expt_tp], dim=2) if expt_tp > 1 else parts[0]
-            prefix = name.removesuffix("w2_weight")
+            prefix = name.removesuffix("routed_experts.w2_weight")
             for e in range(w2.shape[0]):
                 out[f"{prefix}{e}.down_proj.weight"] = w2[e]
         else:
@@ -276,7 +276,10 @@ def hf_to_vllm(
             rows = slice(r % expt_tp * share, (r % expt_tp + 1) * share)
             gate_up.append(torch.cat([gate[rows], up[rows]]))
             down.append(w2[:, rows])
-        out[f"{prefix}w13_weight"], out[f"{prefix}w2_weight"] = torch.stack(gate_up), torch.stack(down)
+        out[f"{prefix}routed_experts.w13_weight"], out[f"{prefix}routed_experts.w2_weight"] = (
+            torch.stack(gate_up),
+            torch.stack(down),
+        )
     for name, tensor in state.items():
         h, _, end = name.rpartition("self_attn.q_proj.")
         if end != name:
@@ -358,11 +361,10 @@ def run_fp8(
             return {n: cut(full[n].to(torch.bfloat16), manifest.tensor(n), plan.source, rank, manifest)
                     for n in mine.source_shapes}  # fmt: skip
 
-        destinations = {  # -1 where no refit writes shows; the engine zeroes its vocabulary padding itself
-            name: torch.full(shape, 0.0 if name.endswith(("embed_tokens.weight", "lm_head.weight")) else -1.0,
-                             dtype=getattr(torch, plan.destination_tensor(name).destination_dtype))
+        destinations = {  # -1 where no refit writes shows (the vocabulary padding is written as zeros)
+            name: torch.full(shape, -1.0, dtype=getattr(torch, plan.destination_tensor(name).destination_dtype))
             for name, shape in mine.destination_shapes.items()
-        }  # fmt: skip
+        }
         result: dict[str, Any] = {"case": case["model_type"], "rank": rank, "hops": sum(t.hop for t in mine.sends)}
         stats = execute_refit(plan, sources_of(states[0]), destinations, timeout=60, version=1)
         if rank >= 2:
@@ -373,7 +375,7 @@ def run_fp8(
         renewed = ["model.layers.0.self_attn.qkv_proj.weight"]
         if model.config.experts:
             chosen.append("decoder.layers.0.mlp.experts.linear_fc1.weight3")
-            renewed.append("model.layers.0.mlp.experts.w13_weight")
+            renewed.append("model.layers.0.mlp.experts.routed_experts.w13_weight")
         partial = plan.subset(chosen)
         theirs = partial.for_rank(rank)
         given = {n: t for n, t in destinations.items() if n in theirs.destination_shapes}
@@ -390,3 +392,55 @@ def run_fp8(
             result["delta"] = str(error)
         results.append(result)
     return results
+
+
+# ----------------------------------------------------------------------------- the engine's vocabulary padding
+
+PADDED = {**BASE, "model_type": "qwen2"}
+"""An untied Qwen2 whose vocabulary (100) vLLM pads to 128: engine tp rank 1 holds 28 rows of padding in both its
+embedding and its head (global rows 100-127, its local rows 36-63)."""
+
+
+def garbage_padding(rank: int, world_size: int) -> dict[str, Any]:
+    """Megatron tp=2 (ranks 0-1) into a vLLM tp=2 engine (ranks 2-3) whose tensors hold garbage (NaN, then 7.0:
+    what vLLM's reload path leaves in its freshly materialised tensors): after each refit every engine element
+    is the source's, or 0 in the vocabulary padding."""
+    from shardcore.engine.live.layout_check import through_map
+    from shardcore.engine.live.refit_check import known_tensor
+
+    model = manifest_from_hf_config(PADDED, vocab_multiple=128)
+    manifest = model.manifest
+    plan = plan_refit(
+        plan_layout(world_size, "tp=2,role=train + tp=2"), 0, [1], manifest, layouts={1: model.layout("vllm")}
+    )
+    mine = plan.for_rank(rank)
+    expected = through_map(plan, rank)
+    out: dict[str, Any] = {"wrong": [], "padding": {}}
+    for step, garbage in enumerate((float("nan"), 7.0)):
+
+        def full(name: str, step: int = step) -> torch.Tensor:
+            return known_tensor(manifest.tensor(name), manifest.index(name)) + step
+
+        sources = {n: cut(full(n), manifest.tensor(n), plan.source, rank, manifest) for n in mine.source_shapes}
+        destinations = {name: torch.full(shape, garbage) for name, shape in mine.destination_shapes.items()}
+        execute_refit(plan, sources, destinations, timeout=60)
+        if expected is None:
+            continue
+        tp_rank = rank - 2
+        for name, got in destinations.items():
+            if name.endswith(("embed_tokens.weight", "lm_head.weight")):  # global row = 64 * tp rank + local row
+                pad = [row for row in range(got.shape[0]) if 64 * tp_rank + row >= model.vocab]
+                out["padding"][name] = (len(pad), bool(pad) and bool((got[pad] == 0).all()))
+                real = [row for row in range(got.shape[0]) if row not in pad]
+                if not torch.equal(got[real], full(_MEGATRON_OF[name])[[64 * tp_rank + r for r in real]]):
+                    out["wrong"].append((step, name, "real rows"))
+            if not torch.equal(got, expected(name, full)):
+                out["wrong"].append((step, name))
+    return out
+
+
+_MEGATRON_OF = {
+    "model.embed_tokens.weight": "embedding.word_embeddings.weight",
+    "lm_head.weight": "output_layer.weight",
+}
+"""The Megatron tensor whose rows a vLLM vocabulary tensor holds (the same rows, up to the HF vocabulary)."""

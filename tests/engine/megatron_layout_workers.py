@@ -22,7 +22,6 @@ tokens move with the ``allgather`` dispatcher (``alltoall`` creates a CUDA strea
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -36,7 +35,7 @@ from shardcore import destroy_shards, execute_refit
 from shardcore.plan.layout import plan_layout
 from shardcore.refit.families import manifest_from_hf_config
 from shardcore.refit.planner import plan_refit
-from shardcore_megatron.refit import parameters
+from shardcore_megatron.refit import model_tensors
 
 from . import layout_workers as hf
 
@@ -46,8 +45,6 @@ WORLD = 7
 """[Megatron (4) | transformers (1) | vLLM tp=2 (2)]."""
 HF_RANK = 4
 VLLM_RANKS = (5, 6)
-
-_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12]\.weight)$")
 
 
 def _cpu_router() -> type:
@@ -128,17 +125,6 @@ def megatron_gpt(config: dict[str, Any], shard: Any, vocab: int) -> Any:
     return gpt.eval()
 
 
-def manifest_name(name: str) -> str:
-    """The manifest's name of a Megatron parameter's global name (``parameters``): experts as grouped."""
-    match = _EXPERT.match(name)
-    return f"{match.group(1)}{match.group(3)}{match.group(2)}" if match else name
-
-
-def megatron_tensors(gpt: Any) -> dict[str, torch.Tensor]:
-    """This rank's parameters by the manifest's names (a tied last stage's output layer is the embedding)."""
-    return {manifest_name(p.name): p.tensor.data for p in parameters(gpt)}
-
-
 @contextmanager
 def cpu_current_device() -> Iterator[None]:
     """Inside, ``torch.cuda.current_device()`` answers the CPU, on a machine with no CUDA: megatron-core's rope
@@ -182,7 +168,7 @@ def run_cases(rank: int, world_size: int, cases: list[tuple[dict[str, Any], str]
         sources: dict[str, torch.Tensor] = {}
         if gpt is not None:
             _fill_source(gpt, megatron.handle)
-            sources = megatron_tensors(gpt)
+            sources = model_tensors(gpt)
             result["megatron"] = _numpy(megatron_logits(gpt, megatron))
         plan = plan_refit(layout, 0, [1, 2], model.manifest, layouts={1: model.layout("hf"), 2: model.layout("vllm")})
         mine = plan.for_rank(rank)
@@ -209,7 +195,7 @@ def run_cases(rank: int, world_size: int, cases: list[tuple[dict[str, Any], str]
             with torch.no_grad():
                 for parameter in gpt.parameters():
                     parameter.fill_(-1.0)
-            received = {n: t for n, t in megatron_tensors(gpt).items() if n in theirs.destination_shapes}
+            received = {n: t for n, t in model_tensors(gpt).items() if n in theirs.destination_shapes}
         execute_refit(back, given, received, timeout=60)
         if gpt is not None:
             result["megatron_back"] = _numpy(megatron_logits(gpt, megatron))

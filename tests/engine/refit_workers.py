@@ -13,7 +13,8 @@ from shardcore.errors import ShardcoreError
 from shardcore.plan.layout import plan_layout
 from shardcore.refit import RefitRequest
 from shardcore.refit.models import PRESET_CONFIGS, manifest_from_config, preset
-from shardcore.refit.planner import plan_refit, tensors_matching
+from shardcore.refit.plan import tensors_matching
+from shardcore.refit.planner import plan_refit
 
 # (label, model, source layout, source shard, destination layout or None (same), destination shards)
 CASES_8 = [
@@ -151,6 +152,7 @@ def bad_inputs(rank: int, world: int) -> dict[str, str]:
         ("shape", lambda s, d: s.update({"decoder.layers.0.mlp.linear_fc2.weight": torch.zeros(128, 512)})),
         ("missing", lambda s, d: d.pop("decoder.layers.1.self_attention.linear_qkv.weight")),
         ("dtype", lambda s, d: d.update({"decoder.final_layernorm.weight": torch.zeros(128, dtype=torch.float16)})),
+        ("many", lambda s, d: d.update({n: torch.zeros(t.shape[0] + 1, *t.shape[1:]) for n, t in d.items()})),
     ):
         sources, destinations = tensors(mine.source_shapes), tensors(mine.destination_shapes)
         if rank == (0 if label == "shape" else 3):
@@ -248,6 +250,29 @@ def refit_again_into_other_tensors(rank: int, world: int) -> dict[str, bool]:
     }
 
 
+def refits_in_two_sessions(rank: int, world: int) -> dict[str, Any]:
+    """One plan refitted into one set of destinations by the default session (version 1) and by a session of its
+    own (version 2): each records its own version and keeps its own schedule; both land bitwise."""
+    from shardcore.engine import RefitSession, held_version
+    from shardcore.engine.transfer.session import DEFAULT_SESSION
+    from tests.engine.trust_workers import _correct, _tensors
+
+    plan = plan_refit(plan_layout(world, "tp=2,role=train + tp=2"), 0, [1], preset("tiny-dense"))
+    sources, destinations = _tensors(plan, rank)
+    own = RefitSession()
+    execute_refit(plan, sources, destinations, timeout=60, version=1)
+    default_schedule = DEFAULT_SESSION.schedule
+    execute_refit(plan, sources, destinations, timeout=60, version=2, session=own)
+    return {
+        "default": tuple(held_version(destinations) or ()),
+        "own": tuple(held_version(destinations, own) or ()),
+        "default schedule kept": DEFAULT_SESSION.schedule is default_schedule,
+        "own schedule": own.schedule is not None and own.schedule is not default_schedule,
+        "correct": _correct(plan, rank, destinations),
+        "has destinations": bool(destinations),
+    }
+
+
 class OneSendDropped:
     """A plan whose part on ``rank`` lacks its last send: parts that disagree, as a planner bug would make them."""
 
@@ -286,3 +311,30 @@ def parts_disagree(rank: int, world: int, culprit: int) -> dict[str, Any]:
         not torch.equal(t, torch.full_like(t, -1)) for t in destinations.values()
     )
     return out
+
+
+def allocated_refit(rank: int, world_size: int, config: dict[str, Any]) -> dict[str, Any]:
+    """A bf16 Hugging Face model's refit with every tensor from ``allocate_refit``: seeded sources on the trainer
+    (tp=2,pp=2), empty destinations on two engines (tp=2, dp=2), executed; each destination rank's tensors are
+    compared with the sources ``allocate_refit`` seeds for it under the reverse plan (the same global tensors, in
+    its own layout, computed on its own). Returns the dtypes seen and the names that differ."""
+    import torch
+
+    from shardcore import allocate_refit
+    from shardcore.refit import manifest_from_hf_config
+
+    manifest = manifest_from_hf_config(config).manifest
+    layout = plan_layout(world_size, "tp=2,pp=2,role=train + tp=2 + dp=2")
+    plan = plan_refit(layout, 0, [1, 2], manifest)
+    sources, destinations = allocate_refit(plan, rank, seed=11)
+    execute_refit(plan, sources, destinations, timeout=60)
+    differ = []
+    shard = next((s.index for s in layout.shards[1:] if rank in s), None)
+    if shard is not None:
+        expected = allocate_refit(plan_refit(layout, shard, [0], manifest), rank, seed=11).sources
+        differ = [name for name, got in destinations.items() if not torch.equal(got, expected[name])]
+    return {
+        "dtypes": sorted({str(t.dtype) for t in (*sources.values(), *destinations.values())}),
+        "destinations": len(destinations),
+        "differ": differ,
+    }

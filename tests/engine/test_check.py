@@ -4,12 +4,14 @@ tracebacks; Ctrl-C ends every process."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -205,12 +207,13 @@ def test_bad_input_fails_before_any_process_starts(
         argv = argv[: argv.index("--env")]
     shards = [] if "--shards" in argv else ["--shards", "tp=2"]
     nproc = [] if "--nproc" in argv else ["--nproc", "2"]
+    before = set(multiprocessing.active_children())  # a session's kept test worlds (conftest), if any
     code = main(["check", *nproc, *shards, *argv])
     out, err = capsys.readouterr()
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("shardcore: error: ") and message in err
     assert len(err) < 1024
-    assert multiprocessing.active_children() == []
+    assert set(multiprocessing.active_children()) <= before  # no process started
 
 
 def test_a_worker_failure_shows_each_distinct_error_once(tmp_path: Path) -> None:
@@ -294,6 +297,7 @@ def test_the_header_names_the_backend_actually_used(monkeypatch: pytest.MonkeyPa
     options = CheckOptions(shards="tp=2")
     prepared = prepare(options, 2)
     assert (prepared.backend, prepared.backend_source) == ("toy", "$SHARDCORE_BACKEND")
+    assert prepared.options == replace(options, backend="toy")  # what the workers run: resolved once, here
     assert "backend toy (from $SHARDCORE_BACKEND)" in _header(prepared, options, "1 local gloo process")
     assert prepare(CheckOptions(shards="tp=2", backend="dtensor"), 2).backend_source == "--backend"
 
@@ -339,3 +343,48 @@ def test_under_torchrun_a_quiet_rank_prints_its_own_error_after_the_grace(
     cli_check.report_error("only this rank failed")
     assert time.monotonic() - started >= 0.2
     assert capsys.readouterr().err == "shardcore: error: rank 2: only this rank failed\n"
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_what_it_held() -> None:
+    """A real worker killed by SIGKILL (as the kernel's out-of-memory killer kills) is named so, with the memory
+    it was last seen to hold; it was "rank 1 died (exit code -9)". The memory samples reach ``on_held``."""
+    from shardcore.engine.live.launch import run_local_job
+    from shardcore.errors import GroupCreationError
+    from tests.engine import fault_workers
+
+    samples: list[dict[int, int]] = []
+    with pytest.raises(GroupCreationError) as raised:
+        run_local_job(2, fault_workers.held_then_killed, 1, 60.0, on_held=lambda held, _: samples.append(held))
+    message = str(raised.value)
+    assert message.startswith(
+        "shardcore check failed:\nrank 1: rank 1 killed by SIGKILL: likely out of memory; it held ~"
+    )
+    held = message.rsplit("~", 1)[1]
+    number, unit = held.split()
+    assert unit in ("MB", "GB") and float(number) * (1e3 if unit == "GB" else 1) >= fault_workers.BALLAST / 1e6
+    assert any(sample.get(1, 0) >= fault_workers.BALLAST for sample in samples)
+
+
+def test_check_json_is_the_result_alone_on_stdout() -> None:
+    argv = [sys.executable, "-m", "shardcore", "check", "--nproc", "3", "--shards", "tp=2", "--allow-idle", "--json"]
+    result = subprocess.run(argv, capture_output=True, text=True, env=_env(), timeout=300, cwd=ROOT)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    document = json.loads(result.stdout)
+    assert (document["world"], document["backend"], document["order"], document["ok"]) == (
+        3,
+        "dtensor",
+        "tp-cp-dp-pp",
+        True,
+    )
+    assert document["strategy"].startswith("local")
+    shard, idle = document["shards"]
+    assert (shard["shard"], shard["spec"], shard["ranks"], shard["failures"], shard["ok"]) == (
+        0,
+        "tp=2",
+        [0, 2],
+        [],
+        True,
+    )
+    assert shard["groups_verified"] == _expected_verified("tp=2", 3, ["--allow-idle"])[0]
+    assert shard["import_seconds"] > 0
+    assert (idle["shard"], idle["ranks"], idle["ok"]) == (None, [2, 3], True)

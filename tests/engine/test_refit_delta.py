@@ -19,7 +19,7 @@ pytest.importorskip("torch")
 import torch
 
 from shardcore import ExecuteOptions
-from shardcore.engine.transfer.delta import (
+from shardcore.engine.transfer.delta_codec import (
     BITMAP,
     DENSE,
     INDICES,

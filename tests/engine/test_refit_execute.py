@@ -3,6 +3,8 @@ dead or absent ranks end every rank within the timeout with a typed error naming
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 pytest.importorskip("torch")
@@ -42,7 +44,17 @@ def test_bad_inputs_are_one_typed_error_everywhere_before_any_byte() -> None:
         assert "'decoder.layers.1.self_attention.linear_qkv.weight' is missing" in out["missing"]
         assert "expected local shape [192, 128]" in out["missing"] and "rank 3:" in out["missing"]
         assert "torch.float16, expected torch.float32" in out["dtype"]
-        assert all(out[f"{label} untouched"] == "True" for label in ("shape", "missing", "dtype")), out
+        assert all(out[f"{label} untouched"] == "True" for label in ("shape", "missing", "dtype", "many")), out
+        many = out["many"]  # every destination of rank 3 misshapen: its own error in full, the others' shortened
+        assert many.startswith(f"RefitInputError: rank {rank}:") and "\n" not in many, many
+        if rank == 3:
+            assert "; and " in many and " more" in many and len(many) > 500, many
+            continue
+        said = many.split("rank 3 failed: ", 1)[1].split(" (at 'open' of refit", 1)[0]
+        *whole, rest = said.split("; ")
+        assert re.fullmatch(r"\.\.\. \(\d+ more left out\)", rest), said  # whole items, then what was left out
+        assert whole and all(re.search(r"has shape \[[\d, ]+\], expected \[[\d, ]+\]$", item) for item in whole), said
+        assert len(said) <= 500, said
 
 
 def _within(elapsed: float) -> None:
@@ -131,6 +143,13 @@ def test_a_partial_refit_writes_its_tensors_only_and_ranks_must_agree_on_it() ->
 def test_a_second_refit_of_a_plan_lands_in_its_own_tensors() -> None:
     for rank, out in enumerate(run_world(4, workers.refit_again_into_other_tensors, timeout=300)):
         assert all(out.values()), (rank, out)
+
+
+def test_a_refit_in_a_session_of_its_own_keeps_its_state_apart_from_the_default_one() -> None:
+    for rank, out in enumerate(run_world(4, workers.refits_in_two_sessions, timeout=300)):
+        if out["has destinations"]:
+            assert out["default"] == (1, True) and out["own"] == (2, True), (rank, out)
+        assert out["default schedule kept"] and out["own schedule"] and out["correct"], (rank, out)
 
 
 def test_parts_that_disagree_stop_every_rank_before_a_byte_moves_naming_the_pair() -> None:

@@ -146,3 +146,28 @@ def test_an_address_nobody_serves_is_named_within_the_timeout() -> None:
     with pytest.raises(RefitGroupError, match=f"nobody serves the refit group's store at {address}"):
         connect_refit(address, side="engine", rank=0, trainer_ranks=1, engine_ranks=1, timeout=2.0)
     _within(time.monotonic() - started, 2.0)
+
+
+def test_refits_into_a_one_process_job_without_a_default_group_meet_on_the_group_store_alone(config: str) -> None:
+    """A 2-rank trainer job and a 1-process engine job whose process has no default group: every refit completes
+    bitwise, every meeting (the lingering end meeting too) is counted on the group's store, none on a job's own
+    (the trainer's store has the keys it had), so no store host waits out its grace for a count that went
+    elsewhere."""
+    address = f"127.0.0.1:{free_port()}"
+    refits = 4
+    trainer, (engine,) = run_jobs(
+        [
+            (2, workers.trainer_to_one_process, (address, config, refits, 30.0)),
+            (1, workers.engine_without_default_group, (address, config, refits, 30.0)),
+        ],
+        timeout=180,
+    )
+    assert engine["default"] is False  # it ran without a default group throughout
+    assert [kind for kind, *_ in engine["outcomes"]] == ["ok"] * refits, engine["outcomes"]
+    assert engine["wrong"] == [], engine["wrong"][:3]
+    assert engine["versions"] == [(step, True) for step in range(refits)], engine["versions"]
+    for rank, out in enumerate(trainer):
+        before, after = out["keys"]
+        assert after == before, (rank, out["keys"])  # nothing of the group's meetings on the trainer's own store
+        assert len(out["moved"]) == refits and all(out["moved"]), out["moved"]
+    assert [heard for out in [*trainer, engine] for heard in out["heard"]] == []  # no grace waited out

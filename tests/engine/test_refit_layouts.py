@@ -52,7 +52,7 @@ def test_refit_into_hf_and_vllm_and_back() -> None:
 )
 def test_refit_check_through_a_layout(tmp_path: Path, shards: str, nproc: int, flags: list[str]) -> None:
     """``refit --check`` fills the source with known values and compares every destination byte with the
-    source's tensors put through the weight map (the vocabulary padding left as allocated)."""
+    source's tensors put through the weight map (the vocabulary padding written as zeros)."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps(workers.hf_config({"model_type": "qwen2"})))
     command = [sys.executable, "-m", "shardcore", "refit", "--check", "--nproc", str(nproc), "--shards", shards]
@@ -75,8 +75,8 @@ def test_hf_layout_is_the_installed_model_class(index: int) -> None:
 
     from shardcore.engine.live.refit_check import cut
     from shardcore.plan.layout import plan_layout
+    from shardcore.refit.boxes import fitted
     from shardcore.refit.families import manifest_from_hf_config
-    from shardcore.refit.placement import fitted
     from shardcore.refit.planner import plan_refit
 
     case, megatron_spec, _ = workers.CASES[index]
@@ -189,7 +189,7 @@ def test_fp8_into_the_vllm_layout_is_quantized_by_the_engine_ranks() -> None:
         engine = [results[rank][index] for rank in (2, 3)]
         renewed = ["model.layers.0.self_attn.qkv_proj.weight"]
         if "num_experts" in case:
-            renewed.append("model.layers.0.mlp.experts.w13_weight")
+            renewed.append("model.layers.0.mlp.experts.routed_experts.w13_weight")
         for got in engine:
             dtypes = got["dtypes"]
             weights = {n for n in dtypes if n.endswith(VLLM_LINEAR)}
@@ -251,3 +251,18 @@ def test_refit_check_fp8_through_a_layout(
     assert document["ok"] and [row["shard"] for row in document["shards"]] == [1]
     assert all(row["ok"] and not row["mismatches"] for row in document["shards"])
     assert [row["tensors_checked"] for row in document["shards"]] == [checked]
+    echoed = {"to_layout": layouts[layouts.index("--to-layout") + 1] if "--to-layout" in layouts else "megatron"}
+    echoed |= {"to_dtype": "float8_e4m3fn", "scale": "block", "delta": "off"}
+    assert {key: document["checked"][key] for key in echoed} == echoed  # what it checked, echoed
+
+
+def test_the_engine_vocabulary_padding_is_zeroed_whatever_it_held() -> None:
+    """vLLM's loader zeroes its vocabulary padding and its reload path leaves it uninitialised: a refit into the
+    vllm layout writes it as zeros over NaN or any garbage, every refit, and the real rows are the source's."""
+    results = run_world(4, workers.garbage_padding, timeout=300)
+    for rank in (2, 3):
+        out = results[rank]
+        assert out["wrong"] == [], (rank, out["wrong"])
+        padding = {name: rows for name, (rows, _) in out["padding"].items()}
+        assert padding == {"model.embed_tokens.weight": 28 * (rank - 2), "lm_head.weight": 28 * (rank - 2)}, out
+        assert all(zero for rows, zero in out["padding"].values() if rows), out["padding"]

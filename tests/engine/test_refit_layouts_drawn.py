@@ -19,13 +19,14 @@ from hypothesis import strategies as st
 
 from shardcore.engine.live.layout_check import FILL, through_map
 from shardcore.engine.live.refit_check import KnownWeights, cut
-from shardcore.engine.transfer.exchange import view_of
+from shardcore.engine.transfer.pieces import view_of
 from shardcore.errors import ShardcoreError
 from shardcore.plan.layout import Layout, plan_layout
 from shardcore.plan.spec import parse_shards
 from shardcore.refit import pairing
 from shardcore.refit.families import HFModel, manifest_from_hf_config
-from shardcore.refit.planner import RefitPlan, plan_refit
+from shardcore.refit.plan import RefitPlan
+from shardcore.refit.planner import plan_refit
 from shardcore.refit.schedule import rank_batches
 from tests.core.test_refit_plan import check_pieces, check_stats
 
@@ -34,8 +35,9 @@ DRAWN = settings(max_examples=100, deadline=None, suppress_health_check=list(Hea
 
 def _executed(plan: RefitPlan, sources: dict[int, dict[str, torch.Tensor]]) -> dict[int, dict[str, torch.Tensor]]:
     """Every rank's destination tensors after the plan's transfers (hop 0 from the sources, then the relays'
-    forwards from their destinations), each first filled with FILL; each rank's part, the stats and the pieces
-    checked on the way as the Megatron-to-Megatron simulation checks them (``test_refit_plan``)."""
+    forwards from their destinations), each first filled with FILL and the padding the executor zeroes zeroed;
+    each rank's part, the stats and the pieces checked on the way as the Megatron-to-Megatron simulation checks
+    them (``test_refit_plan``)."""
     every = list(plan.transfers())
     assert len(set(every)) == len(every)  # no box sent twice
     check_stats(plan, every)  # the stats are those of the transfers, tile by tile
@@ -46,6 +48,10 @@ def _executed(plan: RefitPlan, sources: dict[int, dict[str, torch.Tensor]]) -> d
         mine = plan.for_rank(rank)
         assert sorted((*mine.sends, *mine.recvs, *mine.copies)) == sorted(t for t in every if rank in (t.src, t.dst))
         destinations[rank] = {name: torch.full(shape, FILL) for name, shape in mine.destination_shapes.items()}
+        placement = next((p for p in plan.destination_placements if rank in p.ranks), None)
+        for name, boxes in placement.zeroed(rank).items() if placement is not None else ():
+            for box in boxes if name in destinations[rank] else ():  # what the executor zeroes: the engine's padding
+                destinations[rank][name][tuple(slice(start, stop) for start, stop in box)] = 0.0
         tallies += pairing.tally(rank_batches(mine, rank, plan.world_size, 1 << 16, 16, shapes))
     assert tallies % pairing.MODULUS == 0  # both ends of every message agree: the executor's first meeting passes
     for hop in (0, 1):

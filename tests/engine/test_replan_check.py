@@ -60,3 +60,25 @@ def test_a_tensor_with_no_surviving_copy_is_named_before_any_start() -> None:
     line = result.stderr.strip()
     assert len(line.splitlines()) == 1 and line.startswith("shardcore: error: cannot restore the weights of")
     assert "no surviving copy; held only by lost ranks" in line and "checkpoint" in line and len(line) < 1100
+
+
+def test_a_replan_check_the_machine_cannot_hold_is_refused_before_any_start() -> None:
+    """Llama 3 70B on 8 local processes: each rank holds its old and new tensors, hundreds of GB in all."""
+    from shardcore.cli.check import MIB_PER_PROCESS, _available_mib
+    from shardcore.engine.live.restore_check import check_held_bytes
+    from shardcore.refit.options import DEFAULT_BUCKET_BYTES
+    from shardcore.replan import ReplanRequest
+
+    spec = "tp=2,dp=2,role=train+tp=2,dp=2,role=decode"
+    option = ReplanRequest(model="llama3-70b", shards=spec, world=8, lost=(3,)).option(1)
+    held = [check_held_bytes(option, rank, DEFAULT_BUCKET_BYTES) for rank in range(8)]
+    assert held[3] < held[0]  # the lost rank holds only its old tensors
+    need = sum(held) + 8 * (MIB_PER_PROCESS << 20)
+    available = _available_mib()
+    if available is None or available << 20 >= need:
+        pytest.skip(f"this machine holds {need / 2**30:.0f} GiB: the check would run")
+    result = _shardcore("replan", "--check", "--world", "8", "--shards", spec, "--model", "llama3-70b", "--lost", "3")
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.stderr.startswith(f"shardcore: error: --world 8: 8 processes would hold about {need / 2**30:.1f} GiB")
+    assert result.stderr.endswith("GiB is available here: check a smaller model or world\n")
+    assert result.stderr.count("\n") == 1

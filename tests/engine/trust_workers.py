@@ -169,10 +169,11 @@ def faulty_message(rank: int, world: int, mode: str) -> tuple[str, str, tuple[in
     if rank == 0:
         real_pack, real_bind = exchange_module.Exchange._pack, exchange_module.Exchange._bind
 
-        def corrupting(self: Any, message: Any, wire: torch.Tensor, staged: bool) -> None:
-            real_pack(self, message, wire, staged)
+        def corrupting(self: Any, message: Any, wire: torch.Tensor, staged: bool) -> torch.Tensor:
+            wire = real_pack(self, message, wire, staged)
             if message.peer == 2 and message.key[0] == 0:
                 wire[0] ^= 0xFF
+            return wire
 
         def shortening(self: Any, messages: Any, region: Any) -> Any:
             wires = real_bind(self, messages, region)
@@ -206,21 +207,21 @@ def failing_with_two_in_flight(rank: int, world: int, timeout: float) -> dict[st
     posted ahead on this rank, and whether the second refit's destinations are right."""
     plan = _plan(world)
     bucket = 1 << 14
-    real, unpacked, ahead = exchange_module.Exchange._unpack, [0], [False]
+    real, unpacked, ahead = exchange_module.Exchange._receive, [0], [False]
 
-    def unpacking(self: Any, message: Any, wire: torch.Tensor) -> None:
+    def unpacking(self: Any, message: Any, wire: torch.Tensor, staged: bool) -> None:
         ahead[0] = ahead[0] or any(slot.overlaps for slot in self.layout.slots)
-        unpacked[0] += 1
-        if rank == 2 and unpacked[0] == 2:
+        unpacked[0] += staged
+        if rank == 2 and staged and unpacked[0] == 2:
             raise RuntimeError("injected failure unpacking with two batches in flight")
-        real(self, message, wire)
+        real(self, message, wire, staged)
 
-    exchange_module.Exchange._unpack = unpacking  # type: ignore[method-assign]
+    exchange_module.Exchange._receive = unpacking  # type: ignore[method-assign]
     sources, destinations = _tensors(plan, rank)
     try:
         failed = timed_outcome(lambda: execute_refit(plan, sources, destinations, timeout=timeout, bucket_bytes=bucket))
     finally:
-        exchange_module.Exchange._unpack = real  # type: ignore[method-assign]
+        exchange_module.Exchange._receive = real  # type: ignore[method-assign]
     stats: list[Any] = []
     after = timed_outcome(
         lambda: stats.append(execute_refit(plan, sources, destinations, timeout=timeout, bucket_bytes=bucket))

@@ -1,10 +1,11 @@
 """shardcore backend ``dtensor``: torch DeviceMeshes over a shard's window, from the engine's groups,
-and ``refit(src_state, dst_state)``: a DTensor state dict from one mesh to another."""
+``refit(src_state, dst_state)``: a DTensor state dict from one mesh to another, and ``local_shards(module)``: a
+module's DTensors as the local tensors ``shardcore.execute_refit`` takes."""
 
 from __future__ import annotations
 
 from .backend import DTensorBackend, DTensorShard, shardcore_register_backends
-from .cross_mesh import refit
+from .cross_mesh import local_shards, refit
 from .helpers import (
     build_device_mesh,
     ensure_distributed_initialized,
@@ -17,6 +18,7 @@ __all__ = [
     "DTensorShard",
     "build_device_mesh",
     "ensure_distributed_initialized",
+    "local_shards",
     "refit",
     "resolve_data_parallel_partition",
     "resolve_tensor_parallel_group_size",

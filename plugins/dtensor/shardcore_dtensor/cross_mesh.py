@@ -70,6 +70,43 @@ def local_box(tensor: Any) -> tuple[Box | None, str | None]:
     return tuple(box), None
 
 
+def local_shards(state: Any) -> dict[str, Any]:
+    """This rank's local shard (``to_local()``) of every DTensor of a module or state dict, by name: the ``sources``
+    (or ``destinations``, written in place) that ``shardcore.execute_refit`` takes for this rank.
+
+    A DTensor with ``Shard(d)`` and ``Replicate()`` placements holds one dense global box (``local_box``), which is
+    what a refit plan's placement says a rank holds. So these fit a plan read off the same DTensors (what ``refit``
+    plans), and a plan of a shardcore layout (``plan_refit``) where the DTensors split the manifest's tp dim
+    contiguously over the shard's tp ranks (``Shard(tp_dim)`` on the tp mesh dim, ``Replicate()`` on the others) and
+    the tensor has no packed blocks: a packed tensor (Megatron's fused qkv, gate+up) is split block by block, which
+    one ``Shard(d)`` does not express.
+
+    Args:
+        state: A module (its parameters and persistent buffers: ``state_dict(keep_vars=True)``) or a mapping of
+            name -> DTensor.
+
+    Raises:
+        RefitInputError: a tensor is not a DTensor (its mesh is unknown: ``distribute_tensor(t, mesh, [Replicate()])``
+            makes it one), or has a placement other than Shard/Replicate (a Partial, FSDP's strided shards).
+    """
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    tensors = state.state_dict(keep_vars=True) if isinstance(state, torch.nn.Module) else state
+    out = {}
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, DTensor):
+            raise RefitInputError(
+                f"tensor {name!r} is a {type(tensor).__name__}, not a DTensor: make it one "
+                f"(distribute_tensor(t, mesh, [Replicate()])) or leave it out of the state"
+            )
+        why = local_box(tensor)[1]
+        if why is not None:
+            raise RefitInputError(f"tensor {name!r}: {why}")
+        out[name] = tensor.to_local()
+    return out
+
+
 def _records(side: str, state: Mapping[str, Any], rank: int) -> list[_Record]:
     from torch.distributed.tensor import DTensor
 
@@ -219,7 +256,7 @@ def refit(
     def local(state: Mapping[str, Any] | None, side: Placement) -> dict[str, Any]:
         """This rank's local tensors of one side, shaped as the plan has them (0-d as [1])."""
         held = {names[tensor.position]: tensor.shape for tensor in side.held(rank)}
-        return {name: t.to_local().view(held[name]) for name, t in (state or {}).items() if name in held}
+        return {name: t.view(held[name]) for name, t in local_shards(state or {}).items() if name in held}
 
     with torch.no_grad():
         sources = local(src_state, plan.source_placement)
@@ -228,4 +265,4 @@ def refit(
         return execute_refit(plan, sources, targets, options=options, timeout=timeout, bucket_bytes=bucket_bytes)
 
 
-__all__ = ["kept_plans", "local_box", "plan_from_records", "refit"]
+__all__ = ["kept_plans", "local_box", "local_shards", "plan_from_records", "refit"]

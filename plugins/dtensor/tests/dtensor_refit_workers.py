@@ -142,3 +142,45 @@ def errors(rank: int, world: int) -> dict[str, str]:
     partial = DTensor.from_local(full["qkv"], mesh, [Partial()], run_check=False)
     attempt("partial", {"qkv": partial}, {"qkv": distribute_tensor(torch.zeros_like(full["qkv"]), mesh, [Shard(0)])})
     return out
+
+
+def module_into_a_layout(rank: int, world: int) -> dict[str, Any]:
+    """A module's DTensors (tp=4 over the world) refit with a shardcore layout's plan into another module's (tp=2,
+    dp=2 over the same ranks), each side's tensors from ``local_shards``; then its plain-tensor and Partial refusals."""
+    from shardcore import execute_refit, plan_layout
+    from shardcore.refit import Manifest, TensorSpec, plan_refit
+    from shardcore_dtensor import local_shards
+
+    dims = {"qkv": 0, "proj": 1, "norm": None}
+    manifest = Manifest(
+        tuple(TensorSpec(n, SHAPES[n], "bfloat16", tp_dim=d, stage=("all",)) for n, d in dims.items()), name="m"
+    )
+    flat, square = _mesh(list(range(world)), ("tp",)), _mesh([[0, 1], [2, 3]], ("dp", "tp"))
+    full = global_tensors()
+
+    def module(mesh: DeviceMesh, placements: list[list[Any]], fill: bool) -> torch.nn.Module:
+        out = torch.nn.Module()
+        for name, where in zip(dims, placements):
+            tensor = full[name] if fill else torch.zeros_like(full[name])
+            out.register_parameter(name, torch.nn.Parameter(distribute_tensor(tensor, mesh, where)))
+        return out
+
+    source = module(flat, [[Shard(0)], [Shard(1)], [Replicate()]], fill=True)
+    target = module(square, [[Replicate(), Shard(0)], [Replicate(), Shard(1)], [Replicate(), Replicate()]], False)
+    plan = plan_refit(plan_layout(world, "tp=4"), 0, [plan_layout(world, "tp=2,dp=2").shards[0]], manifest)
+    sources, destinations = local_shards(source), local_shards(target)
+    mine = plan.for_rank(rank)
+    shapes = {n: tuple(t.shape) for n, t in sources.items()} == mine.source_shapes
+    with torch.no_grad():
+        execute_refit(plan, sources, destinations, timeout=60)
+    equal = {name: bool(torch.equal(p.full_tensor(), full[name])) for name, p in target.named_parameters()}
+    refused = {}
+    for label, state in (
+        ("plain", {"norm": full["norm"]}),
+        ("partial", {"norm": DTensor.from_local(full["norm"], flat, [Partial()])}),
+    ):
+        try:
+            local_shards(state)
+        except ShardcoreError as error:
+            refused[label] = f"{type(error).__name__}: {error}"
+    return {"shapes": shapes, "equal": equal, "refused": refused}

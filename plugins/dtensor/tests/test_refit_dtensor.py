@@ -39,3 +39,14 @@ def test_disagreeing_conventions_are_one_typed_error_on_every_rank() -> None:
     assert "float32" in out["dtype"] and "bfloat16" in out["dtype"]
     assert "'proj' has no source" in out["missing"]
     assert "Partial" in out["partial"] and "Replicate" in out["partial"]
+
+
+def test_local_shards_are_a_layout_plans_sources_and_destinations() -> None:
+    """``local_shards(module)``: the DTensors' local shards, in the shapes a shardcore layout's plan names where the
+    DTensors split its tp dim contiguously; refit with ``execute_refit`` they give the destination's full tensors.
+    A plain tensor and a Partial placement are refused, naming the tensor and the fix."""
+    for rank, result in enumerate(run_world(4, workers.module_into_a_layout)):
+        assert result["shapes"] and result["equal"] == dict.fromkeys(("qkv", "proj", "norm"), True), (rank, result)
+        assert result["refused"]["plain"].startswith("RefitInputError: tensor 'norm' is a Tensor, not a DTensor")
+        assert "distribute_tensor(t, mesh, [Replicate()])" in result["refused"]["plain"]
+        assert "tensor 'norm': placement P(sum) is not supported" in result["refused"]["partial"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardcore.engine import npu_status
+from shardcore.engine import comm_backend, npu_status
 
 
 @dataclass(frozen=True)
@@ -29,12 +29,12 @@ def select_device() -> DeviceChoice:
     """npu+hccl when torch_npu imports and an NPU is present; else cuda+nccl; else cpu+gloo."""
     npu_ok, npu_reason = npu_status()
     if npu_ok:
-        return DeviceChoice("npu", "hccl", npu_reason)
+        return DeviceChoice("npu", comm_backend("npu"), npu_reason)
     import torch
 
     if torch.cuda.is_available():
-        return DeviceChoice("cuda", "nccl", f"CUDA is available; no NPU: {npu_reason}")
-    return DeviceChoice("cpu", "gloo", f"no CUDA device; no NPU: {npu_reason}")
+        return DeviceChoice("cuda", comm_backend("cuda"), f"CUDA is available; no NPU: {npu_reason}")
+    return DeviceChoice("cpu", comm_backend("cpu"), f"no CUDA device; no NPU: {npu_reason}")
 
 
 def device_note() -> str:

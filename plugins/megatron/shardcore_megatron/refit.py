@@ -136,6 +136,29 @@ def refit_tensors(model: Any) -> Iterator[RefitTensor]:
                 yield RefitTensor(name, local, tensor, layer, expert, buffer)
 
 
+_LOCAL_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12]\.\w+)$")
+
+
+def model_tensors(model: Any) -> dict[str, Any]:
+    """This rank's parameters and persistent buffers of ``model`` (their ``.data``), by the names of shardcore's
+    manifests (``shardcore.refit.preset``, ``manifest_from_hf_config(path).manifest``): the ``sources`` (or, for a
+    model to write in place, the ``destinations``) that ``execute_refit`` takes with a plan of such a manifest.
+
+    Layers and experts are named by their global numbers, an expert as the manifests name it
+    (``decoder.layers.5.mlp.experts.linear_fc1.weight130``); a tied output layer on a last stage is the embedding.
+    Pass ``{n: t for n, t in model_tensors(model).items() if n in mine.source_shapes}`` for a partial refit.
+
+    Args:
+        model: This rank's Megatron-Core model, or its virtual-pipeline chunks (DDP/Float16Module unwrapped).
+    """
+    out = {}
+    for tensor in refit_tensors(model):
+        match = _LOCAL_EXPERT.match(tensor.name)
+        name = f"{match.group(1)}{match.group(3)}{match.group(2)}" if match else tensor.name
+        out[name] = tensor.tensor.data
+    return out
+
+
 def _blocks(tensor: RefitTensor, dim: int, tp: int, global_size: int) -> tuple[int, ...]:
     """The global sizes of a tp-split tensor's packed blocks along ``dim`` (() for one block).
 
@@ -448,4 +471,12 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["RefitTensor", "kept_plans", "manifest_from_records", "read_manifest", "refit", "refit_tensors"]
+__all__ = [
+    "RefitTensor",
+    "kept_plans",
+    "manifest_from_records",
+    "model_tensors",
+    "read_manifest",
+    "refit",
+    "refit_tensors",
+]

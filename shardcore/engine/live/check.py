@@ -5,7 +5,10 @@ torchrun set up.
 
 ``prepare`` checks in the calling process what can be checked before any worker starts:
 the timeout, the strategy, the backend (name, availability, options) and the layout against
-the backend.
+the backend. It resolves the backend's name there (``--backend``, ``$SHARDCORE_BACKEND`` or the
+default) and the workers build with that name; each worker resolves ``auto`` once, for the
+world it joined (a default group bound to a device makes it ``world``), and builds with the
+strategy it resolved, which ``build_shards`` takes as asked.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...errors import GroupCreationError
@@ -46,9 +49,15 @@ class Prepared:
     """What the parent learned before starting anything: the layout and the backend actually used."""
 
     layout: Layout
-    backend: str
+    options: CheckOptions
+    """The check's options with the backend's name resolved: what every rank runs (``check_groups``)."""
     backend_source: str
     """Where the name came from: ``--backend``, ``$SHARDCORE_BACKEND`` or ``default``."""
+
+    @property
+    def backend(self) -> str:
+        """The backend's name."""
+        return str(self.options.backend)
 
 
 @dataclass
@@ -76,7 +85,7 @@ def prepare(options: CheckOptions, world_size: int) -> Prepared:
         world_size: ranks in the world to be checked.
 
     Returns:
-        The planned layout and the backend's name and where it came from.
+        The planned layout, the options with the backend's name resolved, and where the name came from.
 
     Raises:
         ShardcoreError: a subclass naming the bad timeout, strategy, backend, option or layout.
@@ -92,7 +101,7 @@ def prepare(options: CheckOptions, world_size: int) -> Prepared:
     check_options(backend, options.backend_options)
     layout = plan_layout(world_size, options.shards, order=options.order, allow_idle=options.allow_idle)
     backend.validate(layout, options.backend_options)
-    return Prepared(layout, backend.name, source)
+    return Prepared(layout, replace(options, backend=backend.name), source)
 
 
 def _verify(shard: Any, rank: int, device: str) -> tuple[int, list[str]]:
@@ -124,7 +133,7 @@ def check_groups(options: CheckOptions, on_stage: Callable[[str], None] = lambda
     rank that failed on the way instead of leaving the others in a barrier.
 
     Args:
-        options: the check's arguments, the same on every rank.
+        options: the check's arguments, the same on every rank (``Prepared.options``: the backend named).
         on_stage: called with ``imported`` (the backend's framework), ``built`` (its groups) and
             ``verified`` as each is done; the launcher adds ``started`` and ``joined`` before them.
 
@@ -145,14 +154,14 @@ def check_groups(options: CheckOptions, on_stage: Callable[[str], None] = lambda
         load()
     imported = time.perf_counter()
     on_stage("imported")
-    strategy, why = choose_strategy(options.strategy)
+    strategy, why = choose_strategy(options.strategy)  # once, for this world: build_shards takes it as asked
     shards = build_shards(
         world,
         options.shards,
-        backend=options.backend,
+        backend=backend.name,
         order=options.order,
         allow_idle=options.allow_idle,
-        strategy=options.strategy,
+        strategy=strategy,
         timeout=options.timeout,
         **options.backend_options,
     )

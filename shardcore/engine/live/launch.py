@@ -6,9 +6,12 @@ an initialised world (``on_stage(name)`` reports progress); ``shardcore check`` 
 
 * ``run_local_job`` starts N local gloo processes itself (spawned, one pipe each). It owns
   them end to end: progress events stream back as they happen, a failing rank's error comes
-  back as one line (never a launcher traceback), a dead rank is named with its exit code
-  (unless it said ``LEAVING`` first: a rank an elastic check loses on purpose), and on
+  back as one line (never a launcher traceback), a dead rank is named with its exit code or the
+  signal that killed it and the memory it held (unless it said ``LEAVING`` first: a rank an elastic
+  check loses on purpose), the ranks' resident memory is sampled for progress lines, and on
   Ctrl-C or any error every process is ended before the call returns.
+* A local rank starts and ends one way (``start_local_process``, ``join_local_world``, ``leave_world``,
+  ``end_processes``): ``run_local_job`` and the test worlds of ``shardcore.testing`` are built on them.
 * ``run_joined_job`` joins the world torchrun set up (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``).
   Reports travel as pickled bytes in tensors (``all_gather_objects``), so no numpy is needed
   (torch's ``all_gather_object`` needs it on torch 2.13).
@@ -21,19 +24,21 @@ import re
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
 from ...errors import GroupCreationError, ShardcoreError
-from ...plan.arguments import shown_ranks
+from ...plan.arguments import format_bytes, shown_ranks
 from ..collectives import all_gather_objects
 from ..torch_state import check_torch_imports, import_torch
 from .shrinkable import SHRINKABLE_GLOO, register_shrinkable_gloo
 
 OnEvent = Callable[[str, int, float], None]
 """Progress callback: (stage, rank, seconds since the job started)."""
+OnHeld = Callable[[dict[int, int], float], None]
+"""Memory callback: (resident bytes of each running rank, seconds since the job started)."""
 Job = Callable[[Any, Callable[[str], None]], Any]
 """A function run on every rank: (options, on_stage) -> a picklable report."""
 
@@ -46,6 +51,9 @@ GRACE_SECONDS = 5.0
 """After the first failure, how long the other ranks get to report their own errors."""
 SILENCE_SECONDS = 60.0
 """Beyond the job's timeout, how long no rank may send anything before the ranks still out are named."""
+SAMPLE_SECONDS = 1.0
+"""How often the parent reads each local rank's resident memory: for ``on_held``, and to say what a rank
+killed by a signal held."""
 
 
 def error_line(error: BaseException) -> str:
@@ -68,38 +76,60 @@ def distinct_errors(errors: dict[int, str]) -> list[str]:
 # ----------------------------------------------------------------------------- local processes
 
 
+def join_local_world(rank: int, world: int, port: int, backend: str, timeout: float) -> None:
+    """Join a local world of ``world`` processes on 127.0.0.1 as ``rank``: the one way a local rank starts, for
+    ``run_local_job`` and for the test worlds (``shardcore.testing``). Sets the variables torchrun would set,
+    so that code reading them (a strategy, a plugin) sees a local rank as it sees a torchrun one.
+
+    Args:
+        rank: this process's rank.
+        world: the world size.
+        port: the store's port on 127.0.0.1 (rank 0 serves it).
+        backend: ``gloo``, or ``SHRINKABLE_GLOO`` (gloo that can shrink).
+        timeout: the default group's timeout, in seconds.
+    """
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+    )  # fmt: skip
+    torch = import_torch()
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # as torchrun does: many ranks share few cores, extra threads only contend
+    if backend == SHRINKABLE_GLOO:
+        register_shrinkable_gloo()
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
+    )
+
+
+def leave_world() -> None:
+    """Destroy the default process group, if there is one (and never import a torch that failed to import)."""
+    if "torch" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def _local_worker(
-    job: Job, rank: int, world: int, port: int, options: Any, timeout: float, conn: Any, started: float, backend: str
+    job: Job, rank: int, world: int, port: int, options: Any, timeout: float, started: float, backend: str, conn: Any
 ) -> None:
     """One spawned process: join the local gloo world, run the job, send events and the report over ``conn``."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
 
     def send(*message: Any) -> None:
         conn.send(message)
 
     try:
         send("started", rank, time.time() - started)
-        torch = import_torch()
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)  # as torchrun does: many ranks share few cores, extra threads only contend
-        if backend == SHRINKABLE_GLOO:
-            register_shrinkable_gloo()
-        dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-            timeout=timedelta(seconds=timeout),
-        )  # fmt: skip
+        join_local_world(rank, world, port, backend, timeout)
         send("joined", rank, time.time() - started)
         report = job(options, lambda stage: send(stage, rank, time.time() - started))
         send("done", rank, report)
     except BaseException as error:  # the parent shows it as one line; a traceback would be noise
         send("failed", rank, error_line(error))
     finally:
-        if "torch" in sys.modules:  # never a second import of a torch that failed to import
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        leave_world()
         conn.close()
 
 
@@ -123,8 +153,23 @@ def _sigint_blocked() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
-def _end(processes: list[Any]) -> None:
-    """End every process still running: SIGTERM, then SIGKILL after a moment."""
+def start_local_process(context: Any, target: Callable[..., None], args: tuple[Any, ...]) -> tuple[Any, Any]:
+    """Start a daemon process of the ``spawn`` ``context`` running ``target(*args, conn)``; returns the process and
+    the parent's end of a pipe to it. The parent's copy of the child's end is closed, so that the parent's end
+    reads EOF once the process has ended (how a death is seen)."""
+    parent, child = context.Pipe()
+    process = context.Process(target=target, args=(*args, child), daemon=True)
+    process.start()
+    child.close()
+    return process, parent
+
+
+def end_processes(processes: Sequence[Any], grace: float = 0.0) -> None:
+    """End every process still running: each gets ``grace`` seconds (all together) to end on its own, then
+    SIGTERM, then SIGKILL after a moment."""
+    deadline = time.monotonic() + grace
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
     for process in processes:
         if process.is_alive():
             process.terminate()
@@ -137,7 +182,13 @@ def _end(processes: list[Any]) -> None:
 
 
 def run_local_job(
-    nproc: int, job: Job, options: Any, timeout: float, on_event: OnEvent | None = None, backend: str = "gloo"
+    nproc: int,
+    job: Job,
+    options: Any,
+    timeout: float,
+    on_event: OnEvent | None = None,
+    backend: str = "gloo",
+    on_held: OnHeld | None = None,
 ) -> list[Any]:
     """Start ``nproc`` local gloo processes running ``job``, stream their progress, collect their reports.
 
@@ -149,14 +200,17 @@ def run_local_job(
         on_event: progress callback: (stage, rank, seconds since start) for ``started``, ``joined``
             and each stage the job reports.
         backend: the world's backend: ``gloo``, or ``SHRINKABLE_GLOO`` (gloo that can shrink).
+        on_held: memory callback, every SAMPLE_SECONDS: each running rank's resident bytes (Linux only), so
+            that a long transfer shows it is alive and what it holds.
 
     Returns:
         Every rank's report, in rank order (None for a rank that reported ``LEAVING`` and ended).
 
     Raises:
         BackendUnavailableError: torch would not import in the workers (``check_torch_imports``).
-        GroupCreationError: a rank failed or died (each distinct error once), or no rank sent
-            anything for ``timeout + SILENCE_SECONDS`` (naming the ranks still out).
+        GroupCreationError: a rank failed or died (each distinct error once; one killed by a signal is named
+            so, with the memory it was last seen to hold: SIGKILL is most often the out-of-memory killer), or
+            no rank sent anything for ``timeout + SILENCE_SECONDS`` (naming the ranks still out).
         KeyboardInterrupt: passed on after every process has been ended.
     """
     import multiprocessing
@@ -172,14 +226,16 @@ def run_local_job(
         with _sigint_blocked():
             readers = _start_workers(context, processes, nproc, (job, options, timeout, port, started, backend))
         gathering = _Gathering(nproc, processes, readers, timeout, on_event)
+        resident = _Resident(processes, started, on_held)
         while gathering.waiting():
             ready: Any  # wait returns some of the readers it was given
             for ready in wait(list(readers), timeout=0.2):
-                gathering.read(ready)
+                gathering.read(ready, resident.most)
             gathering.check_progress()
+            resident.sample()
         return gathering.reports_in_rank_order()
     finally:
-        _end(processes)
+        end_processes(processes)
 
 
 def _start_workers(
@@ -189,23 +245,60 @@ def _start_workers(
     port, start time, backend), each with a pipe back; returns each pipe's reading end with its rank.
 
     Each process joins ``processes`` as it starts, so that the caller ends those already running when
-    a later one fails to start. The parent closes each writing end, so a reader sees EOF once its
-    process has ended.
+    a later one fails to start.
     """
     job, options, timeout, port, started, backend = work
     readers: dict[Any, int] = {}
     for rank in range(nproc):
-        reader, writer = context.Pipe(duplex=False)
-        process = context.Process(
-            target=_local_worker,
-            args=(job, rank, nproc, port, options, timeout, writer, started, backend),
-            daemon=True,
+        process, reader = start_local_process(
+            context, _local_worker, (job, rank, nproc, port, options, timeout, started, backend)
         )
-        process.start()
-        writer.close()
         processes.append(process)
         readers[reader] = rank
     return readers
+
+
+class _Resident:
+    """The resident memory of each local rank, read from ``/proc`` every SAMPLE_SECONDS (none where there is no
+    ``/proc``): the most each rank was seen to hold, and what the running ones hold now for ``on_held``."""
+
+    def __init__(self, processes: list[Any], started: float, on_held: OnHeld | None) -> None:
+        self.processes, self.started, self.on_held = processes, started, on_held
+        self.most: dict[int, int] = {}
+        self.last = 0.0
+        self.page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+    def sample(self) -> None:
+        """Read every running rank's resident bytes, when SAMPLE_SECONDS have passed since the last time."""
+        now = time.monotonic()
+        if now - self.last < SAMPLE_SECONDS:
+            return
+        self.last = now
+        held: dict[int, int] = {}
+        for rank, process in enumerate(self.processes):
+            try:
+                with open(f"/proc/{process.pid}/statm", encoding="ascii") as file:
+                    held[rank] = int(file.read().split()[1]) * self.page
+            except (OSError, ValueError, IndexError):  # ended, or no /proc here
+                continue
+            self.most[rank] = max(self.most.get(rank, 0), held[rank])
+        if held and self.on_held is not None:
+            self.on_held(held, time.time() - self.started)
+
+
+def death(rank: int, exitcode: int | None, held: int | None) -> str:
+    """Why a rank's process ended without a word: killed by a signal (SIGKILL, with no error of its own, is
+    most often the kernel's out-of-memory killer; ``held``: the resident bytes it was last seen with), or its
+    exit code."""
+    if exitcode is None or exitcode >= 0:
+        return f"rank {rank} died (exit code {exitcode})"
+    try:
+        name = signal.Signals(-exitcode).name
+    except ValueError:
+        name = f"signal {-exitcode}"
+    memory = "" if not held else f"; it held ~{format_bytes(held)}"
+    likely = ": likely out of memory" if -exitcode == signal.SIGKILL else ""
+    return f"rank {rank} killed by {name}{likely}{memory}"
 
 
 class _Gathering:
@@ -230,14 +323,15 @@ class _Gathering:
         accounted = len(self.reports) + len(self.errors)
         return accounted < self.nproc and (self.give_up is None or time.monotonic() < self.give_up)
 
-    def read(self, ready: Any) -> None:
-        """Take one message from the pipe ``ready``, or its EOF once the process has ended."""
+    def read(self, ready: Any, held: dict[int, int]) -> None:
+        """Take one message from the pipe ``ready``, or its EOF once the process has ended (``held``: the most
+        each rank was seen to hold, for a death's message)."""
         rank = self.readers[ready]
         try:
             message = ready.recv()
         except EOFError:  # the process ended; its exit code says how
             del self.readers[ready]
-            self._ended(rank)
+            self._ended(rank, held.get(rank))
             return
         self.last_news = time.monotonic()
         kind, _, payload = message
@@ -251,14 +345,14 @@ class _Gathering:
             if self.on_event is not None:
                 self.on_event(kind, rank, payload)
 
-    def _ended(self, rank: int) -> None:
+    def _ended(self, rank: int, held: int | None) -> None:
         """A rank's process ended: no report when it said it was leaving, a death when it said neither
         its report nor its error first."""
         if rank in self.leaving:
             self.reports.setdefault(rank, None)
         elif rank not in self.reports and rank not in self.errors:
             self.processes[rank].join(1)
-            self.errors[rank] = f"rank {rank} died (exit code {self.processes[rank].exitcode})"
+            self.errors[rank] = death(rank, self.processes[rank].exitcode, held)
 
     def check_progress(self) -> None:
         """Start the grace at the first failure; raise when no rank has sent anything for too long.
@@ -337,9 +431,15 @@ __all__ = [
     "LIVE_CHECK_TIMEOUT",
     "Job",
     "OnEvent",
+    "OnHeld",
+    "death",
     "distinct_errors",
+    "end_processes",
     "error_line",
     "init_from_env",
+    "join_local_world",
+    "leave_world",
     "run_joined_job",
     "run_local_job",
+    "start_local_process",
 ]

@@ -1,9 +1,9 @@
 """What a destination in another layout must hold after a refit (``refit --check --to-layout``).
 
 The reference is built without the planner or the executor: each of the rank's boxes of its own tensors is
-filled, link by link of the weight map, from the source's global tensors; elements no link feeds (an engine's
-vocabulary padding) keep the fill value the check allocates them with, unless the rank quantizes the tensor on
-landing (fp8 through a layout), which writes them as zeros.
+filled, link by link of the weight map, from the source's global tensors; elements no link feeds (a layout's
+vocabulary padding) are zeros where the map zeroes them (an engine's, ``WeightMap.zeroed``) or the rank quantizes
+the tensor on landing (fp8 through a layout), and otherwise keep the fill value the check allocates them with.
 """
 
 from __future__ import annotations
@@ -11,14 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ...refit.placement import meets, moved, overlap
+from ...refit.boxes import meets, moved, overlap
 from ...refit.weightmap import MappedPlacement, translate
 
 if TYPE_CHECKING:
     import torch
 
 FILL = -1.0
-"""What the check allocates destinations with: an element the refit leaves alone keeps it."""
+"""What the check allocates destinations with: an element the refit leaves alone (Megatron's vocabulary padding)
+keeps it, and one it should have written and did not shows."""
 
 
 def _view(tensor: torch.Tensor, start: tuple[int, ...], box: Any) -> torch.Tensor:
@@ -57,7 +58,7 @@ def through_map(plan: Any, rank: int) -> Callable[[str, Callable[[str], torch.Te
         spec = local_tensors.tensor(name)
         weight = local_tensors.tensor(spec.scale_of or name)
         if weight.scale is None:
-            return gathered(name, full, spec.destination_dtype, FILL)
+            return gathered(name, full, spec.destination_dtype, 0.0 if weights.zeroed else FILL)
         values = gathered(weight.name, full, weight.dtype, 0.0)
         scale_inv = scale_inv_of(block_amax(values))
         return scale_inv if spec.scale_of is not None else quantize(values, scale_inv, (0,) * values.dim())

@@ -11,13 +11,14 @@ pieces (``known_tensor``, ``cut``, ``reference``, ``check_refit``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from math import prod
 from typing import TYPE_CHECKING, Any
 
 from ...plan.layout import ShardPlan
 from ...refit.options import ExecuteOptions
 from ...refit.request import RefitRequest
-from .launch import LIVE_CHECK_TIMEOUT, OnEvent, run_joined_job, run_local_job
+from .launch import LIVE_CHECK_TIMEOUT, OnEvent, OnHeld, run_joined_job, run_local_job
 from .layout_check import through_map
 
 if TYPE_CHECKING:
@@ -28,7 +29,10 @@ if TYPE_CHECKING:
 
 @dataclass
 class RefitReport:
-    """What one rank saw: its destination shard (None if it has none), bytes, seconds, mismatches."""
+    """What one rank saw: its destination shard (None if it has none), bytes, seconds, mismatches.
+
+    The bytes and seconds are the last refit's; ``laps`` holds every refit's (a delta check's dense refit, then
+    its delta refits) as (bytes received, bytes copied, wire bytes received, seconds)."""
 
     rank: int
     shard: int | None
@@ -39,6 +43,7 @@ class RefitReport:
     seconds: float = 0.0
     checked: int = 0
     mismatches: list[str] = field(default_factory=list)
+    laps: list[tuple[int, int, int, float]] = field(default_factory=list)
 
 
 def known_tensor(tensor: TensorSpec, position: int) -> torch.Tensor:
@@ -95,7 +100,7 @@ def cut(full: torch.Tensor, tensor: TensorSpec, plan: ShardPlan, rank: int, mani
     """``rank``'s local shard of ``full`` under ``plan`` (each held box copied to its local offset)."""
     import torch
 
-    from ...refit.placement import holdings, local_shape_on
+    from ...refit.holdings import holdings, local_shape_on
 
     local = torch.empty(local_shape_on(tensor, plan), dtype=full.dtype)
     for box, offset in holdings(tensor, plan, rank, manifest):
@@ -151,22 +156,23 @@ def check_refit(plan: Any, rank: int, *, changes: Sequence[float] = (), **execut
         for name, shape in mine.destination_shapes.items()
     }
     mapped = through_map(plan, rank)
-    version = ExecuteOptions.merged(execute_options.get("options"), version=execute_options.get("version")).version
+    options = ExecuteOptions.merged(execute_options.pop("options", None), **execute_options)  # once, for every refit
     report = RefitReport(rank, None if target_plan is None else target_plan.index)
     for refit, fraction in enumerate([None, *changes]):
         if fraction is not None:
             weights.step(fraction)
             for name, local in sources.items():
                 local.copy_(cut(weights.full(name), manifest.tensor(name), plan.source, rank, manifest))
-        if version is not None:
-            execute_options["version"] = version + refit
-        stats = execute_refit(plan, sources, destinations, **execute_options)
+        if refit and options.version is not None:  # each refit after the first at the next version
+            options = replace(options, version=options.version + 1)
+        stats = execute_refit(plan, sources, destinations, options=options)
         report.bytes_received, report.bytes_copied, report.bytes_sent = (
             stats.bytes_received,
             stats.bytes_copied,
             stats.bytes_sent,
         )
         report.wire_bytes_received, report.seconds = stats.wire_bytes_received, stats.seconds
+        report.laps.append((stats.bytes_received, stats.bytes_copied, stats.wire_bytes_received, stats.seconds))
         at = f" after refit {refit + 1}" if changes else ""
         report.mismatches += [f"{text}{at}" for text in mismatches(plan, rank, destinations, weights, mapped)]
         report.checked += len(destinations)
@@ -195,6 +201,35 @@ def mismatches(
             what = "global tensor" if spec.to_dtype is None and spec.scale_of is None else "converted global tensor"
             found.append(f"rank {rank}: {name} differs from the source's {what}")
     return found
+
+
+def check_held_bytes(plan: Any, rank: int, bucket_bytes: int) -> int:
+    """About the most ``rank`` holds during ``check_refit`` of ``plan``, beyond the interpreter and torch: so
+    that ``refit --check`` refuses, before any process starts, what the machine cannot hold (no torch needed).
+
+    It counts the known global tensors the rank makes whole and keeps (``KnownWeights``: every source tensor it
+    sends from or checks a destination against, in its dtype), the largest of them once more in float32 (drawn
+    before the cast), its local sources and destinations, and the executor's staging (a bucket each way).
+    """
+    from ...refit.manifest import ITEMSIZES
+    from ...refit.weightmap import MappedPlacement
+
+    manifest, mine = plan.manifest, plan.for_rank(rank)
+    placement = next((p for p in plan.destination_placements if rank in p.ranks), None)
+    if isinstance(placement, MappedPlacement):  # an engine's tensor is checked against the tensors feeding it
+        checked = {link.source for name in mine.destination_shapes for link in placement.weights.into(name)}
+    else:  # a scale tensor is checked through the weight it scales
+        checked = {manifest.tensor(name).scale_of or name for name in mine.destination_shapes}
+    wanted = checked | set(mine.source_shapes)
+    known = [tensor for tensor in manifest if tensor.name in wanted]
+    drawn = max((tensor.numel * ITEMSIZES["float32"] for tensor in known), default=0)
+    sources = sum(prod(shape) * manifest.tensor(name).itemsize for name, shape in mine.source_shapes.items())
+    destinations = sum(
+        prod(shape) * ITEMSIZES[plan.destination_tensor(name).destination_dtype]
+        for name, shape in mine.destination_shapes.items()
+    )
+    staging = 2 * bucket_bytes if mine.source_shapes or mine.destination_shapes else 0
+    return sum(tensor.nbytes for tensor in known) + drawn + sources + destinations + staging
 
 
 @dataclass(frozen=True)
@@ -226,9 +261,12 @@ def refit_check_job(options: RefitCheckOptions, on_stage: Callable[[str], None] 
     return report
 
 
-def run_local(nproc: int, options: RefitCheckOptions, on_event: OnEvent | None = None) -> list[RefitReport]:
-    """``refit --check`` on ``nproc`` local gloo processes, reports in rank order."""
-    return run_local_job(nproc, refit_check_job, options, options.timeout, on_event)
+def run_local(
+    nproc: int, options: RefitCheckOptions, on_event: OnEvent | None = None, on_held: OnHeld | None = None
+) -> list[RefitReport]:
+    """``refit --check`` on ``nproc`` local gloo processes, reports in rank order (``on_held``: each running
+    rank's resident bytes, every ``launch.SAMPLE_SECONDS``)."""
+    return run_local_job(nproc, refit_check_job, options, options.timeout, on_event, on_held=on_held)
 
 
 def run_joined(options: RefitCheckOptions, on_event: OnEvent | None = None) -> list[RefitReport] | None:
@@ -241,6 +279,7 @@ __all__ = [
     "RefitCheckOptions",
     "RefitReport",
     "changed_step",
+    "check_held_bytes",
     "check_refit",
     "cut",
     "known_tensor",

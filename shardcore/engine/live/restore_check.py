@@ -17,17 +17,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
+from math import prod
 from typing import TYPE_CHECKING
 
 from ...errors import GroupCreationError
+from ...refit.holdings import holds, local_shape_on
+from ...refit.manifest import ITEMSIZES
 from ...refit.options import ExecuteOptions
-from ...refit.placement import holds
 from ...replan import ReplanOption, ReplanRequest, restore_plan
 from ..agreement import Party, Purpose, barrier
 from ..backends.shards import build_shards, destroy_shards
 from ..survivors import form_survivor_world
 from ..transfer.execute import execute_refit
-from .launch import LEAVING, LIVE_CHECK_TIMEOUT, OnEvent, run_local_job
+from .launch import LEAVING, LIVE_CHECK_TIMEOUT, OnEvent, OnHeld, run_local_job
 from .refit_check import cut, known_tensor
 from .shrinkable import SHRINKABLE_GLOO
 
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
 
     from ...plan.layout import ShardPlan
     from ...refit.manifest import Manifest
-    from ...refit.planner import RankRefit
+    from ...refit.part import RankRefit
     from ...replan import Renumbering
     from ..survivors import SurvivorWorld
     from ..transfer.execute import TransferStats
@@ -97,6 +99,27 @@ def choose_option(options: RestoreCheckOptions) -> ReplanOption:
             ``LostWeightsError`` when a part of a tensor has no surviving copy.
     """
     return options.request.option(options.option)
+
+
+def check_held_bytes(option: ReplanOption, rank: int, bucket_bytes: int) -> int:
+    """About the most old rank ``rank`` holds during ``restore_check_job``, beyond the interpreter and torch: so
+    that ``replan --check`` refuses, before any process starts, what the machine cannot hold (no torch needed).
+
+    It counts its old local tensors, its new ones twice (restored into, and drawn again to compare), the
+    largest global tensor while it is drawn (in float32, then in its dtype), and a bucket each way of staging.
+    """
+    manifest = option.manifest
+
+    def local(plan: ShardPlan | None, rank: int) -> int:
+        if plan is None:
+            return 0
+        held = (tensor for tensor in manifest if holds(tensor, plan, rank, manifest))
+        return sum(prod(local_shape_on(tensor, plan)) * tensor.itemsize for tensor in held)
+
+    new = option.renumbering.new_of(rank)
+    drawn = max((tensor.numel * (ITEMSIZES["float32"] + tensor.itemsize) for tensor in manifest), default=0)
+    kept = 0 if new is None else 2 * local(option.layout.shard_of(new), new) + 2 * bucket_bytes
+    return local(option.old.shard_of(rank), rank) + drawn + kept
 
 
 def _weights(manifest: Manifest, plan: ShardPlan | None, rank: int) -> dict[str, torch.Tensor]:
@@ -221,10 +244,14 @@ def _survivor_report(
     return report
 
 
-def run_local(options: RestoreCheckOptions, on_event: OnEvent | None = None) -> list[RestoreReport]:
-    """The check on one local process per old rank; the survivors' reports, in old rank order."""
+def run_local(
+    options: RestoreCheckOptions, on_event: OnEvent | None = None, on_held: OnHeld | None = None
+) -> list[RestoreReport]:
+    """The check on one local process per old rank; the survivors' reports, in old rank order (``on_held``: each
+    running rank's resident bytes, every ``launch.SAMPLE_SECONDS``)."""
     backend = SHRINKABLE_GLOO if options.shrink else "gloo"
-    reports = run_local_job(options.request.world, restore_check_job, options, options.timeout, on_event, backend)
+    world, timeout = options.request.world, options.timeout
+    reports = run_local_job(world, restore_check_job, options, timeout, on_event, backend, on_held)
     return [report for report in reports if report is not None]
 
 
@@ -232,6 +259,7 @@ __all__ = [
     "PHASES",
     "RestoreCheckOptions",
     "RestoreReport",
+    "check_held_bytes",
     "choose_option",
     "restore_check_job",
     "run_local",

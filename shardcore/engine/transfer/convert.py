@@ -21,16 +21,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
-from ...refit.manifest import SCALE_BLOCK, blocked_from
+from ...refit.manifest import SCALE_BLOCK, Manifest, TensorSpec, blocked_from
 from ...refit.scales import AmaxExchange, amax_exchange
 from ...refit.schedule import Batch, rank_batches
-from ..agreement import publish_failure
 from .exchange import Exchange
+from .pieces import Plain
 
 if TYPE_CHECKING:
     import torch
+
+    from ...refit.part import RankRefit
+    from ...refit.plan import RefitPlan
+    from ...refit.schedule import Piece
 
 E4M3_MAX = 448.0
 """The largest finite ``float8_e4m3fn`` value: a block's largest magnitude is scaled to it."""
@@ -122,9 +126,9 @@ def _divided(chunk: torch.Tensor, scale_inv: torch.Tensor, origin: tuple[int, ..
 
 
 @dataclass
-class Conversion:
-    """One rank's conversions in one refit: the wire dtype of each converting tensor it moves, the scales it
-    computes, and its part of the partial-amax exchange.
+class Conversion(Plain):
+    """One rank's pieces in a converting refit: moved as ``Plain`` ones are, each in its tensor's wire dtype (cast
+    by the copies, or quantized with the scales this rank computes), after its part of the partial-amax exchange.
 
     Attributes:
         manifest: The plan's model.
@@ -132,9 +136,12 @@ class Conversion:
         scaled: The fp8 weights whose scales this rank computes (it sends or copies them or their scales from
             its sources; a relay forwards scales it received).
         amax: Its part of the partial-amax exchange.
+
+    ``of`` makes it before this rank's tensors are checked (``needed_sources`` says which it needs); the executor
+    gives it them (``dataclasses.replace``) once they are.
     """
 
-    manifest: Any
+    manifest: Manifest
     wire: dict[str, torch.dtype]
     scaled: set[str]
     amax: AmaxExchange
@@ -142,7 +149,7 @@ class Conversion:
     """Weight name -> this rank's local scale tensor of it, once computed."""
 
     @classmethod
-    def of(cls, plan: Any, mine: Any, rank: int) -> Conversion | None:
+    def of(cls, plan: RefitPlan, mine: RankRefit, rank: int) -> Conversion | None:
         """This rank's conversions in ``plan`` (``mine`` its part), or None when the plan converts nothing."""
         import torch
 
@@ -165,10 +172,10 @@ class Conversion:
         names = {self.manifest.tensor(name).scale_of or name for name in sent}
         return names | {t.tensor for t in self.amax.sends}
 
-    def in_place(self, name: str, send: bool) -> bool:
-        """Whether a piece of ``name`` can go from the source tensor (``send``) or into the destination as it
-        is: its bytes on that side are the wire's."""
-        spec = self.manifest.tensor(name)
+    def in_place(self, piece: Piece, send: bool) -> bool:
+        """Whether ``piece`` can go from the source tensor (``send``) or into the destination as it is: its bytes
+        on that side are the wire's (else it is cast on the way, through the staging buffer)."""
+        spec = self.manifest.tensor(piece.tensor)
         return spec.to_dtype is None or spec.wire_dtype == (spec.dtype if send else spec.destination_dtype)
 
     def wire_dtype(self, name: str, default: torch.dtype) -> torch.dtype:
@@ -187,83 +194,42 @@ class Conversion:
         shapes = {name: (parts,) for name, (_, parts) in self.amax.parts.items()}
         return rank_batches(self.amax, rank, world, bucket_bytes, max_ops, shapes)
 
-    def prepare(self, exchange: Exchange, batches: list[Batch], bucket_bytes: int) -> None:
-        """Compute this rank's source scales (after the partial-amax exchange, ``batches``: ``amax_batches``) and
-        add the scale tensors to ``exchange.sources``; a failure here makes ``exchange`` drain, as any other of
-        this rank's."""
+    def prepare(self, exchange: Exchange, batches: list[Batch]) -> None:
+        """Compute this rank's source scales, after the partial-amax exchange (``batches``: ``amax_batches``), and
+        add the scale tensors to its sources; a failure here makes ``exchange`` drain, as any other of this
+        rank's."""
         import torch
 
-        sources = exchange.sources
         partials: dict[str, torch.Tensor] = {}
         gathered: dict[str, torch.Tensor] = {}
         for name, (_, parts) in self.amax.parts.items():
-            device = sources[name].device if name in sources else exchange.device
+            device = self.sources[name].device if name in self.sources else self.device
             partials[name] = torch.zeros(1, device=device)
             gathered[name] = torch.zeros(parts, device=device)
         try:
             for name in partials:
-                if name in sources:
-                    partials[name].copy_(amax_of(sources[name]))
+                if name in self.sources:
+                    partials[name].copy_(amax_of(self.sources[name]))
                     gathered[name][self.amax.parts[name][0]] = partials[name][0]
         except Exception as error:  # published and drained: the peers still get every message they wait for
             exchange.fail(error)
-        self._exchange_partials(exchange, partials, gathered, batches, bucket_bytes)
-        if exchange.lost:  # some amax never came: no scale is known, so nothing this rank sends would be right
-            why = f"it {exchange.lost_text()} in the partial-amax exchange"
-            if not exchange.draining:  # published: a rank it then sends nothing may have no link to the lost one
-                publish_failure(exchange.party, exchange.epoch, why)
-            exchange.draining = exchange.draining or why
+        exchange.run_first(batches, Plain(sources=partials, destinations=gathered), "the partial-amax exchange")
         if exchange.draining:
             return
         try:
-            self._scales(sources, gathered)
+            self._scales(gathered)
         except Exception as error:
             exchange.fail(error)
 
-    def _exchange_partials(
-        self,
-        exchange: Exchange,
-        partials: Mapping[str, torch.Tensor],
-        gathered: Mapping[str, torch.Tensor],
-        batches: list[Batch],
-        bucket_bytes: int,
-    ) -> None:
-        """Run the partial-amax exchange as a phase of ``exchange``: same tag, party, deadline and checks; its
-        faults and lost peers become the exchange's."""
-        phase = Exchange(
-            exchange.rank,
-            batches,
-            (),
-            partials,
-            gathered,
-            exchange.tag,
-            exchange.verify,
-            exchange.party,
-            exchange.epoch,
-            exchange.deadline,
-            exchange.gloo,
-            bucket_bytes,
-        )
-        if not phase.batches:
-            return
-        import torch
-
-        phase.staging = torch.empty(phase.staging_bytes(), dtype=torch.uint8, device=phase.device)
-        phase.error, phase.draining = exchange.error, exchange.draining
-        phase.run()
-        exchange.error, exchange.draining = phase.error, phase.draining
-        exchange.lost.update(phase.lost)
-        exchange.integrity.faults += phase.integrity.faults
-
-    def _scales(self, sources: Any, gathered: Mapping[str, torch.Tensor]) -> None:
+    def _scales(self, gathered: Mapping[str, torch.Tensor]) -> None:
         for name in sorted(self.scaled):
             spec = self.manifest.tensor(name)
             if spec.scale == "tensor":
                 scale_inv = scale_inv_of(gathered[name].amax().reshape(1))
             else:
-                scale_inv = scale_inv_of(block_amax(sources[name]))
+                scale_inv = scale_inv_of(block_amax(self.sources[name]))
             self.scale_inv[name] = scale_inv
-            sources[spec.scale_spec().name] = scale_inv
+            self.sources[cast(TensorSpec, spec.scale_spec()).name] = scale_inv  # a weight of ``scaled`` has a scale
 
 
 __all__ = ["E4M3_MAX", "QUANTIZE_ELEMENTS", "Conversion", "amax_of", "block_amax", "quantize", "scale_inv_of"]

@@ -25,25 +25,33 @@ Every received message is checked against its sender's ledger: its size always, 
 
 A relay's forwards (hop 1, fan-out) are sent from its destination tensors, which its hop-0 batches,
 all landed before its first hop-1 batch is posted, have filled.
+
+The exchange posts, waits and checks; what a message's bytes are and where a received one lands is its codec's
+(``Codec``: plain, converting, landing or delta transfers), the one interface it calls.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, NamedTuple, Protocol, cast
 
 from ...plan.arguments import shown_ranks
-from ...refit.placement import fitted
-from ...refit.schedule import Batch, Message, Piece, Slot, StagingLayout, aligned, staging_layout
+from ...refit.schedule import Batch, Message, Slot, StagingLayout, aligned, staging_layout
 from ..agreement import Party, publish_failure, published_failures
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
+    from torch.distributed import ProcessGroup, Work
+
+    from ...refit.part import Transfer
 
 log = logging.getLogger("shardcore.refit")
 
@@ -81,12 +89,6 @@ def checksum(data: torch.Tensor) -> int:
     return (plain * 1_000_003 + weighted * 31 + n) % (1 << 63)
 
 
-def view_of(tensor: torch.Tensor, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
-    """The box of ``shape`` at ``offset`` in ``tensor``; through a weight map the tensor may have unit dims more
-    or fewer than the box on the left (``placement.fitted``), and the view has the tensor's."""
-    return tensor[tuple(slice(o, o + n) for o, n in zip(offset, fitted(shape, len(offset))))]
-
-
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes as a flat uint8 view (no copy)."""
     import torch
@@ -108,24 +110,57 @@ class Integrity:
         return f"rank {rank} received from rank {sender} a message of {shown} that {what}{more}"
 
 
+Place = tuple[bool, str, int, int]
+"""Where a message that travels in place lies: (in the sources, else the destinations; tensor; first byte; end
+byte)."""
+
+
+class Codec(Protocol):
+    """What the bytes of this rank's messages are and where received ones land: the one interface the exchange
+    calls, which plain (``transfer.pieces.Plain``), converting (``transfer.convert.Conversion``), landing
+    (``transfer.landing.Landing``) and delta (``transfer.delta.DeltaSession``) transfers implement."""
+
+    encodes: ClassVar[bool]
+    """Whether a data message's bytes are an encoding (a delta refit's): then every one is staged, never in place."""
+
+    @property
+    def sources(self) -> Mapping[str, torch.Tensor]: ...
+    @property
+    def destinations(self) -> Mapping[str, torch.Tensor]: ...
+    @property
+    def device(self) -> torch.device | str: ...
+    def learn(self, exchange: Exchange, messages: list[Message]) -> None: ...
+    def declare(
+        self, exchange: Exchange, messages: list[Message], wires: list[tuple[torch.Tensor, bool]]
+    ) -> list[tuple[torch.Tensor, bool]]: ...
+    def pack(self, exchange: Exchange, message: Message, wire: torch.Tensor, staged: bool) -> torch.Tensor: ...
+    def unsent(self, message: Message) -> None: ...
+    def unpack(self, message: Message, wire: torch.Tensor, staged: bool) -> list[str]: ...
+    def expected_bytes(self, message: Message) -> int | None: ...
+    def copy(self, transfer: Transfer) -> None: ...
+    def place(self, message: Message) -> Place | None: ...
+    def finish(self) -> None: ...
+
+
 class _InFlight(NamedTuple):
-    """A posted batch not yet landed: its messages as posted, their wires (bytes, staged), and their works."""
+    """A posted batch not yet landed: its messages as posted, their wires (bytes, staged), and their works (None:
+    an op that could not be posted)."""
 
     messages: list[Message]
     wires: list[tuple[torch.Tensor, bool]]
-    works: list[Any]
+    works: list[Work | None]
 
 
 @dataclass
 class Exchange:
-    """One rank's exchange in one refit: its batches, its tensors, and what it saw."""
+    """One rank's exchange in one refit: its batches, its codec, and what it saw."""
 
     rank: int
     batches: list[Batch]
-    copies: Sequence[Any]
+    copies: Sequence[Transfer]
     """This rank's local copies (transfers with src == dst == rank)."""
-    sources: Mapping[str, torch.Tensor]
-    destinations: Mapping[str, torch.Tensor]
+    codec: Codec
+    """What its messages' bytes are, and where received ones land."""
     tag: int
     verify: str
     party: Party
@@ -134,21 +169,13 @@ class Exchange:
     gloo: bool
     bucket_bytes: int
     """Staging bytes one batch may hold, and two batches in flight together (``schedule.staging_layout``)."""
-    conversion: Any = None
-    """The refit's conversions on this rank (``transfer.convert.Conversion``), or None when nothing converts."""
-    delta: Any = None
-    """A delta refit's part on this rank (``transfer.delta.DeltaSession``), or None for a dense refit: then every
-    data message is staged (encoded ones cannot travel in place), and each batch's two header rounds come first."""
-    group: Any = None
+    group: ProcessGroup | None = None
     """The process group the messages go on, peers numbered in it (a refit group's); None: the default group."""
-    places: dict[tuple[int, ...], tuple[bool, str, int, int]] | None = None
-    """Where each message that travels in place lies: (in the sources, else the destinations; tensor; first byte;
-    end byte), by key. Found from the tensors when None; a refit of the schedule's plan part passes what an
-    earlier one found (``execute._schedule``): its tensors have the shapes and dtypes checked against the plan,
-    so the same messages lie at the same bytes, and finding them (a view per message) is not paid again."""
-    landing: Any = None
-    """The destination tensors this rank quantizes on landing (``transfer.landing.Landing``: fp8 through a layout),
-    whose pieces land in staging copies (``written``), never in place; None when there are none."""
+    places: dict[tuple[int, ...], Place] | None = None
+    """Where each message that travels in place lies (``Place``), by key. Found from the tensors when None; a
+    refit of the schedule's plan part passes what an earlier one found (``execute._schedule``): its tensors have the
+    shapes and dtypes checked against the plan, so the same messages lie at the same bytes, and finding them (a
+    view per message) is not paid again."""
     staging: torch.Tensor | None = None
     draining: str | None = None
     """Why this rank no longer works for the result (its own error, or a failure another rank published)."""
@@ -211,22 +238,42 @@ class Exchange:
             self._land(flight)
         if not self.batches:
             self._guarded(self._copy_locally)
-        if self.landing is not None:
-            self._guarded(self.landing.finish)
+        self._guarded(self.codec.finish)
+
+    def run_first(self, batches: list[Batch], codec: Codec, what: str) -> None:
+        """Run ``batches``, moving ``codec``'s tensors, before this exchange's own (``what``: a converting refit's
+        partial-amax exchange): on the same tag, party, deadline and checks, its faults and lost peers this
+        exchange's. A peer lost there makes this rank drain, published: nothing it would send next is known."""
+        if batches:
+            import torch
+
+            phase = replace(
+                self,
+                batches=batches,
+                copies=(),
+                codec=codec,
+                places=None,
+                staging=None,
+                posted={},
+                sent_sums={},
+                received_sums={},
+                _directions={},
+            )  # sharing this exchange's lost peers and faults
+            phase.staging = torch.empty(phase.staging_bytes(), dtype=torch.uint8, device=phase.device)
+            phase.run()
+            self.error, self.draining = phase.error, phase.draining
+        if self.lost:
+            why = f"it {self.lost_text()} in {what}"
+            if not self.draining:  # published: a rank it then sends nothing may have no link to the lost one
+                publish_failure(self.party, self.epoch, why)
+            self.draining = self.draining or why
 
     def _copy_locally(self) -> None:
         """The pieces this rank holds on both sides, copied from its source tensors into its destinations."""
         self.wrote = self.wrote or bool(self.copies)
-        for transfer in sorted(self.copies):
-            shape = tuple(stop - start for start, stop in transfer.box)
-            offset = tuple(transfer.src_offset)
-            source = view_of(self.sources[transfer.tensor], offset, shape)
-            if self.conversion is not None:  # quantized with its scales, or cast by the copy
-                source = self.conversion.outgoing(transfer.tensor, source, offset)
-            target = view_of(self.written(transfer.destination), tuple(transfer.dst_offset), shape)
-            target.copy_(source.reshape(target.shape))
+        for transfer in self.copies:  # in the part's order (``refit.part.transfer_order``)
+            self.codec.copy(transfer)
             self.bytes_copied += int(transfer.bytes)
-            self._landed(transfer.destination, target.numel())
 
     def remaining(self) -> timedelta:
         return timedelta(seconds=max(0.001, self.deadline - time.monotonic()))
@@ -244,8 +291,8 @@ class Exchange:
             )
         self.draining = self.draining or "its own error"
 
-    def _guarded(self, step: Any) -> None:
-        if step is None or self.draining:
+    def _guarded(self, step: Callable[[], object]) -> None:
+        if self.draining:
             return
         try:
             step()
@@ -273,15 +320,12 @@ class Exchange:
         """Bind the batch's messages (peers already lost left out) to their bytes in ``slot``, and post them."""
         live = [m for m in batch.messages if m.peer not in self.lost]
         region = None if self.staging is None else self.staging[slot.offset : slot.offset + slot.nbytes]
-        if self.delta is not None:  # the receivers' versions, before the senders encode
-            self.delta.learn_bases(self, live)
-        wires = self._bind(live, region)
-        if self.delta is not None:  # the sizes, before the receivers post
-            wires = self.delta.declare_sizes(self, live, wires)
+        self.codec.learn(self, live)  # a delta refit's receivers' versions, before the senders encode
+        wires = self.codec.declare(self, live, self._bind(live, region))  # a delta refit's sizes
         self.wrote = self.wrote or any(not m.send and not m.ledger for m in live)
         return _InFlight(live, wires, self._issue(live, wires))
 
-    def _issue(self, messages: Sequence[Message], wires: Sequence[tuple[torch.Tensor, bool]]) -> list[Any]:
+    def _issue(self, messages: Sequence[Message], wires: Sequence[tuple[torch.Tensor, bool]]) -> list[Work | None]:
         """Post the ops: one coalesced batch where the backend coalesces one (NCCL, HCCL); on gloo, which does
         not (torch posts a gloo batch op by op anyway), each op straight on the group, so that a connection
         that closed fails its own peer's ops only and the batch's other ops are still posted, without torch's
@@ -296,8 +340,8 @@ class Exchange:
                 for peer in {m.peer for m in messages}:
                     self.lost.setdefault(peer, f"its connection failed ({_first_line(error)})")
                 return []
-        world: Any = dist.group.WORLD if self.group is None else self.group
-        works: list[Any] = []
+        world = cast("ProcessGroup", dist.group.WORLD) if self.group is None else self.group
+        works: list[Work | None] = []
         for message, (wire, _) in zip(messages, wires):
             work = None
             if message.peer not in self.lost:
@@ -308,13 +352,42 @@ class Exchange:
             works.append(work)
         return works
 
-    def land_quietly(self, messages: Sequence[Message], wires: Sequence[tuple[torch.Tensor, bool]]) -> None:
-        """Post ``messages`` (small headers, not the plan's) as a batch and wait for them, losing peers as a batch
-        does; nothing is unpacked or counted."""
-        messages = list(messages)
-        self._land(_InFlight(messages, list(wires), self._issue(messages, wires)), lambda *landed: None)
+    def swap(
+        self, messages: Sequence[Message], outgoing: dict[int, list[int]], expected: dict[int, int], unheard: int
+    ) -> dict[int, list[int]]:
+        """A header round of a batch of ``messages`` (a delta refit's, ``transfer.delta``): a vector of int64 to each
+        peer in ``outgoing``, one of ``expected[peer]`` entries from each peer there, posted and waited for like a
+        batch, losing peers as a batch does (a lost peer's never comes, and a drained one's entries stay ``unheard``);
+        nothing is unpacked or counted."""
+        import torch
 
-    def _coalesced(self, messages: Sequence[Message], wires: Sequence[tuple[torch.Tensor, bool]]) -> list[Any]:
+        hop = messages[0].hop if messages else 0
+        headers: list[Message] = []
+        wires: list[tuple[torch.Tensor, bool]] = []
+        for peer in sorted(set(outgoing) | set(expected)):
+            if peer in self.lost:
+                continue
+            if peer in outgoing:
+                values = torch.tensor(outgoing[peer], dtype=torch.int64, device=self.device)
+                wire = values.view(torch.uint8)
+                if self.draining and self.gloo:  # as a drained data send: one byte, taken by a longer receive
+                    wire = wire[:1]
+                headers.append(Message((0, self.rank, peer, hop), peer, True, (), values.numel() * 8))
+                wires.append((wire, False))
+            if peer in expected:
+                values = torch.full((expected[peer],), unheard, dtype=torch.int64, device=self.device)
+                headers.append(Message((0, peer, self.rank, hop), peer, False, (), values.numel() * 8))
+                wires.append((values.view(torch.uint8), False))
+        if not headers:
+            return {}
+        self._land(_InFlight(headers, wires, self._issue(headers, wires)), lambda *landed: None)
+        return {
+            message.peer: wire.view(torch.int64).tolist()
+            for message, (wire, _) in zip(headers, wires)
+            if not message.send and message.peer not in self.lost
+        }
+
+    def _coalesced(self, messages: Sequence[Message], wires: Sequence[tuple[torch.Tensor, bool]]) -> list[Work | None]:
         """One batch on NCCL or HCCL: ``batch_isend_irecv`` on the default group; on a refit group, which torch's
         group registry does not know (so ``batch_isend_irecv`` cannot take it), the same coalescing on the group
         itself (``_start_coalescing`` / ``_end_coalescing``, what ``batch_isend_irecv`` runs)."""
@@ -332,7 +405,7 @@ class Exchange:
             (self.group.send if message.send else self.group.recv)([wire], message.peer, self.tag)
         return [self.group._end_coalescing(device)]
 
-    def _land(self, flight: _InFlight, complete: Any = None) -> None:
+    def _land(self, flight: _InFlight, complete: Callable[[Message, torch.Tensor, bool], None] | None = None) -> None:
         """Wait for a posted batch, then complete each message (unpack, record, check its ledger)."""
         complete = complete or self._completed
         messages, wires, works = flight
@@ -361,7 +434,7 @@ class Exchange:
         """The staging bytes ``messages`` take on this rank (in-place ones and ledgers take none)."""
         used = 0
         for message in messages:
-            if not message.ledger and (self.delta is not None or message.key not in self._in_place):
+            if not message.ledger and (self.codec.encodes or message.key not in self._in_place):
                 used = aligned(used + message.nbytes)
         return used
 
@@ -372,13 +445,13 @@ class Exchange:
         a buffer of its own, which a receive needs whole."""
         import torch
 
-        wires: list[tuple[Any, bool]] = []
+        wires: list[tuple[torch.Tensor, bool]] = []
         slot = 0
         for message in messages:
             if message.ledger:
                 wires.append((self._ledger_wire(message), False))
                 continue
-            wire = None if self.delta is not None else self._in_place.get(message.key)
+            wire = None if self.codec.encodes else self._in_place.get(message.key)
             staged = wire is None
             if wire is None:
                 if region is None:
@@ -386,10 +459,8 @@ class Exchange:
                 else:
                     wire = region[slot : slot + message.nbytes]
                     slot = aligned(slot + message.nbytes)
-            if self.delta is not None and message.send:
-                wire = self._encoded(message, wire)
-            elif message.send and not self.draining:
-                self._guarded(lambda m=message, w=wire, packed=staged: self._pack(m, w, packed))
+            if message.send:
+                wire = self._sent(message, wire, staged)
             wires.append((wire, staged))
         if self.draining and self.gloo:  # gloo takes a shorter message for a longer receive
             wires = [
@@ -403,123 +474,51 @@ class Exchange:
                 self._fill_ledger(message, wire)
         return wires
 
-    def _encoded(self, message: Message, slot: torch.Tensor) -> torch.Tensor:
-        """A delta refit's send: its wire as ``delta`` encodes it into ``slot`` (the dense message when this rank
-        drains or fails here, which its peers then never read), summed when verifying."""
-        wire = slot
-        if self.draining:
-            self.delta.dense(message)
-        else:
-            try:
-                wire = self.delta.encode(self, message, slot)
-            except Exception as error:  # published and drained, like any failure to pack
-                self.fail(error)
-                self.delta.dense(message)
-        if self.verify == "checksum":
-            self.sent_sums[message.key] = checksum(wire)
-        return wire
-
     def in_place_wire(self, message: Message) -> torch.Tensor | None:
         """The bytes, in its own tensor, of a message that can travel in place (None: it is staged)."""
         return self._in_place.get(message.key)
-
-    def wire_dtype(self, message: Message, piece: Piece) -> torch.dtype:
-        """The dtype a piece of ``message`` travels in (its tensor's, or a converting refit's wire dtype)."""
-        name = self._name(message, piece)
-        tensor = self.sources[name] if message.send and not message.hop else self.written(name)
-        return tensor.dtype if self.conversion is None else self.conversion.wire_dtype(piece.tensor, tensor.dtype)
-
-    def target_of(self, piece: Piece) -> torch.Tensor:
-        """The box of this rank's destination tensor a received piece lands in."""
-        return view_of(self.written(piece.destination), piece.dst_offset, piece.shape)
-
-    def written(self, name: str) -> torch.Tensor:
-        """The tensor the pieces of destination ``name`` land in (and a relay forwards from): the destination
-        itself, or its staging copy when it is quantized on landing."""
-        if self.landing is not None and name in self.landing:
-            return self.landing.tensor(name)
-        return self.destinations[name]
-
-    def _landed(self, name: str, elements: int) -> None:
-        """``elements`` of destination ``name`` landed (or were packed for a forward): a landing counts them."""
-        if self.landing is not None and name in self.landing:
-            self.landing.landed(name, elements)
-
-    @staticmethod
-    def _name(message: Message, piece: Piece) -> str:
-        """The local tensor ``message`` reads or writes ``piece`` in: its source tensor for a send from the
-        sources, else the destination's (another one through a weight map)."""
-        return piece.tensor if message.send and not message.hop else piece.destination
-
-    def _sent_from(self, message: Message, name: str) -> torch.Tensor:
-        """The tensor a send reads ``name`` from: its source, or for a relay's forward (hop 1) its destination."""
-        return self.written(name) if message.hop else self.sources[name]
 
     @cached_property
     def _in_place(self) -> dict[tuple[int, ...], torch.Tensor]:
         """The bytes, in its own tensor, of every message that travels in place, by key (bound once, for the
         layout and the posts); the others are staged."""
         if self.places is None:
-            self.places = self._find_places()
+            self.places = {
+                message.key: place
+                for batch in self.batches
+                for message in batch.messages
+                if not message.ledger and (place := self.codec.place(message)) is not None
+            }
         tensors: dict[tuple[bool, str], torch.Tensor] = {}
         wires: dict[tuple[int, ...], torch.Tensor] = {}
         for key, (in_sources, name, start, end) in self.places.items():
             whole = tensors.get((in_sources, name))
             if whole is None:
-                whole = tensors[in_sources, name] = as_bytes((self.sources if in_sources else self.destinations)[name])
+                side = self.codec.sources if in_sources else self.codec.destinations
+                whole = tensors[in_sources, name] = as_bytes(side[name])
             wires[key] = whole[start:end]
         return wires
 
-    def _find_places(self) -> dict[tuple[int, ...], tuple[bool, str, int, int]]:
-        """Where each message that can travel in place lies in its tensor (see ``places``)."""
-        places: dict[tuple[int, ...], tuple[bool, str, int, int]] = {}
-        for batch in self.batches:
-            for message in batch.messages:
-                place = None if message.ledger else self._contiguous_slice(message)
-                if place is not None:
-                    places[message.key] = place
-        return places
+    def _sent(self, message: Message, slot: torch.Tensor, staged: bool) -> torch.Tensor:
+        """A send's bytes (``_pack``); when this rank drains, or fails here, the slot as it is, which its peers then
+        never read."""
+        wire = slot
+        if not self.draining:
+            try:
+                wire = self._pack(message, slot, staged)
+            except Exception as error:  # published and drained, like any local failure
+                self.fail(error)
+        if self.draining:
+            self.codec.unsent(message)
+        return wire
 
-    def _contiguous_slice(self, message: Message) -> tuple[bool, str, int, int] | None:
-        """Where a one-piece message's slice of its tensor lies, if contiguous and not cast on the way."""
-        if len(message.pieces) != 1:
-            return None
-        piece = message.pieces[0][0]
-        reads_source = message.send and not message.hop  # a relay's forward reads its destination
-        if self.conversion is not None and not self.conversion.in_place(piece.tensor, reads_source):
-            return None  # cast on the way: through the staging buffer
-        name = self._name(message, piece)
-        if not reads_source and self.landing is not None and name in self.landing:
-            return None  # lands in a staging copy allocated when its first piece does
-        tensor = (self.sources if reads_source else self.destinations).get(name)
-        if tensor is None:  # a scale this rank never computed: it drains, and the message is never read
-            return None
-        view = view_of(tensor, piece.src_offset if message.send else piece.dst_offset, piece.shape)
-        if not view.is_contiguous():
-            return None
-        start = view.data_ptr() - tensor.data_ptr()
-        return reads_source, name, start, start + view.numel() * view.element_size()
-
-    def _pack(self, message: Message, wire: torch.Tensor, staged: bool) -> None:
-        """Copy a staged send's pieces into its slot; sum the message when verifying."""
-        if staged:
-            self.pack_pieces(message, wire)
+    def _pack(self, message: Message, wire: torch.Tensor, staged: bool) -> torch.Tensor:
+        """A send's bytes as the codec makes them in its slot ``wire`` (or ``wire`` itself, its own tensor's bytes
+        in place), summed when verifying."""
+        wire = self.codec.pack(self, message, wire, staged)
         if self.verify == "checksum":
             self.sent_sums[message.key] = checksum(wire)
-
-    def pack_pieces(self, message: Message, wire: torch.Tensor) -> None:
-        """Copy a send's pieces, in the wire's dtype, to their offsets in ``wire``."""
-        for piece, offset in message.pieces:
-            name = self._name(message, piece)
-            view = view_of(self._sent_from(message, name), piece.src_offset, piece.shape)
-            dtype = view.dtype
-            if self.conversion is not None:  # cast (by the copy) or quantized into the wire's dtype
-                dtype = self.conversion.wire_dtype(piece.tensor, dtype)
-                if not message.hop:  # a relay forwards its destination's bytes, already converted
-                    view = self.conversion.outgoing(piece.tensor, view, piece.src_offset)
-            wire[offset : offset + piece.nbytes].view(dtype).view(view.shape).copy_(view)
-            if message.hop:  # a forward of a staging copy has read it
-                self._landed(name, view.numel())
+        return wire
 
     def _ledger_wire(self, message: Message) -> torch.Tensor:
         import torch
@@ -546,25 +545,19 @@ class Exchange:
             return
         if self.verify == "checksum":
             self.received_sums[message.key] = checksum(wire)
-        if self.delta is not None:
-            self._guarded(lambda: self.delta.land(self, message, wire, staged))
-        elif staged:
-            self._guarded(lambda: self._unpack(message, wire))
+        self._guarded(functools.partial(self._receive, message, wire, staged))
 
-    def _unpack(self, message: Message, wire: torch.Tensor) -> None:
-        """Copy a staged dense message's pieces from ``wire`` into the destinations (cast where they widen)."""
-        for piece, offset in message.pieces:
-            target = self.target_of(piece)
-            dtype = target.dtype if self.conversion is None else self.conversion.wire_dtype(piece.tensor, target.dtype)
-            target.copy_(wire[offset : offset + piece.nbytes].view(dtype).view(target.shape))
-            self._landed(piece.destination, target.numel())
+    def _receive(self, message: Message, wire: torch.Tensor, staged: bool) -> None:
+        """Land a received data message through the codec; what it finds wrong with it is a fault of its sender's."""
+        for what in self.codec.unpack(message, wire, staged):
+            self.integrity.faults.append((message.peer, message, what))
 
     def _check_ledger(self, ledger: Message, wire: torch.Tensor) -> None:
         """Compare what the sender says it sent with what this rank expected and received."""
         expected = self._directions.get((ledger.peer, False), {})
         for index, (size, summed) in enumerate(wire.view(-1, 2).tolist()):
             message = expected[(index, *ledger.key[1:])]
-            nbytes = message.nbytes if self.delta is None else self.delta.expected_bytes(message)
+            nbytes = self.codec.expected_bytes(message)
             if size != nbytes:
                 said = "nothing" if size < 0 else f"{size} bytes"
                 here = "of no declared size" if nbytes is None else f"{nbytes} bytes"
@@ -573,9 +566,8 @@ class Exchange:
                 self.integrity.faults.append((ledger.peer, message, "does not match the checksum its sender computed"))
 
     @property
-    def device(self) -> Any:
-        tensors = [*self.sources.values(), *self.destinations.values()]
-        return tensors[0].device if tensors else "cpu"
+    def device(self) -> torch.device | str:
+        return self.codec.device
 
     def lost_text(self) -> str:
         ranks = sorted(self.lost)
@@ -587,4 +579,4 @@ def _first_line(error: BaseException) -> str:
     return (text.splitlines()[0] if text else type(error).__name__)[:200]
 
 
-__all__ = ["POLL_SECONDS", "Exchange", "Integrity", "as_bytes", "checksum", "view_of"]
+__all__ = ["POLL_SECONDS", "Codec", "Exchange", "Integrity", "Place", "as_bytes", "checksum"]

@@ -38,26 +38,34 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ...errors import RefitInputError, RefitIntegrityError, RefitMismatchError, RefitPeerError, ShardcoreError
 from ...plan.arguments import DEFAULT_TIMEOUT, as_timedelta, shown, shown_ranks
 from ...refit import pairing
+from ...refit.landing import NO_DELTA
 from ...refit.options import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_OPS, ExecuteOptions, Verify
-from ...refit.schedule import rank_batches
+from ...refit.schedule import Batch, rank_batches
 from ...version import __version__
 from ..agreement import GRACE, Party, Purpose, Terms, arrive_failed, convene, declare_absent, exchange_notes, meet
+from ..device import COLLECTIVE_DEVICES
 from ..torch_state import dist, import_torch, is_fake_world
 from .convert import Conversion
-from .delta import DeltaSession, bases_held, snapshot_bytes
-from .exchange import Exchange
+from .delta import DeltaSession
+from .exchange import Codec, Exchange
 from .landing import Landing
+from .pieces import Plain
+from .session import DEFAULT_SESSION, HeldVersion, RefitSession, Schedule
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed import ProcessGroup
 
+    from ...refit.manifest import Manifest
+    from ...refit.part import RankRefit
+    from ...refit.plan import RefitPlan
     from .group import RefitGroup
 
 log = logging.getLogger("shardcore.refit")
@@ -137,32 +145,16 @@ class RefitTerms(Terms):
     delta: str = "off"
 
 
-class HeldVersion(NamedTuple):
-    """The version a destination holds: the last refit that completed into it, and whether a failed refit
-    has since written part of it (then it holds a mix: refit again before serving)."""
-
-    version: int | None
-    intact: bool
-
-
-_held: dict[tuple[str, int, tuple[int, ...]], HeldVersion] = {}
-
-
-def _held_key(tensor: torch.Tensor) -> tuple[str, int, tuple[int, ...]]:
-    return str(tensor.device), tensor.data_ptr(), tuple(tensor.shape)
-
-
-def held_version(destinations: Mapping[str, torch.Tensor]) -> HeldVersion | None:
+def held_version(destinations: Mapping[str, torch.Tensor], session: RefitSession | None = None) -> HeldVersion | None:
     """The version ``destinations`` hold (as refits with ``version=`` recorded it), None if never recorded.
 
     When the tensors hold different versions, the oldest is reported, not intact.
+
+    Args:
+        destinations: tensor name -> destination tensor, as passed to ``execute_refit``.
+        session: the refit session that recorded it (``execute_refit``'s ``session=``); None: the default one.
     """
-    found = {_held.get(_held_key(tensor)) for tensor in destinations.values()}
-    if None in found or not found:
-        return None
-    versions = [held for held in found if held is not None]
-    oldest = min(versions, key=lambda held: -1 if held.version is None else held.version)
-    return HeldVersion(oldest.version, len(versions) == 1 and oldest.intact)
+    return (session or DEFAULT_SESSION).held_version(destinations)
 
 
 def _naming_group_ranks(execute: Callable[..., TransferStats]) -> Callable[..., TransferStats]:
@@ -183,7 +175,7 @@ def _naming_group_ranks(execute: Callable[..., TransferStats]) -> Callable[..., 
 
 @_naming_group_ranks
 def execute_refit(
-    plan: Any,
+    plan: RefitPlan,
     sources: Mapping[str, Any],
     destinations: Mapping[str, Any],
     *,
@@ -194,12 +186,12 @@ def execute_refit(
     verify: str | None = None,
     version: int | None = None,
     group: RefitGroup | None = None,
+    session: RefitSession | None = None,
 ) -> TransferStats:
     """Move this rank's part of ``plan``; every rank of the default group (or of ``group``) calls it, idle ranks too.
 
     Args:
-        plan: a ``RefitPlan`` (``shardcore.refit.plan_refit``), or any plan with ``manifest``,
-            ``fingerprint()`` and ``for_rank(rank)``.
+        plan: a ``RefitPlan``: ``plan_refit``'s ``ShardRefitPlan``, a ``RefitRequest``'s plan, a ``subset``.
         sources: tensor name -> this rank's local source tensor (the plan's source side).
         destinations: tensor name -> this rank's preallocated local destination tensor, written in place;
             ``nn.Parameter``s are fine (written under no_grad).
@@ -214,6 +206,8 @@ def execute_refit(
         version: this refit's version (e.g. the training step), recorded for ``held_version``.
         group: a refit group between two jobs (``connect_refit``): the plan's ranks are the group's, and the
             refit runs over it and its store; None: the default group.
+        session: where this process keeps what it needs of this refit for the next (versions held, the last
+            schedule, a delta refit's snapshots: ``RefitSession``); None: the process's default session.
 
     Returns:
         This rank's TransferStats.
@@ -231,42 +225,40 @@ def execute_refit(
     started = time.monotonic()
     rank, world, party, backend, process_group = _require_world(group)
     given = {"timeout": timeout, "bucket_bytes": bucket_bytes, "max_ops": max_ops, "verify": verify, "version": version}
-    prepared = _prepare(party, rank, world, backend, plan, sources, destinations, options, given)
+    session = session or DEFAULT_SESSION
+    prepared = _prepare(session, party, rank, world, backend, plan, sources, destinations, options, given)
     checked, schedule = prepared.options, prepared.schedule
     bucket_bytes, version = checked.bucket_bytes, checked.version
     epoch = _agree(party, rank, prepared.terms, schedule, prepared.amax, prepared.wait)
+    _write_zeros(prepared.destinations, prepared.zeros)
     stats = TransferStats(rank, verify=checked.verify, version=version, agreement_seconds=time.monotonic() - started)
     exchange = Exchange(
-        rank,
-        schedule.batches,
-        prepared.mine.copies,
-        prepared.sources,
-        prepared.destinations,
-        TAG_BASE + epoch % TAG_BASE,
-        checked.verify,
-        party,
-        epoch,
-        started + prepared.wait.total_seconds(),
-        "gloo" in backend,
-        bucket_bytes,
-        prepared.conversion,
-        prepared.delta,
-        process_group,
-        schedule.places,
-        prepared.landing,
+        rank=rank,
+        batches=schedule.batches,
+        copies=prepared.mine.copies,
+        codec=prepared.codec,
+        tag=TAG_BASE + epoch % TAG_BASE,
+        verify=checked.verify,
+        party=party,
+        epoch=epoch,
+        deadline=started + prepared.wait.total_seconds(),
+        gloo="gloo" in backend,
+        bucket_bytes=bucket_bytes,
+        group=process_group,
+        places=schedule.places,
     )
     if prepared.conversion is not None:
-        prepared.conversion.prepare(exchange, prepared.amax, bucket_bytes)
-    _run(exchange, stats)
+        prepared.conversion.prepare(exchange, prepared.amax)
+    _run(exchange, stats, prepared.delta)
     if prepared.conversion is None:  # a conversion's scales are found per refit, and where they lie with them
         schedule.places = exchange.places
     if prepared.landing is not None:
         stats.landing_peak_bytes = prepared.landing.peak_bytes
     ended = time.monotonic()
-    _finish(party, exchange, epoch, prepared.destinations, version)
-    if exchange.delta is not None:  # every rank's receivers now hold what this rank last sent
-        exchange.delta.commit(version)
-        stats.snapshot_bytes = snapshot_bytes()
+    _finish(session, party, exchange, epoch, prepared.destinations, version)
+    if prepared.delta is not None:  # every rank's receivers now hold what this rank last sent
+        prepared.delta.commit(version)
+        stats.snapshot_bytes = session.snapshot_bytes()
     stats.agreement_seconds += time.monotonic() - ended
     stats.seconds = time.monotonic() - started
     log.info("shardcore refit: %s", stats)
@@ -278,24 +270,29 @@ class _Prepared(NamedTuple):
 
     wait: timedelta
     options: ExecuteOptions
-    mine: Any
+    mine: RankRefit
     sources: dict[str, torch.Tensor]
     destinations: dict[str, torch.Tensor]
     terms: RefitTerms
     conversion: Conversion | None
     delta: DeltaSession | None
     landing: Landing | None
-    schedule: _Schedule
-    amax: list[Any]
+    codec: Codec
+    """What the exchange moves with: ``delta``, else ``landing``, ``conversion`` or a plain codec."""
+    schedule: Schedule
+    amax: list[Batch]
     """The batches of a converting refit's partial-amax exchange (``Conversion.amax_batches``; [] for none)."""
+    zeros: dict[str, tuple[Any, ...]]
+    """The boxes of this rank's destination tensors written as zeros (``_zeroed``)."""
 
 
 def _prepare(
+    session: RefitSession,
     party: Party,
     rank: int,
     world: int,
     backend: str,
-    plan: Any,
+    plan: RefitPlan,
     sources: Mapping[str, Any],
     destinations: Mapping[str, Any],
     options: ExecuteOptions | None,
@@ -317,81 +314,94 @@ def _prepare(
         mine = plan.for_rank(rank)
         conversion = Conversion.of(plan, mine, rank)
         held, wanted = _checked_tensors(rank, backend, mine, plan, sources, destinations, conversion)
-        landing = Landing.of(plan, mine, wanted)
+        if conversion is not None:
+            conversion = replace(conversion, sources=held, destinations=wanted)
+        landing = Landing.of(plan, mine, held, wanted)
         if landing is not None and checked.delta:
-            raise RefitInputError(
-                "delta=True with fp8 through a layout: the destinations quantize what lands, so they hold fp8, "
-                "not the wire's bytes a delta builds on; refit without delta"
-            )
-        delta = _delta_session(checked, wanted)
-        schedule = _schedule(plan, mine, checked, rank, world)
+            raise RefitInputError(f"delta=True {NO_DELTA}")
+        # a plan converts on its senders (between Megatron shards) or its receivers (through a layout), never both
+        dense = landing or conversion or Plain(sources=held, destinations=wanted)
+        delta = _delta_session(session, checked, dense)
+        schedule = _schedule(session, plan, mine, checked, rank, world)
         amax = [] if conversion is None else conversion.amax_batches(rank, world, checked.bucket_bytes, checked.max_ops)
         terms = _terms(plan, checked)
-        return _Prepared(wait, checked, mine, held, wanted, terms, conversion, delta, landing, schedule, amax)
+        zeros = _zeroed(plan, mine, landing)
+        codec = dense if delta is None else delta
+        return _Prepared(
+            wait, checked, mine, held, wanted, terms, conversion, delta, landing, codec, schedule, amax, zeros
+        )
     except BaseException as error:
         failure = _as_input_error(rank, error)
         arrive_failed(party, START, None, "open", failure, wait)
         raise failure from None
 
 
-def _global_shapes(manifest: Any, mine: Any) -> dict[str, tuple[int, ...]]:
+def _zeroed(plan: RefitPlan, mine: RankRefit, landing: Landing | None) -> dict[str, tuple[Any, ...]]:
+    """The boxes of this rank's destination tensors that no source feeds and the refit writes as zeros, by tensor:
+    an engine's vocabulary padding, which its own loader zeroes (``Placement.zeroed``). A tensor quantized on
+    landing has them zero already (its staging is zero-filled)."""
+    placement = next((p for p in plan.destination_placements if mine.rank in p.ranks), None)
+    if placement is None:
+        return {}
+    return {
+        name: boxes
+        for name, boxes in placement.zeroed(mine.rank).items()
+        if name in mine.destination_shapes and (landing is None or name not in landing)
+    }
+
+
+def _write_zeros(destinations: Mapping[str, torch.Tensor], zeros: Mapping[str, tuple[Any, ...]]) -> None:
+    """Zero ``zeros``' boxes of ``destinations``: once every rank agreed to the refit, before a byte lands."""
+    for name, boxes in zeros.items():
+        for box in boxes:
+            destinations[name][tuple(slice(start, stop) for start, stop in box)].zero_()
+
+
+def _global_shapes(manifest: Manifest, mine: RankRefit) -> dict[str, tuple[int, ...]]:
     """The global shape of every tensor this rank moves (what ``schedule.may_stage`` reads)."""
     names = {t.tensor for t in (*mine.sends, *mine.recvs)}
     return {name: tuple(manifest.tensor(name).shape) for name in names}
 
 
-@dataclass
-class _Schedule:
-    """A plan part's schedule on this rank, for given options: its batches (read-only), and where its messages
-    that travel in place lie in their tensors once a refit found it (``Exchange.places``)."""
-
-    mine: Any
-    options: tuple[Any, ...]
-    batches: list[Any]
-    places: dict[tuple[int, ...], tuple[bool, str, int, int]] | None = None
-
-    @functools.cached_property
-    def tally(self) -> int:
-        """This rank's term of the check that both ends of every message agree (``refit.pairing``)."""
-        return pairing.tally(self.batches)
-
-
-_last_schedule: list[_Schedule] = []
-"""The last schedule made; an RL job refits one plan thousands of times."""
-
-
-def _schedule(plan: Any, mine: Any, checked: ExecuteOptions, rank: int, world: int) -> _Schedule:
-    """This rank's schedule, made once per plan part and options: the part is the plan's own object, kept while
-    the plan lives (``for_rank``), and a schedule costs milliseconds that need not be spent again."""
+def _schedule(
+    session: RefitSession, plan: RefitPlan, mine: RankRefit, checked: ExecuteOptions, rank: int, world: int
+) -> Schedule:
+    """This rank's schedule, made once per plan part and options and kept in ``session``: the part is the plan's
+    own object, kept while the plan lives (``for_rank``), and a schedule costs milliseconds that need not be spent
+    again."""
     staged = _all_tensors(plan) if checked.delta else _converting(plan)
     options = (rank, world, checked.bucket_bytes, checked.max_ops, staged)
-    if not (_last_schedule and _last_schedule[0].mine is mine and _last_schedule[0].options == options):
+    last = session.schedule
+    if last is None or last.mine is not mine or last.options != options:
         shapes = _global_shapes(plan.manifest, mine)
-        _last_schedule[:] = [_Schedule(mine, options, rank_batches(mine, *options[:4], shapes, options[4]))]
-    return _last_schedule[0]
+        last = session.schedule = Schedule(mine, options, rank_batches(mine, *options[:4], shapes, options[4]))
+    return last
 
 
-def _converting(plan: Any) -> frozenset[str]:
+def _converting(plan: RefitPlan) -> frozenset[str]:
     """The tensors whose messages are cast on the way (at one end or the other): staged, never in place."""
     return frozenset(tensor.name for tensor in plan.manifest if tensor.to_dtype is not None)
 
 
-def _all_tensors(plan: Any) -> frozenset[str]:
+def _all_tensors(plan: RefitPlan) -> frozenset[str]:
     """Every tensor of the plan: a delta refit may stage any message (an encoded one cannot travel in place)."""
     return frozenset(tensor.name for tensor in plan.manifest)
 
 
-def _delta_session(options: ExecuteOptions, destinations: Mapping[str, torch.Tensor]) -> DeltaSession | None:
-    """A delta refit's part on this rank: the version each destination tensor holds intact (None: none to build
-    a delta on: never written, partly overwritten by a failed refit, or a new process)."""
+def _delta_session(session: RefitSession, options: ExecuteOptions, dense: Plain) -> DeltaSession | None:
+    """A delta refit's part on this rank, its dense pieces moved by ``dense``: the version each destination tensor
+    holds intact (None: none to build a delta on: never written, partly overwritten by a failed refit, or a new
+    process)."""
     if not options.delta:
         return None
-    held = {name: held_version({name: tensor}) for name, tensor in destinations.items()}
+    held = {name: session.held_version({name: tensor}) for name, tensor in dense.destinations.items()}
     versions = {name: h.version if h is not None and h.intact else None for name, h in held.items()}
-    return DeltaSession(bases_held(versions, destinations), destinations, options.anchor, options.delta_checksum)
+    return DeltaSession(
+        session.bases_held(versions, dense.destinations), dense, session, options.anchor, options.delta_checksum
+    )
 
 
-def _require_world(group: RefitGroup | None) -> tuple[int, int, Party, str, Any]:
+def _require_world(group: RefitGroup | None) -> tuple[int, int, Party, str, ProcessGroup | None]:
     """Where the refit runs: this rank, the ranks there, the party that agrees, the collective library and the
     process group to post on (None: the default one); raises before any meeting when there is none to meet in."""
     import_torch()
@@ -415,7 +425,7 @@ def _as_input_error(rank: int, error: BaseException) -> BaseException:
     return RefitInputError(text if text.startswith(f"rank {rank}:") else f"rank {rank}: {text}", (rank,))
 
 
-def _terms(plan: Any, options: ExecuteOptions) -> RefitTerms:
+def _terms(plan: RefitPlan, options: ExecuteOptions) -> RefitTerms:
     fingerprint = plan.fingerprint()
     return RefitTerms(
         fingerprint["layout"],
@@ -432,7 +442,7 @@ def _terms(plan: Any, options: ExecuteOptions) -> RefitTerms:
     )
 
 
-def _agree(party: Party, rank: int, terms: RefitTerms, schedule: _Schedule, amax: list[Any], wait: timedelta) -> int:
+def _agree(party: Party, rank: int, terms: RefitTerms, schedule: Schedule, amax: list[Batch], wait: timedelta) -> int:
     """The refit's first meeting; returns its epoch. Besides the terms, it sums every rank's tally of its messages
     (``schedule``'s and ``amax``'s, the partial-amax exchange's): not 0, some message is seen by one end only or
     differently (the parts of one plan disagree).
@@ -457,7 +467,7 @@ def _agree(party: Party, rank: int, terms: RefitTerms, schedule: _Schedule, amax
     return outcome.epoch
 
 
-def _unpaired(party: Party, rank: int, epoch: int, batches: list[Any], wait: timedelta) -> None:
+def _unpaired(party: Party, rank: int, epoch: int, batches: list[Batch], wait: timedelta) -> None:
     """The parts of the plan disagree somewhere: every rank leaves a note of its pairs and reads its peers'; the
     ends of each pair that disagrees name it (at least one of them knows of the pair), and every rank hears them.
 
@@ -490,15 +500,11 @@ def _unpaired(party: Party, rank: int, epoch: int, batches: list[Any], wait: tim
 # ----------------------------------------------------------------------------- tensors
 
 
-_DEVICES = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
-"""The device each collective library moves tensors on."""
-
-
 def _checked_tensors(
     rank: int,
     backend: str,
-    mine: Any,
-    plan: Any,
+    mine: RankRefit,
+    plan: RefitPlan,
     sources: Mapping[str, Any],
     destinations: Mapping[str, Any],
     conversion: Conversion | None = None,
@@ -575,7 +581,7 @@ def _known(spec_of: Callable[[str], Any], name: str) -> bool:
 def _device_problems(tensors: Mapping[str, Any], backend: str) -> list[str]:
     """Every tensor on one device, and one the refit's collective library (``backend``) moves."""
     devices = {str(getattr(t, "device", "?")).split(":")[0] for t in tensors.values() if hasattr(t, "device")}
-    served = {device for name, device in _DEVICES.items() if name in backend}
+    served = {device for name, device in COLLECTIVE_DEVICES.items() if name in backend}
     if len(devices) > 1:
         return [f"tensors are on several devices ({', '.join(sorted(devices))}): put sources and destinations on one"]
     if devices and served and not devices <= served:
@@ -589,7 +595,7 @@ def _device_problems(tensors: Mapping[str, Any], backend: str) -> list[str]:
 # ----------------------------------------------------------------------------- the exchange and its end
 
 
-def _run(exchange: Exchange, stats: TransferStats) -> None:
+def _run(exchange: Exchange, stats: TransferStats, delta: DeltaSession | None) -> None:
     """Allocate the staging buffer and run the exchange (local copies while the first batch is on the wire)."""
     import torch
 
@@ -603,7 +609,6 @@ def _run(exchange: Exchange, stats: TransferStats) -> None:
         exchange.run()
     stats.bytes_sent, stats.bytes_received = exchange.bytes_sent, exchange.bytes_received
     stats.bytes_copied = exchange.bytes_copied
-    delta = exchange.delta
     stats.wire_bytes_sent = exchange.bytes_sent if delta is None else delta.wire_sent
     stats.wire_bytes_received = exchange.bytes_received if delta is None else delta.wire_received
     stats.batches = len(exchange.batches)
@@ -612,6 +617,7 @@ def _run(exchange: Exchange, stats: TransferStats) -> None:
 
 
 def _finish(
+    session: RefitSession,
     party: Party,
     exchange: Exchange,
     epoch: int,
@@ -636,13 +642,12 @@ def _finish(
         meet(party, END, epoch, "end", wait, linger=True)
     except ShardcoreError as error:
         if destinations:  # only this call records versions, so they are still the ones held before the refit
-            previous = held_version(destinations)
+            previous = session.held_version(destinations)
             kept = HeldVersion(
                 None if previous is None else previous.version,
                 exchange.wrote is False and (previous is None or previous.intact),
             )
-            for tensor in destinations.values():
-                _held[_held_key(tensor)] = kept
+            session.hold(destinations, kept)
             intact = "" if kept.intact else ", partly overwritten: refit again before serving"
             error.args = (
                 f"{error.args[0]}; this rank's destinations keep version {kept.version}{intact}",
@@ -650,8 +655,7 @@ def _finish(
             )
         raise
     if version is not None:
-        for tensor in destinations.values():
-            _held[_held_key(tensor)] = HeldVersion(version, True)
+        session.hold(destinations, HeldVersion(version, True))
 
 
 def _own_fault(exchange: Exchange) -> BaseException | None:
@@ -679,7 +683,6 @@ __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_MAX_OPS",
     "ExecuteOptions",
-    "HeldVersion",
     "RefitTerms",
     "TransferStats",
     "Verify",

@@ -12,13 +12,14 @@ store, in the group's numbering.
 rank ``trainer_ranks + r``. A plan for the group is made over ``trainer_ranks + engine_ranks`` ranks with the
 trainer's shard first (``RefitRequest("...", "tp=2,pp=2,role=train + tp=2,dp=2", 0, (1,)).plan(group.size)``).
 
-**Joining.** Both jobs join a *round* on the store: each process claims its (side, rank) and brings the counts
-and backend it was given. The round completes when every rank of both jobs has claimed; it fails at once, on
-every rank in it, when a process brings other counts or another backend than the first (naming both), and a
-process that claims a (side, rank) someone else holds in the round is told so at once (a job started twice).
-Anyone left waiting at the timeout names the ranks that never came. A completed round is the group's
-*generation*: its process group and its agreement live under keys of their own, so a restarted engine and the
-trainer, connecting again, meet afresh, and the restarted engine's held version is None (a full refit).
+**Joining.** Both jobs join a *round* on the store, an admission of the agreement module (``agreement.admit``):
+each process claims its group rank, naming its (side, rank) and process, and brings the counts and backend it
+was given. The round completes when every rank of both jobs has claimed; it fails at once, on every rank in it,
+when a process brings other counts or another backend than the first (naming both), and a process that claims a
+(side, rank) someone else holds in the round is told so at once (a job started twice). Anyone left waiting at
+the timeout names the ranks that never came. A completed round is the group's *generation*: its process group
+and its agreement live under keys of their own, so a restarted engine and the trainer, connecting again, meet
+afresh, and the restarted engine's held version is None (a full refit).
 
 **One group per engine.** A second engine connects under another ``name``: its group is another, and a refit
 into it leaves the first engine's weights as they are.
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import os
 import socket
 import threading
@@ -36,28 +36,21 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from ...errors import RefitGroupError, RefitInputError, ShardcoreError
+from ...errors import RefitGroupError, RefitInputError
 from ...plan.arguments import DEFAULT_TIMEOUT, as_timedelta, shown, shown_ranks
 from ...version import __version__
-from ..agreement import GRACE, OPEN, Party, Purpose, arrive_failed, barrier
-from ..torch_state import OwnStore, dist, import_torch, store_call, store_in_background
+from ..agreement import OPEN, Party, Purpose, Terms, admit, arrive_failed, barrier
+from ..device import COLLECTIVE_DEVICES
+from ..torch_state import OwnStore, dist, import_torch
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Store
 
 Side = Literal["trainer", "engine"]
 SIDES: tuple[Side, ...] = ("trainer", "engine")
-BACKENDS = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
-"""The collective libraries a refit group runs on, and the device each moves tensors on."""
 FORMED = Purpose("refit group", "connect_refit", RefitGroupError)
-
-_served: dict[tuple[str, int], Any] = {}
-"""The stores this process serves, by address: kept for the process's life, so that a job that connects again
-(an engine restarted) finds the same store, and a group's close does not end it for the other job."""
-_open: dict[tuple[str, str], RefitGroup] = {}
-"""This process's open groups, by (store, name): a second connect to one is a job that joins twice."""
 
 
 @dataclass(eq=False)
@@ -136,7 +129,7 @@ class RefitGroup:
         After a refit that lost a rank, close it and connect again: the lost rank's connections are gone."""
         if self.process_group is None:  # closed already
             return
-        _open.pop((self.address, self.name), None)
+        _connections.open.pop((self.address, self.name), None)
         shutdown = getattr(self.process_group, "shutdown", None)
         self.process_group = None
         if callable(shutdown) and self.backend != "gloo":  # gloo's ends with its object
@@ -145,14 +138,25 @@ class RefitGroup:
         self._store.close()
 
 
-def _close_open_groups() -> None:
-    """At exit, while the interpreter lives: close the groups the caller left open, so that no gloo thread of
-    theirs outlives it (one that does can abort the process at shutdown: see ``torch_state.world_token``)."""
-    for group in list(_open.values()):
-        group.close()
+class _Connections:
+    """What this process keeps between connects: the stores it serves and the groups it has open."""
+
+    def __init__(self) -> None:
+        self.served: dict[tuple[str, int], Store] = {}
+        """The stores this process serves, by address: kept for the process's life, so that a job that connects
+        again (an engine restarted) finds the same store, and a group's close does not end it for the other job."""
+        self.open: dict[tuple[str, str], RefitGroup] = {}
+        """The open groups, by (store, name): a second connect to one is a job that joins twice."""
+
+    def close_all(self) -> None:
+        """At exit, while the interpreter lives: close the groups the caller left open, so that no gloo thread of
+        theirs outlives it (one that does can abort the process at shutdown: see ``torch_state.world_token``)."""
+        for group in list(self.open.values()):
+            group.close()
 
 
-atexit.register(_close_open_groups)
+_connections = _Connections()
+atexit.register(_connections.close_all)
 
 
 def connect_refit(
@@ -192,8 +196,8 @@ def connect_refit(
     import_torch()
     where = address if isinstance(address, str) else _store_text(address)
     group_rank = rank if side == "trainer" else trainer_ranks + rank
-    if (where, name) in _open:
-        held = _open[(where, name)]
+    if (where, name) in _connections.open:
+        held = _connections.open[(where, name)]
         raise RefitGroupError(
             f"{side} rank {rank}: this process already joined refit group {shown(name)} at {where} as {held.side} rank "
             f"{held.job_rank} (generation {held.generation}); a job joins once: close() that group before connecting "
@@ -203,9 +207,9 @@ def connect_refit(
     _device_ready(backend)
     store, host = _store(address, side == "trainer" and rank == 0 if serve is None else serve, serve is None, wait)
     own = OwnStore(store, group_rank, host)
-    claim = _Claim(side, rank, trainer_ranks, engine_ranks, backend, f"shardcore {__version__}", _whoami())
+    terms = _Terms(trainer_ranks, engine_ranks, backend, f"shardcore {__version__}")
     try:
-        generation = _join(own, name, claim, wait)
+        generation = _join(own, name, side, rank, terms, wait)
         scope = f"refit-group/{name}/{generation}"
         trainer, engine = range(trainer_ranks), range(trainer_ranks, trainer_ranks + engine_ranks)
         title = (
@@ -238,7 +242,7 @@ def connect_refit(
         time.monotonic() - started,
         own,
     )
-    _open[(where, name)] = group
+    _connections.open[(where, name)] = group
     return group
 
 
@@ -261,8 +265,8 @@ def _checked(
             f"{side} rank {shown(rank)}: expected 0 to {mine - 1} ({side}_ranks is {mine}); pass the rank of this "
             "process in its own job"
         )
-    if backend not in BACKENDS:
-        raise RefitInputError(f"backend {shown(backend)}: expected one of {', '.join(BACKENDS)}")
+    if backend not in COLLECTIVE_DEVICES:
+        raise RefitInputError(f"backend {shown(backend)}: expected one of {', '.join(COLLECTIVE_DEVICES)}")
     if not name or "/" in name or not name.isprintable():
         raise RefitInputError(f"name {shown(name)}: expected a non-empty name without '/'")
     return as_timedelta(timeout or DEFAULT_TIMEOUT)
@@ -286,8 +290,8 @@ def _device_ready(backend: str) -> None:
     here = {"gloo": True, "nccl": torch.cuda.is_available(), "hccl": hasattr(torch, "npu") and torch.npu.is_available()}
     if not here[backend]:
         raise RefitInputError(
-            f"backend {shown(backend)} moves {BACKENDS[backend]} tensors, and this process has no {BACKENDS[backend]} "
-            "device: use backend='gloo' (CPU tensors) or run where the device is"
+            f"backend {shown(backend)} moves {COLLECTIVE_DEVICES[backend]} tensors, and this process has no "
+            f"{COLLECTIVE_DEVICES[backend]} device: use backend='gloo' (CPU tensors) or run where the device is"
         )
 
 
@@ -306,14 +310,15 @@ def _store(address: str | Store, serve: bool, by_trainer: bool, wait: timedelta)
     port = int(port_text)
     torch_dist = dist()
     if serve:
-        if (host, port) not in _served:
+        served = _connections.served
+        if (host, port) not in served:
             try:
-                _served[(host, port)] = torch_dist.TCPStore(host, port, None, True, wait, wait_for_workers=False)
+                served[(host, port)] = torch_dist.TCPStore(host, port, None, True, wait, wait_for_workers=False)
             except Exception as error:
                 raise RefitGroupError(
                     f"cannot serve the refit group's store at {address}: {_first_line(error)}; pick a free port"
                 ) from None
-        return _served[(host, port)], f"this process's store at {address}"
+        return served[(host, port)], f"this process's store at {address}"
     box: dict[str, Any] = {}
 
     def reach() -> None:
@@ -338,145 +343,67 @@ def _store(address: str | Store, serve: bool, by_trainer: bool, wait: timedelta)
 
 
 @dataclass(frozen=True)
-class _Claim:
-    """What one process brings to a join round: who it is, and the terms both jobs must share."""
+class _Terms(Terms):
+    """What every process of both jobs brings alike to join: the counts (the group's size), backend and software."""
 
-    side: str
-    rank: int
+    KIND: ClassVar[str] = "refit-group"
     trainer_ranks: int
     engine_ranks: int
     backend: str
     software: str
-    who: str
-
-    TERMS = ("trainer_ranks", "engine_ranks", "backend", "software")
-
-    def encode(self) -> str:
-        return json.dumps(self.__dict__, sort_keys=True)
-
-    @classmethod
-    def decode(cls, text: str) -> _Claim:
-        return cls(**json.loads(text))
-
-    def differing(self, other: _Claim) -> str:
-        """The terms in which this claim differs from ``other``, as ``name=value`` (this claim's values)."""
-        return ", ".join(f"{n}={getattr(self, n)!r}" for n in self.TERMS if getattr(self, n) != getattr(other, n))
-
-    def title(self) -> str:
-        return f"{self.side} rank {self.rank} ({self.who})"
 
 
 def _whoami() -> str:
     return f"pid {os.getpid()} on {socket.gethostname()}"
 
 
-def _join(own: OwnStore, name: str, claim: _Claim, wait: timedelta) -> int:
-    """Join this name's current round on the store; returns the round (the group's generation) once every
-    process of both jobs has claimed its rank.
+def _join(own: OwnStore, name: str, side: str, rank: int, terms: _Terms, wait: timedelta) -> int:
+    """Join this name's current round on the store (an admission: ``agreement.admit``); returns the round (the
+    group's generation) once every process of both jobs has claimed its rank.
 
     Raises:
-        RefitGroupError: the round failed (other terms, a rank claimed twice, processes that never came).
+        RefitGroupError: the round failed (other terms, a rank claimed twice, processes that never came), or the
+            store stopped answering.
     """
-    base = f"shardcore/join/{name}/"
-    size = claim.trainer_ranks + claim.engine_ranks
-    seconds = wait.total_seconds()
-    deadline = time.monotonic() + seconds
-    mine = claim.encode()
-
-    def attend(store: Store) -> tuple[str, int, list[str]]:
-        number = store.add(f"{base}round", 0)
-        prefix = f"{base}{number}/"
-        while store.check([f"{prefix}result"]):  # decided already: over, or failed on other terms
-            failed = store.get(f"{prefix}result").decode()
-            if failed.startswith("conflict:") and time.time() < float(failed.split(":")[1]):
-                return failed, number, []  # a latecomer of the jobs that disagreed: told the same
-            store.compare_set(f"{base}round", str(number), str(number + 1))
-            number = store.add(f"{base}round", 0)
-            prefix = f"{base}{number}/"
-        first = store.compare_set(f"{prefix}terms", "", mine).decode()
-        if _Claim.decode(first).differing(claim):
-            reference = _Claim.decode(first)
-            message = (
-                f"{claim.title()} brings {claim.differing(reference)} but {reference.title()} brought "
-                f"{reference.differing(claim)}"
-            )
-            until = time.time() + seconds  # latecomers of these jobs hear of it until then; later, a new round
-            return store.compare_set(f"{prefix}result", "", f"conflict:{until}:{message}").decode(), number, []
-        key = f"{prefix}member/{claim.side}/{claim.rank}"
-        held = store.compare_set(key, "", mine).decode()
-        if held != mine:
-            return f"twice:{_Claim.decode(held).title()}", number, []
-        store.append(f"{prefix}members", f"{key},")  # type: ignore[attr-defined]  # not in torch's stubs
-        if store.add(f"{prefix}count", 1) == size:
-            _end(store, base, number, "complete")
-        outcome = _outcome(store, f"{prefix}result", deadline) or _end(store, base, number, "timeout")
-        missing = []
-        if outcome == "timeout":
-            for side, count in zip(SIDES, (claim.trainer_ranks, claim.engine_ranks)):
-                absent = [r for r in range(count) if not store.check([f"{prefix}member/{side}/{r}"])]
-                missing += [f"{side} ranks {shown_ranks(absent)}"] if absent else []
-        return outcome, number, missing
-
-    def failed(message: str) -> ShardcoreError:
-        return RefitGroupError(message, (own.rank,))
-
-    outcome, number, missing = store_call(attend, seconds + GRACE, f"joining refit group {shown(name)}", failed, on=own)
-    where = f"refit group {shown(name)} at {own.host} (round {number})"
-    if outcome.startswith("conflict:"):
+    trainer_ranks, engine_ranks = terms.trainer_ranks, terms.engine_ranks
+    party = Party(f"join/{name}", range(trainer_ranks + engine_ranks), None, own, f"of refit group {shown(name)}")
+    me = f"{side} rank {rank} ({_whoami()})"
+    admission = admit(party, FORMED, terms.encode(), me, wait)
+    where = f"refit group {shown(name)} at {own.host} (round {admission.epoch})"
+    if admission.conflict is not None:
+        (claimant, brought), (first, reference) = admission.conflict
         raise RefitGroupError(
-            f"{claim.side} rank {claim.rank}: the jobs disagree on {where}: {outcome.split(':', 2)[2]}; both jobs "
-            "must pass connect_refit the same trainer_ranks, engine_ranks and backend (and run one shardcore)"
+            f"{side} rank {rank}: the jobs disagree on {where}: {claimant} brings {_against(brought, reference)} but "
+            f"{first} brought {_against(reference, brought)}; both jobs must pass connect_refit the same "
+            "trainer_ranks, engine_ranks and backend (and run one shardcore)"
         )
-    if outcome.startswith("twice:"):
+    if admission.holder is not None:
         raise RefitGroupError(
-            f"{claim.title()}: joined {where} twice: {outcome.partition(':')[2]} already holds {claim.side} rank "
-            f"{claim.rank}; each rank of a job joins once (is the {claim.side} job started twice, or the rank wrong?)",
+            f"{me}: joined {where} twice: {admission.holder} already holds {side} rank {rank}; each rank of a job "
+            f"joins once (is the {side} job started twice, or the rank wrong?)",
             (own.rank,),
         )
-    if outcome != "complete":
-        came = "; ".join(missing) or "none"
-        raise RefitGroupError(
-            f"{claim.side} rank {claim.rank}: {came} did not join {where} within {seconds:g}s; every process of "
-            f"both jobs ({claim.trainer_ranks} trainer, {claim.engine_ranks} engine) must call connect_refit with "
-            "this name and address (is one job not started, or given another address or name?)"
+    if not admission.complete:
+        absent = (
+            ("trainer", [r for r in admission.missing if r < trainer_ranks]),
+            ("engine", [r - trainer_ranks for r in admission.missing if r >= trainer_ranks]),
         )
-    if number:
-        store_in_background(lambda store: _forget(store, f"{base}{number - 1}/"), on=own)
-    return number
+        came = "; ".join(f"{job} ranks {shown_ranks(ranks)}" for job, ranks in absent if ranks) or "none"
+        raise RefitGroupError(
+            f"{side} rank {rank}: {came} did not join {where} within {wait.total_seconds():g}s; every process of "
+            f"both jobs ({trainer_ranks} trainer, {engine_ranks} engine) must call connect_refit with this name and "
+            "address (is one job not started, or given another address or name?)"
+        )
+    return admission.epoch
 
 
-POLL = 0.5
-"""Seconds one wait for a round's outcome lasts before it looks again (see ``_outcome``)."""
-
-
-def _outcome(store: Store, key: str, deadline: float) -> str | None:
-    """The round's outcome once written, or None at ``deadline``. Waited for in slices of ``POLL`` seconds,
-    each followed by a plain look: a reconnecting job once saw one long wait outlast a key set meanwhile
-    (2 runs in about 10 on this machine, not explained), which a slice bounds to ``POLL``."""
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            store.set_timeout(timedelta(seconds=max(0.001, min(POLL, left))))
-            return store.get(key).decode()
-        except dist().DistStoreError:
-            if store.check([key]):
-                return store.get(key).decode()
-    return None
-
-
-def _end(store: Store, base: str, number: int, outcome: str) -> str:
-    """Decide a round (unless someone did): move the round on first, so that a process that reads the round
-    after it is over starts the next one, then write the outcome once; returns the outcome written."""
-    store.compare_set(f"{base}round", str(number), str(number + 1))
-    return store.compare_set(f"{base}{number}/result", "", outcome).decode()
-
-
-def _forget(store: Store, prefix: str) -> None:
-    """Delete an earlier round's keys (run by everyone: deleting a deleted key is a no-op)."""
-    if store.check([f"{prefix}members"]):
-        for key in filter(None, store.get(f"{prefix}members").decode().split(",")):
-            store.delete_key(key)
-    for key in ("terms", "members", "count", "result"):
-        store.delete_key(f"{prefix}{key}")
+def _against(text: str, other: str) -> str:
+    """The terms in ``text`` that differ from those in ``other``, as ``name=value`` (whole, if another shardcore
+    encodes them otherwise)."""
+    mine, theirs = _Terms.decode(text), _Terms.decode(other)
+    if mine is None or theirs is None:
+        return text
+    return ", ".join(f"{name}={getattr(mine, name)!r}" for name in mine.differing([theirs]))
 
 
 # ----------------------------------------------------------------------------- the process group
@@ -517,4 +444,4 @@ def _first_line(error: BaseException) -> str:
     return (text.splitlines()[0] if text else type(error).__name__)[:200]
 
 
-__all__ = ["BACKENDS", "RefitGroup", "connect_refit"]
+__all__ = ["RefitGroup", "connect_refit"]

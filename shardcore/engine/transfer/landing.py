@@ -27,17 +27,23 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from math import prod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .convert import block_amax, quantize, scale_inv_of
+from .pieces import Plain
 
 if TYPE_CHECKING:
     import torch
 
+    from ...refit.part import RankRefit
+    from ...refit.plan import RefitPlan
+    from ...refit.schedule import Piece
+
 
 @dataclass
-class Landing:
-    """One rank's destination tensors quantized on landing, in one refit.
+class Landing(Plain):
+    """One rank's pieces in a refit that quantizes destination tensors on landing: moved as ``Plain`` ones are,
+    but a converting tensor's pieces land in its staging copy (``written``), never in place.
 
     Attributes:
         destinations: The rank's destination tensors (the fp8 weights and their scale tensors).
@@ -47,7 +53,6 @@ class Landing:
         peak_bytes: The most bytes of staging held at once.
     """
 
-    destinations: Mapping[str, torch.Tensor]
     dtypes: dict[str, torch.dtype]
     pending: dict[str, int]
     staging: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -56,9 +61,16 @@ class Landing:
     peak_bytes: int = 0
 
     @classmethod
-    def of(cls, plan: Any, mine: Any, destinations: Mapping[str, torch.Tensor]) -> Landing | None:
-        """This rank's landing in ``plan`` (``mine`` its part), or None when it quantizes nothing on landing (a
-        plan between Megatron shards quantizes on its senders: ``transfer.convert``)."""
+    def of(
+        cls,
+        plan: RefitPlan,
+        mine: RankRefit,
+        sources: dict[str, torch.Tensor],
+        destinations: Mapping[str, torch.Tensor],
+    ) -> Landing | None:
+        """This rank's pieces in ``plan`` (``mine`` its part, ``sources`` and ``destinations`` its tensors), or None
+        when it quantizes nothing on landing (a plan between Megatron shards quantizes on its senders:
+        ``transfer.convert``)."""
         import torch
 
         placement = next((p for p in plan.destination_placements if mine.rank in p.ranks), None)
@@ -74,13 +86,20 @@ class Landing:
             if transfer.destination in pending:
                 pending[transfer.destination] += prod(stop - start for start, stop in transfer.box)
         dtypes = {name: getattr(torch, spec.dtype) for name, spec in converting.items()}
-        return cls(destinations, dtypes, pending)
+        return cls(sources=sources, destinations=destinations, dtypes=dtypes, pending=pending)
 
     def __contains__(self, name: object) -> bool:
         return name in self.pending
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """The staging copy of converting tensor ``name``, allocated (zero-filled) when first asked for."""
+    def in_place(self, piece: Piece, send: bool) -> bool:
+        """A converting tensor's pieces land in its staging copy, allocated when its first piece lands."""
+        return send or piece.destination not in self.pending
+
+    def written(self, name: str) -> torch.Tensor:
+        """The tensor the pieces of destination ``name`` land in: a converting one's staging copy, allocated
+        (zero-filled) when first asked for."""
+        if name not in self.pending:
+            return self.destinations[name]
         found = self.staging.get(name)
         if found is None:
             import torch
@@ -94,6 +113,8 @@ class Landing:
     def landed(self, name: str, elements: int) -> None:
         """``elements`` of ``name`` have landed in its staging copy (or been packed for a forward): once none is
         left, quantize it into its destination."""
+        if name not in self.pending:
+            return
         self.pending[name] -= elements
         if self.pending[name] == 0:
             self._quantize(name)
@@ -106,7 +127,7 @@ class Landing:
 
     def _quantize(self, name: str) -> None:
         """The fp8 weight and its block scales from the staging copy, which is freed."""
-        values = self.tensor(name)
+        values = self.written(name)
         scale_inv = scale_inv_of(block_amax(values))
         self.destinations[f"{name}_scale_inv"].copy_(scale_inv)
         self.destinations[name].copy_(quantize(values, scale_inv, (0,) * values.dim()))

@@ -1,0 +1,177 @@
+"""Plain transfers: a rank's pieces copied from its tensors into a message's bytes, and from a message into its
+tensors, as they are.
+
+The exchange (``transfer.exchange``) posts bytes; what the bytes of a message are, and where a received one
+lands, is its codec's (``exchange.Codec``). This plain one is what the others build on: a converting refit's
+(``transfer.convert.Conversion``: cast or quantized on the way), fp8 through a layout
+(``transfer.landing.Landing``: quantized once landed) and a delta refit's (``transfer.delta.DeltaSession``: each
+piece as its changes since the version its receiver holds, dense pieces through a plain or converting codec).
+A subclass changes a piece's wire dtype and what is sent of it (``wire_dtype``, ``outgoing``), or the tensor a
+piece lands in and what happens once it has (``written``, ``landed``, ``finish``); the copies stay here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar
+
+from ...refit.boxes import fitted
+from ...refit.schedule import Message, Piece
+from .exchange import Exchange, Place
+
+if TYPE_CHECKING:
+    import torch
+
+    from ...refit.part import Transfer
+
+
+def view_of(tensor: torch.Tensor, offset: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    """The box of ``shape`` at ``offset`` in ``tensor``; through a weight map the tensor may have unit dims more
+    or fewer than the box on the left (``boxes.fitted``), and the view has the tensor's."""
+    return tensor[tuple(slice(o, o + n) for o, n in zip(offset, fitted(shape, len(offset))))]
+
+
+@dataclass(kw_only=True)
+class Plain:
+    """One rank's pieces in one refit, moved as they are: its source tensors (a converting refit adds the scale
+    tensors it computes) and its destination tensors, written in place.
+
+    Attributes:
+        sources: Tensor name -> this rank's local source tensor.
+        destinations: Tensor name -> this rank's local destination tensor.
+    """
+
+    sources: dict[str, torch.Tensor] = field(default_factory=dict)
+    destinations: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+    encodes: ClassVar[bool] = False
+    """Whether a data message's bytes are an encoding (a delta refit's), never its pieces in place."""
+
+    @property
+    def device(self) -> torch.device | str:
+        """The device of this rank's tensors (what staging and headers are allocated on)."""
+        tensors = [*self.sources.values(), *self.destinations.values()]
+        return tensors[0].device if tensors else "cpu"
+
+    # -- what a subclass changes ---------------------------------------------------------------------
+
+    def wire_dtype(self, name: str, default: torch.dtype) -> torch.dtype:
+        """The dtype tensor ``name``'s pieces travel in, ``default`` being its tensor's."""
+        return default
+
+    def outgoing(self, name: str, view: torch.Tensor, offset: tuple[int, ...]) -> torch.Tensor:
+        """What to copy into the wire (or a local destination) for ``view``, the box at ``offset`` of the local
+        source tensor ``name``: the view itself (the copy into the wire's dtype casts it)."""
+        return view
+
+    def in_place(self, piece: Piece, send: bool) -> bool:
+        """Whether ``piece`` can go from the source tensor (``send``) or into the destination as it is there."""
+        return True
+
+    def written(self, name: str) -> torch.Tensor:
+        """The tensor the pieces of destination ``name`` land in (and a relay forwards from)."""
+        return self.destinations[name]
+
+    def landed(self, name: str, elements: int) -> None:
+        """``elements`` of destination ``name`` landed (or were packed for a forward)."""
+
+    def finish(self) -> None:
+        """Every message has landed."""
+
+    # -- what the exchange calls ---------------------------------------------------------------------
+
+    def learn(self, exchange: Exchange, messages: list[Message]) -> None:
+        """Before a batch is bound: what this rank must hear from its peers first (nothing, when plain)."""
+
+    def declare(
+        self, exchange: Exchange, messages: list[Message], wires: list[tuple[torch.Tensor, bool]]
+    ) -> list[tuple[torch.Tensor, bool]]:
+        """Once a batch is bound: what this rank must tell its peers before the data (nothing, when plain); returns
+        the batch's wires."""
+        return wires
+
+    def pack(self, exchange: Exchange, message: Message, wire: torch.Tensor, staged: bool) -> torch.Tensor:
+        """A send's bytes: its pieces copied into its slot ``wire`` when ``staged`` (else ``wire`` is the pieces'
+        own bytes, travelling in place)."""
+        if staged:
+            self.pack_pieces(message, wire)
+        return wire
+
+    def unsent(self, message: Message) -> None:
+        """A send this rank does not pack (it drains: its peers never read it)."""
+
+    def unpack(self, message: Message, wire: torch.Tensor, staged: bool) -> list[str]:
+        """Write a received message into the destinations (a staged one; one in place is there already); returns
+        what is wrong with it (nothing, when plain: its size and checksum are the exchange's to check)."""
+        if staged:
+            for piece, offset in message.pieces:
+                target = self.target_of(piece)
+                dtype = self.wire_dtype(piece.tensor, target.dtype)
+                target.copy_(wire[offset : offset + piece.nbytes].view(dtype).view(target.shape))
+                self.landed(piece.destination, target.numel())
+        return []
+
+    def expected_bytes(self, message: Message) -> int | None:
+        """The size a received message must have (None: unknown, so wrong)."""
+        return message.nbytes
+
+    def copy(self, transfer: Transfer) -> None:
+        """A piece this rank holds on both sides, copied from its source tensor into its destination."""
+        shape = tuple(stop - start for start, stop in transfer.box)
+        offset = tuple(transfer.src_offset)
+        source = self.outgoing(transfer.tensor, view_of(self.sources[transfer.tensor], offset, shape), offset)
+        target = view_of(self.written(transfer.destination), tuple(transfer.dst_offset), shape)
+        target.copy_(source.reshape(target.shape))
+        self.landed(transfer.destination, target.numel())
+
+    def place(self, message: Message) -> Place | None:
+        """Where a one-piece message's slice of its tensor lies, if contiguous and moved as it is (None: staged)."""
+        if len(message.pieces) != 1:
+            return None
+        piece = message.pieces[0][0]
+        reads_source = message.send and not message.hop  # a relay's forward reads its destination
+        if not self.in_place(piece, reads_source):  # cast on the way, or landing in a staging copy
+            return None
+        name = self.name_of(message, piece)
+        tensor = (self.sources if reads_source else self.destinations).get(name)
+        if tensor is None:  # a scale this rank never computed: it drains, and the message is never read
+            return None
+        view = view_of(tensor, piece.src_offset if message.send else piece.dst_offset, piece.shape)
+        if not view.is_contiguous():
+            return None
+        start = view.data_ptr() - tensor.data_ptr()
+        return reads_source, name, start, start + view.numel() * view.element_size()
+
+    # -- pieces --------------------------------------------------------------------------------------
+
+    def pack_pieces(self, message: Message, wire: torch.Tensor) -> None:
+        """Copy a send's pieces, in the wire's dtype, to their offsets in ``wire``."""
+        for piece, offset in message.pieces:
+            name = self.name_of(message, piece)
+            view = view_of(self.written(name) if message.hop else self.sources[name], piece.src_offset, piece.shape)
+            dtype = self.wire_dtype(piece.tensor, view.dtype)
+            if not message.hop:  # a relay forwards its destination's bytes, already converted
+                view = self.outgoing(piece.tensor, view, piece.src_offset)
+            wire[offset : offset + piece.nbytes].view(dtype).view(view.shape).copy_(view)
+            if message.hop:  # a forward of a staging copy has read it
+                self.landed(name, view.numel())
+
+    def piece_dtype(self, message: Message, piece: Piece) -> torch.dtype:
+        """The dtype a piece of ``message`` travels in (its tensor's, or a converting refit's wire dtype)."""
+        name = self.name_of(message, piece)
+        tensor = self.sources[name] if message.send and not message.hop else self.written(name)
+        return self.wire_dtype(piece.tensor, tensor.dtype)
+
+    def target_of(self, piece: Piece) -> torch.Tensor:
+        """The box of this rank's destination tensor a received piece lands in."""
+        return view_of(self.written(piece.destination), piece.dst_offset, piece.shape)
+
+    @staticmethod
+    def name_of(message: Message, piece: Piece) -> str:
+        """The local tensor ``message`` reads or writes ``piece`` in: its source tensor for a send from the
+        sources, else the destination's (another one through a weight map)."""
+        return piece.tensor if message.send and not message.hop else piece.destination
+
+
+__all__ = ["Plain", "view_of"]

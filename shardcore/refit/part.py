@@ -1,0 +1,220 @@
+"""A rank's part of a refit plan, and the one order of its transfers.
+
+A part (``RankRefit``) is what one rank sends, receives and copies, as ``Transfer``s in one order
+(``transfer_order``): both ends of a pair list the transfers between them alike, so each end cuts the same
+messages from them (``schedule.py``). The plan (``plan.py``) finds a rank's transfers tile by tile, in no order
+that helps; ``PartBuilder`` puts them in the part's order once they are all found.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from itertools import pairwise
+from operator import attrgetter
+from typing import Any, NamedTuple
+
+from .boxes import Box, fitted, from_fields
+from .manifest import Manifest, TensorSpec
+from .worklines import Tile
+
+
+class Transfer(NamedTuple):
+    """One dense box of one tensor, moved (or copied, when src == dst) from a source rank to a destination rank.
+
+    The box lies inside one packed block, so it is one dense box in both ranks' local tensors. A named tuple,
+    ordered field by field: a rank's part holds tens of thousands, and a tuple is made in a fraction of the time a
+    frozen dataclass takes (``boxes.from_fields`` makes them without even the keyword handling).
+
+    Attributes:
+        tensor: The tensor's name in the manifest.
+        src: Source rank (holds the box in the source layout).
+        dst: Destination rank (must hold the box in the destination layout).
+        box: Global [start, stop) per dim.
+        src_offset: Where the box starts in the source rank's local tensor, per dim.
+        dst_offset: Where the box starts in the destination rank's local tensor, per dim.
+        bytes: Size of the box in bytes on the wire: in the narrower of the tensor's source and destination
+            dtypes (``TensorSpec.wire_dtype``).
+        hop: 0 when the bytes come from the sender's source tensor; 1 when a relay forwards them (fan-out):
+            they come from the relay's destination tensor (``src_offset`` is there), once its hop-0
+            receives have landed.
+        target: The destination's local tensor when a weight map puts the box in another tensor than
+            ``tensor`` (an engine's ``qkv_proj``); empty: ``tensor`` itself. ``dst_offset`` (and a forward's
+            ``src_offset``) are in that tensor's coordinates: its dims align with the box's from the right.
+    """
+
+    tensor: str
+    src: int
+    dst: int
+    box: Box
+    src_offset: tuple[int, ...]
+    dst_offset: tuple[int, ...]
+    bytes: int
+    hop: int = 0
+    target: str = ""
+
+    @property
+    def destination(self) -> str:
+        """The name of the destination's local tensor the box lands in."""
+        return self.target or self.tensor
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Extent of the box per dim."""
+        return tuple(stop - start for start, stop in self.box)
+
+    @property
+    def is_local(self) -> bool:
+        """A copy inside one rank: nothing crosses the wire."""
+        return self.src == self.dst
+
+    @property
+    def dst_box(self) -> Box:
+        """The box in the destination's own coordinates: [start, stop) per dim of the destination rank's local
+        tensor (``destination``: an engine's own ``qkv_proj`` through a weight map), where ``box`` is global."""
+        extents = fitted(self.shape, len(self.dst_offset))
+        return tuple((start, start + extent) for start, extent in zip(self.dst_offset, extents))
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form: tensor, src, dst, box ([start, stop] per dim), offsets and bytes."""
+        return {
+            "tensor": self.tensor,
+            "src": self.src,
+            "dst": self.dst,
+            "box": [list(pair) for pair in self.box],
+            "src_offset": list(self.src_offset),
+            "dst_offset": list(self.dst_offset),
+            "bytes": self.bytes,
+            "hop": self.hop,
+            **({"target": self.target} if self.target else {}),
+        }
+
+
+@dataclass(frozen=True)
+class RankRefit:
+    """One rank's part of a refit plan.
+
+    Each of ``sends``, ``recvs`` and ``copies`` is in the one order of a part (``transfer_order``: src, dst, tensor
+    position in the manifest, box, hop, target), so a sender's sends to a peer and that peer's receives from it come
+    in the same order.
+
+    Attributes:
+        rank: The global rank.
+        sends: Transfers with src == rank and dst != rank (with fan-out, a relay's forwards too: hop 1).
+        recvs: Transfers with dst == rank and src != rank.
+        copies: Transfers with src == dst == rank.
+        source_shapes: Local shape of every tensor the rank holds in the source layout, as the caller passes
+            them; the fp8 scale tensors it sends are not among them (the executor computes those).
+        destination_shapes: Local shape of every tensor the rank must hold in a destination layout.
+        source_dtypes: The dtype (torch's name, e.g. "bfloat16") of every tensor of ``source_shapes``: what
+            ``execute_refit`` checks a source tensor against.
+        destination_dtypes: The dtype of every tensor of ``destination_shapes`` (a converting refit's target
+            dtype; an engine's own through a weight map; float32 for the scale tensors it quantizes with).
+    """
+
+    rank: int
+    sends: tuple[Transfer, ...]
+    recvs: tuple[Transfer, ...]
+    copies: tuple[Transfer, ...]
+    source_shapes: dict[str, tuple[int, ...]]
+    destination_shapes: dict[str, tuple[int, ...]]
+    source_dtypes: dict[str, str] = field(default_factory=dict)
+    destination_dtypes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(t.bytes for t in self.sends)
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(t.bytes for t in self.recvs)
+
+    @property
+    def sources_read(self) -> set[str]:
+        """The tensors this rank reads from its source tensors: those it sends or copies at hop 0 (a relay's
+        forwards, hop 1, read its destinations)."""
+        return {t.tensor for t in (*self.sends, *self.copies) if not t.hop}
+
+
+def transfer_order(manifest: Manifest) -> Callable[[Transfer], tuple[Any, ...]]:
+    """The order of a rank's transfers (``RankRefit``), as a sort key over ``manifest``'s tensors: (src, dst, the
+    tensor's position in the manifest, box, hop, target), which no two transfers of a plan share. It is the one
+    order of a part: both ends of a pair list the messages between them in it, and whatever else lists a rank's
+    transfers (the partial amaxes of per-tensor scales, ``scales.py``) sorts by this key. ``PartBuilder`` evaluates it
+    faster, as one number and ties, and gives the same order."""
+    index = manifest.index
+    return lambda t: (t.src, t.dst, index(t.tensor), *_after_peers(t))
+
+
+class PartBuilder:
+    """One rank's transfers as they are found, put in the order of ``RankRefit`` at the end (``transfer_order``).
+    (src, dst, position, first row of the box) is one number, sorted as such; the few transfers sharing it (boxes
+    of one tensor between one pair that start on the same row) are ordered among themselves by the rest of the key."""
+
+    def __init__(self, world_size: int, tensors: Sequence[TensorSpec]) -> None:
+        self.transfers: list[Transfer] = []
+        self.pairs: list[int] = []  # (src, dst, position) of each transfer, as one number
+        self.world_size, self.specs, self.tensors = world_size, tensors, len(tensors)
+
+    def add(self, tile: Tile, src: int, dst: int) -> None:
+        """The whole of ``tile``, from ``src``'s source tensor (hop 0) to a needer of it (``dst``, of its slice)."""
+        position = tile.position
+        self.pairs.append((src * self.world_size + dst) * self.tensors + position)
+        self.transfers.append(
+            from_fields(
+                Transfer,
+                (
+                    self.specs[position].name,
+                    src,
+                    dst,
+                    tile.box,
+                    tile.src_offset,
+                    tile.dst_offset,
+                    tile.rows * tile.row_bytes,
+                    0,
+                    tile.target,
+                ),
+            )
+        )
+
+    def extend(self, position: int, transfers: Iterable[Transfer]) -> None:
+        """Transfers of tensor ``position``."""
+        for t in transfers:
+            self.pairs.append((t.src * self.world_size + t.dst) * self.tensors + position)
+            self.transfers.append(t)
+
+    def split(self, rank: int) -> tuple[tuple[Transfer, ...], tuple[Transfer, ...], tuple[Transfer, ...]]:
+        """The part's sends, receives and local copies, each in order. Every transfer of a rank's part has the rank
+        at one end, so those from it (sends and copies) lie together in the order, its copies together among them,
+        and every other one is a receive."""
+        transfers = self.transfers
+        firsts = [t.box[0][0] for t in transfers]
+        rows = max(firsts, default=0) + 1
+        keys = [pair * rows + first for pair, first in zip(self.pairs, firsts)]
+        order = sorted(range(len(keys)), key=keys.__getitem__)
+        ranked = [keys[i] for i in order]
+        ordered = [transfers[i] for i in order]
+        ties = [n for n, (a, b) in enumerate(pairwise(ranked), 1) if a == b]
+        n = 0
+        while n < len(ties):  # each stretch of transfers sharing their number, by (box, hop, target)
+            start, stop = ties[n] - 1, ties[n] + 1
+            n += 1
+            while n < len(ties) and ties[n] == stop:
+                stop, n = stop + 1, n + 1
+            ordered[start:stop] = sorted(ordered[start:stop], key=_after_peers)
+        span, pair = self.world_size * self.tensors, (rank * self.world_size + rank) * self.tensors
+        first, last = bisect_left(ranked, rank * span * rows), bisect_left(ranked, (rank + 1) * span * rows)
+        low, high = bisect_left(ranked, pair * rows), bisect_left(ranked, (pair + self.tensors) * rows)
+        return (
+            (*ordered[first:low], *ordered[high:last]),
+            (*ordered[:first], *ordered[last:]),
+            tuple(ordered[low:high]),
+        )
+
+
+_after_peers = attrgetter("box", "hop", "target")
+"""The order of one tensor's transfers between one pair of ranks (the end of ``transfer_order``'s key)."""
+
+
+__all__ = ["PartBuilder", "RankRefit", "Transfer", "transfer_order"]
