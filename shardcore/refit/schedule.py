@@ -4,7 +4,7 @@ Pure index math over one rank's part of a plan (``RankRefit``): no torch, no sto
 receiver derive every decision here from the transfers between them alone, so both ends of a
 message cut it alike, give it the same key and put it in the same batch.
 
-**Messages.** The transfers between two ranks are sorted and cut along their first dim to at most
+**Messages.** The transfers between two ranks, in the part's order, are cut along their first dim to at most
 ``cap`` bytes. A piece of ``SOLO_BYTES`` or more travels alone (then it can go straight from the
 source tensor and into the destination tensor where its slice is contiguous); smaller pieces are
 packed, in order, into messages of at most ``cap`` bytes. Each direction of a pair ends with a
@@ -184,11 +184,12 @@ def pieces_of(transfer: Any, cap: int) -> Iterator[Piece]:
 
 def pair_messages(transfers: Sequence[Any], cap: int) -> list[tuple[tuple[tuple[Piece, int], ...], int]]:
     """The messages of one direction of one pair, as both ends derive them: (pieces with their byte offsets,
-    message bytes). The cut depends on sizes alone, never on either side's strides."""
+    message bytes). ``transfers`` come in the part's one order (``part.transfer_order``), which both ends share, so
+    they are cut as they come, never re-sorted. The cut depends on sizes alone, never on either side's strides."""
     out: list[tuple[tuple[tuple[Piece, int], ...], int]] = []
     packed: list[tuple[Piece, int]] = []
     size = 0
-    for transfer in sorted(transfers):
+    for transfer in transfers:
         for piece in pieces_of(transfer, cap):
             if piece.nbytes >= SOLO_BYTES:
                 out.append((((piece, 0),), piece.nbytes))
