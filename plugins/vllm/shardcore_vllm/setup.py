@@ -66,7 +66,9 @@ class RefitSetup:
             names, its tp packing: ``shardcore_megatron.refit.model_tensors(model)``), or ``hf`` / ``hf-stacked``
             (a transformers model's ``state_dict()``, whole on every trainer rank: ``trainer_spec`` tp=1).
         name: The refit group's name on the store (another engine on the same address takes another).
-        backend: ``gloo`` (CPU), ``nccl`` (CUDA) or ``hccl`` (Ascend).
+        transport: The collective library the refit group runs on (``connect_refit``'s ``backend``): ``gloo``
+            (CPU), ``nccl`` (CUDA) or ``hccl`` (Ascend). Not ``backend``: in vLLM's init info that word is the
+            weight-transfer backend's name (``shardcore``).
         timeout: Seconds for joining and for each refit; a peer that dies is named within it.
         options: ``shardcore.ExecuteOptions`` fields (``bucket_bytes``, ``max_ops``, ``verify``), JSON-able.
     """
@@ -78,7 +80,7 @@ class RefitSetup:
     model: str | dict[str, Any]
     trainer_layout: str = "megatron"
     name: str = "refit"
-    backend: str = "gloo"
+    transport: str = "gloo"
     timeout: float = 300.0
     options: dict[str, Any] = field(default_factory=dict)
 
@@ -167,7 +169,7 @@ class RefitSetup:
             rank=rank,
             trainer_ranks=self.trainer_ranks,
             engine_ranks=self.engine_ranks() if engine_ranks is None else engine_ranks,
-            backend=self.backend,
+            backend=self.transport,
             name=self.name,
             timeout=self.timeout,
         )

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Self
 
 from shardcore import RefitGroup, TransferStats, execute_refit
@@ -142,32 +142,19 @@ def _vllm_classes() -> dict[str, Any]:
         return _made
     init_base, engine_base, source_base = _trainer_bases()
 
-    @dataclass
-    class ShardcoreTrainerInitInfo(init_base):  # type: ignore[misc, valid-type]
-        """vLLM's ``TrainerInitInfo`` for ``shardcore``: ``RefitSetup``'s fields, and ``rank`` (keyword)."""
+    @dataclass(frozen=True)
+    class ShardcoreTrainerInitInfo(RefitSetup, init_base):  # type: ignore[misc, valid-type]
+        """vLLM's ``TrainerInitInfo`` for ``shardcore``: a ``RefitSetup``, and ``rank`` (keyword, vLLM's)."""
 
         backend = BACKEND
 
-        address: str = ""
-        trainer_ranks: int = 1
-        trainer_spec: str = ""
-        engine_spec: str = ""
-        model: Any = None
-        trainer_layout: str = "megatron"
-        name: str = "refit"
-        transport: str = "gloo"
-        timeout: float = 300.0
-        options: dict[str, Any] = field(default_factory=dict)
-
         def refit_setup(self) -> RefitSetup:
-            return RefitSetup(
-                self.address, self.trainer_ranks, self.trainer_spec, self.engine_spec, self.model,
-                self.trainer_layout, self.name, self.transport, self.timeout, dict(self.options),
-            )  # fmt: skip
+            """The setup alone, without vLLM's ``rank``."""
+            return RefitSetup(**self.engine_init_info())
 
         def engine_init_info(self) -> dict[str, Any]:
-            """What ``init_weight_transfer_engine`` takes on the engine side."""
-            return self.refit_setup().to_dict()
+            """What ``init_weight_transfer_engine`` takes on the engine side: the setup's fields."""
+            return {name: getattr(self, name) for name in RefitSetup.__dataclass_fields__}
 
     class ShardSource(source_base):  # type: ignore[misc, valid-type]
         """A ``WeightSource`` of this rank's *local shards* (not full tensors) by Megatron's global names, from
