@@ -96,8 +96,8 @@ class GatherConvertSend:
     def __init__(self, model: Any, layout: Any, rank: int) -> None:
         import torch.distributed as dist
 
-        from shardcore.refit.families import engine_placement
         from shardcore.refit.holdings import holders, tp_size
+        from shardcore.refit.vllm_packing import engine_placement
 
         self.model, self.rank = model, rank
         self.manifest = manifest = model.manifest

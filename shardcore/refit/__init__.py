@@ -42,8 +42,9 @@ from ..version import moved
 from .cost import RefitStats, ShardCost
 from .documents import load_manifest, manifest_from_dict, model_manifest
 from .estimate import RefitEstimate, estimate_refit
-from .families import FAMILIES, LAYOUTS, HFModel, ModelLayout, manifest_from_hf_config
+from .families import LAYOUTS, HFModel, ModelLayout, manifest_from_hf_config
 from .footprint import Footprint
+from .hf_config import FAMILIES
 from .holdings import holdings, local_shape
 from .manifest import Manifest, TensorSpec
 from .models import PRESETS, TransformerConfig, manifest_from_config, preset

@@ -73,10 +73,10 @@ NOT_LINEAR = (
 )
 """Ends of the names (after a dot, or the whole name) of the matrices that are not a linear layer's weight, so a
 model-wide fp8 conversion leaves them in their dtype: the embeddings, the output head and the MoE router, by
-Megatron-Core's names (``models.manifest_from_config``) and Hugging Face's and vLLM's (``families``). Transformer
-Engine's fp8 parameters and vLLM's fp8 (online, and the block-quantized checkpoints of DeepSeek-V3 and Qwen3)
-quantize only the weights of linear layers: the router is a linear layer vLLM builds unquantized, and the
-vocabulary-parallel embedding and head are not linear layers there."""
+Megatron-Core's names (``models.manifest_from_config``), Hugging Face's (``families``) and vLLM's
+(``vllm_packing``). Transformer Engine's fp8 parameters and vLLM's fp8 (online, and the block-quantized
+checkpoints of DeepSeek-V3 and Qwen3) quantize only the weights of linear layers: the router is a linear layer
+vLLM builds unquantized, and the vocabulary-parallel embedding and head are not linear layers there."""
 
 SCALES = ("block", "tensor")
 """How a ``float8_e4m3fn`` destination is scaled: one float32 per 128x128 block (the default, DeepSeek-V3's

@@ -19,7 +19,8 @@ from shardcore.errors import ManifestError, RefitError
 from shardcore.plan.layout import plan_layout
 from shardcore.refit import RefitStats
 from shardcore.refit.boxes import fitted, meets
-from shardcore.refit.families import FAMILIES, HFModel, manifest_from_hf_config
+from shardcore.refit.families import HFModel, manifest_from_hf_config
+from shardcore.refit.hf_config import FAMILIES
 from shardcore.refit.holdings import holdings
 from shardcore.refit.manifest import Manifest, TensorSpec
 from shardcore.refit.plan import RefitPlan
