@@ -56,6 +56,12 @@ def _el(parent: ET.Element, tag: str, text: str | None = None, **attrs: object) 
     return element
 
 
+def _cell(group: ET.Element, kind: str, corner: tuple[float, float], cell_w: float, **attrs: object) -> ET.Element:
+    """A cell's rounded rectangle of class ``kind`` at ``corner`` (a rank's, or an empty slot's)."""
+    x, y = corner
+    return _el(group, "rect", class_=kind, x=x, y=y, width=cell_w, height=CELL_H, rx=5, **attrs)
+
+
 def _fill(index: int) -> str:
     return FILLS[index % len(FILLS)]
 
@@ -220,21 +226,10 @@ def _rank_cells(
 def _absent_cell(group: ET.Element, slot: int, why: str, corner: tuple[float, float], cell_w: float) -> None:
     """An empty place (old rank ``slot``, lost or released): white, a dashed red outline, labelled ``why``."""
     x, y = corner
-    cell = _el(
-        group,
-        "rect",
-        class_="absent",
-        x=x,
-        y=y,
-        width=cell_w,
-        height=CELL_H,
-        rx=5,
-        fill=ABSENT_FILL,
-        stroke=MARK,
-        stroke_dasharray="4 3",
-        data_slot=slot,
+    cell = _cell(
+        group, "absent", corner, cell_w, fill=ABSENT_FILL, stroke=MARK, stroke_dasharray="4 3", data_slot=slot,
         data_absent=why,
-    )
+    )  # fmt: skip
     _el(cell, "title", f"old rank {slot}: {why}")
     _el(group, "text", why, x=x + cell_w / 2, y=y + 28, font_size=12, fill=MARK, text_anchor="middle")
 
@@ -268,15 +263,11 @@ def _rank_cell(
     """One rank's cell at ``corner``: filled with its shard's colour (grey when idle), its rank number,
     its coordinates as ``label`` and ``tooltip`` on hover."""
     x, y = corner
-    cell = _el(
+    cell = _cell(
         group,
-        "rect",
-        class_="rank",
-        x=x,
-        y=y,
-        width=cell_w,
-        height=CELL_H,
-        rx=5,
+        "rank",
+        corner,
+        cell_w,
         fill=IDLE_FILL if plan is None else _fill(plan.index),
         data_rank=rank,
         data_shard="idle" if plan is None else plan.index,
