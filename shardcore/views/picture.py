@@ -59,7 +59,7 @@ def _el(parent: ET.Element, tag: str, text: str | None = None, **attrs: object) 
 def _cell(group: ET.Element, kind: str, corner: tuple[float, float], cell_w: float, **attrs: object) -> ET.Element:
     """A cell's rounded rectangle of class ``kind`` at ``corner`` (a rank's, or an empty slot's)."""
     x, y = corner
-    return _el(group, "rect", class_=kind, x=x, y=y, width=cell_w, height=CELL_H, rx=5, **attrs)
+    return _el(group, "rect", None, class_=kind, x=x, y=y, width=cell_w, height=CELL_H, rx=5, **attrs)
 
 
 def _fill(index: int) -> str:
