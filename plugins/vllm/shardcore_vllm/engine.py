@@ -39,7 +39,7 @@ from .setup import RefitSetup
 @dataclass(frozen=True)
 class ShardcoreInitInfo(RefitSetup, WeightTransferInitInfo):
     """``init_weight_transfer_engine``'s ``init_info`` for the ``shardcore`` backend: a ``RefitSetup`` under the
-    base vLLM parses init info into (``ShardcoreTrainerInitInfo.engine_init_info()`` makes its fields)."""
+    base vLLM parses init info into (``RefitSetup.to_dict()`` makes its fields, on either side)."""
 
 
 @dataclass

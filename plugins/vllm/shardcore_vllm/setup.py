@@ -180,8 +180,9 @@ class RefitSetup:
             raise
 
     def to_dict(self) -> dict[str, Any]:
-        """The setup as vLLM's init info carries it (JSON-able)."""
-        return asdict(self)
+        """The setup as vLLM's init info carries it (JSON-able): the setup's own fields, never a subclass's (the
+        trainer's init info adds vLLM's ``rank``, which the engine side does not take)."""
+        return {name: value for name, value in asdict(self).items() if name in RefitSetup.__dataclass_fields__}
 
 
 __all__ = ["BACKEND", "RefitSetup"]

@@ -148,14 +148,6 @@ def _vllm_classes() -> dict[str, Any]:
 
         backend = BACKEND
 
-        def refit_setup(self) -> RefitSetup:
-            """The setup alone, without vLLM's ``rank``."""
-            return RefitSetup(**self.engine_init_info())
-
-        def engine_init_info(self) -> dict[str, Any]:
-            """What ``init_weight_transfer_engine`` takes on the engine side: the setup's fields."""
-            return {name: getattr(self, name) for name in RefitSetup.__dataclass_fields__}
-
     class ShardSource(source_base):  # type: ignore[misc, valid-type]
         """A ``WeightSource`` of this rank's *local shards* (not full tensors) by Megatron's global names, from
         a live Megatron-Core model, a dict, or a callable returning either."""
@@ -195,10 +187,10 @@ def _vllm_classes() -> dict[str, Any]:
 
         @classmethod
         def trainer_init(cls, init_info: Any, *, client: Any, source: Any = None) -> Self:
-            setup = init_info.refit_setup()
-            calls = _Background(client.init_weight_transfer_engine, setup.to_dict()) if init_info.is_sender else None
+            sender = init_info.is_sender
+            calls = _Background(client.init_weight_transfer_engine, init_info.to_dict()) if sender else None
             try:
-                trainer = Trainer(setup, init_info.rank)
+                trainer = Trainer(init_info, init_info.rank)
             finally:
                 if calls is not None:
                     calls.join()

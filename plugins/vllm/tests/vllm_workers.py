@@ -232,7 +232,7 @@ def trainer_api_job(rank: int, world: int, init: dict[str, Any], config: dict[st
 
     shardcore_vllm.register()
     info = ShardcoreTrainerInitInfo(rank=rank, **init)
-    sources = shard_sources(config, Path(folder), info.refit_setup(), rank)
+    sources = shard_sources(config, Path(folder), info, rank)
     engine = WeightTransferTrainerFactory.trainer_init(info, client=HTTPClient(url), source=ShardSource(sources))
     engine.send_weights(version=7)
     engine.shutdown()
