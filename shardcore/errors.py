@@ -74,7 +74,7 @@ class RefitInputError(RefitError):
 
 class OptionValueError(RefitInputError):
     """An executor option (``ExecuteOptions``) the executor cannot run. ``field``, ``value`` (as shown) and
-    ``problem`` let a caller name the option its own way: the CLI by its flag (``ExecuteOptions.FLAGS``)."""
+    ``problem`` let a caller name the option its own way: the CLI by its flag (``refit.options.OPTION_FLAGS``)."""
 
     def __init__(self, field: str, value: str, problem: str) -> None:
         super().__init__(f"{field}={value}: {problem}")

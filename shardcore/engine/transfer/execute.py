@@ -271,7 +271,6 @@ class _Prepared(NamedTuple):
     wait: timedelta
     options: ExecuteOptions
     mine: RankRefit
-    sources: dict[str, torch.Tensor]
     destinations: dict[str, torch.Tensor]
     terms: RefitTerms
     conversion: Conversion | None
@@ -327,9 +326,7 @@ def _prepare(
         terms = _terms(plan, checked)
         zeros = _zeroed(plan, mine, landing)
         codec = dense if delta is None else delta
-        return _Prepared(
-            wait, checked, mine, held, wanted, terms, conversion, delta, landing, codec, schedule, amax, zeros
-        )
+        return _Prepared(wait, checked, mine, wanted, terms, conversion, delta, landing, codec, schedule, amax, zeros)
     except BaseException as error:
         failure = _as_input_error(rank, error)
         arrive_failed(party, START, None, "open", failure, wait)
