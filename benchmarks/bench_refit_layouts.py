@@ -5,7 +5,8 @@ vLLM, once per model and engine tp), to plan the whole refit (``plan_refit``), o
 (``for_rank``), the whole plan's stats (``RefitStats.of``), and one training rank's part (rank 0's, of a fresh
 plan: cold, as in a training process), and the same with fan-out (``ranks_per_node=8, fan_out=True``). Beside
 the engine rank's part, its floor: its receives made as Transfers and put in order, nothing planned (``floor``).
-Run: ``python benchmarks/bench_refit_layouts.py`` (``--profile`` prints cProfile's top entries of each).
+Run: ``python benchmarks/bench_refit_layouts.py`` (``--profile`` prints cProfile's top entries of each;
+``--model DeepSeek-V3`` plans that model alone, in a fresh process).
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ from shardcore.plan.layout import plan_layout
 from shardcore.plan.spec import parse_shards
 from shardcore.refit import RefitStats
 from shardcore.refit.boxes import from_fields
+from shardcore.refit.collector import gc_paused
 from shardcore.refit.families import manifest_from_hf_config
 from shardcore.refit.manifest import Manifest
 from shardcore.refit.part import PartBuilder, RankRefit, Transfer
-from shardcore.refit.plan import gc_paused
 from shardcore.refit.planner import plan_refit
 
 QWEN3_235B = {
@@ -102,13 +103,17 @@ def run_case(label: str, config: dict[str, Any], spec: str, profile: bool) -> No
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", action="store_true", help="print cProfile's top entries per case")
+    parser.add_argument(
+        "--model", choices=[label for label, _, _ in CASES], help="this model alone (a fresh process per model)"
+    )
     args = parser.parse_args()
     columns = ["model", "tensors (Megatron -> vLLM)", "shards", "maps", "plan_refit", "one engine rank's part"]
     columns += ["its floor", "stats", "moved", "one training rank's part", "the same with fan-out (8 ranks a node)"]
     print("| " + " | ".join(columns) + " |")
     print("|" + "---|" * len(columns))
     for label, config, spec in CASES:
-        run_case(label, config, spec, args.profile)
+        if args.model in (None, label):
+            run_case(label, config, spec, args.profile)
 
 
 if __name__ == "__main__":

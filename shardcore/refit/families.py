@@ -30,6 +30,7 @@ from typing import Any
 from ..errors import ManifestError
 from ..plan.arguments import shown
 from ..plan.layout import ShardPlan
+from .collector import gc_paused
 from .hf_config import MEGATRON_VOCAB_MULTIPLE, parse_hf_config
 from .manifest import Manifest, TensorSpec
 from .models import TransformerConfig, manifest_from_config
@@ -73,15 +74,18 @@ class HFModel:
     @cached_property
     def manifest(self) -> Manifest:
         """Megatron-Core's GPT tensors (what ``plan_refit`` between Megatron shards takes)."""
-        return manifest_from_config(self.config, self.name)
+        with gc_paused():
+            return manifest_from_config(self.config, self.name)
 
     @cached_property
     def _hf(self) -> tuple[Manifest, WeightMap]:
-        return self._hf_side(stacked=False)
+        with gc_paused():
+            return self._hf_side(stacked=False)
 
     @cached_property
     def _hf_stacked(self) -> tuple[Manifest, WeightMap]:
-        return self._hf_side(stacked=True)
+        with gc_paused():
+            return self._hf_side(stacked=True)
 
     @property
     def hf_manifest(self) -> Manifest:
@@ -286,7 +290,8 @@ class HFModel:
         """
         key = (tp, expt_tp)
         if key not in self._vllm:
-            self._vllm[key] = vllm_tensors(self.hf_manifest, self.config, self.vocab, self.name, tp, expt_tp)
+            with gc_paused():
+                self._vllm[key] = vllm_tensors(self.hf_manifest, self.config, self.vocab, self.name, tp, expt_tp)
         return self._vllm[key]
 
     def vllm_from_megatron(self, tp: int, expt_tp: int) -> WeightMap:
@@ -297,7 +302,8 @@ class HFModel:
         """
         key = (tp, expt_tp)
         if key not in self._from_megatron:
-            self._from_megatron[key] = self.to_hf.then(self.vllm(tp, expt_tp)[1])
+            with gc_paused():
+                self._from_megatron[key] = self.to_hf.then(self.vllm(tp, expt_tp)[1])
         return self._from_megatron[key]
 
 

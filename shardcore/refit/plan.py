@@ -45,11 +45,9 @@ schedule. ``plan_refit`` plans between shards (``ShardPlacement``, by index math
 from __future__ import annotations
 
 import fnmatch
-import gc
 import hashlib
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from operator import attrgetter
@@ -59,6 +57,7 @@ from ..errors import LayoutError, ManifestError, RefitError
 from ..plan.arguments import shown
 from ..plan.layout import Layout, ShardPlan
 from .boxes import from_fields, moved, overlap
+from .collector import gc_paused
 from .manifest import Manifest, TensorSpec, scale_shape
 from .part import PartBuilder, RankRefit, Transfer
 from .placement import Placement, ShardPlacement, Slice
@@ -67,24 +66,6 @@ from .worklines import Line, Piece, Routes, Tile, TileRun, WorkLine, line_cuts, 
 
 DEFAULT_MIN_PIECE_BYTES = 1 << 20
 """The floor on piece size: below it a message costs more than the balance it buys."""
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """The cyclic garbage collector off while a plan's tiles and transfers are made, as it was after.
-
-    Planning makes a million small tuples that live on (a plan keeps its runs), and makes no cycles; each
-    full collection pass on the way walks every object of the process (the model's weight maps' half a
-    million links among them), which cost as much as the planning itself. Reference counting still frees
-    what dies; the collector runs again once the plan is made."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 _place = attrgetter("position", "box")
@@ -844,4 +825,4 @@ def tensors_matching(manifest: Manifest, patterns: str | Iterable[str]) -> tuple
     return tuple(name for name in names if name in found)
 
 
-__all__ = ["DEFAULT_MIN_PIECE_BYTES", "RefitPlan", "ShardRefitPlan", "gc_paused", "tensors_matching"]
+__all__ = ["DEFAULT_MIN_PIECE_BYTES", "RefitPlan", "ShardRefitPlan", "tensors_matching"]

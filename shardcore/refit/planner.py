@@ -11,11 +11,12 @@ from ..errors import RefitError
 from ..plan.arguments import check_count, check_size, shown
 from ..plan.layout import Layout, ShardPlan
 from .boxes import overlap, volume
+from .collector import gc_paused
 from .families import ModelLayout, sides
 from .landing import carried, landed
 from .manifest import Manifest
 from .placement import Placement, Renumbered, ShardPlacement, check_fits
-from .plan import DEFAULT_MIN_PIECE_BYTES, RefitPlan, ShardRefitPlan, gc_paused
+from .plan import DEFAULT_MIN_PIECE_BYTES, RefitPlan, ShardRefitPlan
 from .weightmap import WeightMap
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Collection, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import NamedTuple
 
 from ..errors import ManifestError
@@ -116,46 +116,76 @@ class WeightMap:
     _feeds: dict[str, tuple[int, ...]] = field(init=False, repr=False, compare=False)
     _numbers: dict[str, tuple[int, ...]] = field(init=False, repr=False, compare=False)
     _patterns: dict[str, int] = field(init=False, repr=False, compare=False)
+    _composed: InitVar[bool] = False
+    """Made by ``then`` from two checked maps, whose composition is a map by construction: not checked again."""
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, _composed: bool) -> None:
         into: dict[str, list[Link]] = {}
         out: dict[str, list[Link]] = {}
         feeds: dict[str, list[int]] = {}
         numbers: dict[str, list[int]] = {}
+        at = {tensor.name: n for n, tensor in enumerate(self.sources)}
+        shapes = {tensor.name: tensor.shape for tensor in self.targets}
+        checked: set[tuple[Box, Box, tuple[int, ...], tuple[int, ...]]] = set()  # alike links, checked once
         for link in self.links:
-            position = self.sources.index(link.source)
-            source, target = self.sources.tensors[position], self.targets.tensor(link.target)
-            if not _inside(link.box, target.shape) or not _inside(link.origin, source.shape):
-                raise ManifestError(
-                    f"{self._where(link)}: a box reaches outside {tensor_label(link.target)} "
-                    f"{list(target.shape)} or {tensor_label(link.source)} {list(source.shape)}: check the sizes"
-                )
-            if _extents(link.box) != _extents(link.origin):
-                raise ManifestError(f"{self._where(link)}: the two boxes differ in extent")
+            position = (
+                at[link.source]
+                if _composed
+                else self._check_link(link, at.get(link.source), shapes.get(link.target), checked)
+            )
             filling = into.setdefault(link.target, [])
             numbers.setdefault(link.source, []).append(len(filling))
             filling.append(link)
             out.setdefault(link.source, []).append(link)
             feeds.setdefault(link.target, []).append(position)
-        for name, boxes in self.padding.items():
+        for name, boxes in () if _composed else self.padding.items():
             tensor = self.targets.tensor(name)
             if not all(_inside(box, tensor.shape) for box in boxes):
                 raise ManifestError(f"{self.name}: padding of {tensor_label(name)} reaches outside it")
-        for tensor in self.targets:
-            self._check_tiled(tensor.name, tensor.numel, into.get(tensor.name, []))
+        patterns: dict[tuple[tuple[Box, Box], ...], int] = {}
+        pattern_of = {
+            k: patterns.setdefault(tuple((link.box, link.origin) for link in v), len(patterns)) for k, v in into.items()
+        }
+        tiled: set[tuple[int, int, tuple[Box, ...]]] = set()  # tensors of one pattern, size and padding: one check
+        for tensor in () if _composed else self.targets:
+            pattern = pattern_of.get(tensor.name)
+            alike_tiling = (-1 if pattern is None else pattern, tensor.numel, self.padding.get(tensor.name, ()))
+            if alike_tiling not in tiled:
+                self._check_tiled(tensor.name, tensor.numel, into.get(tensor.name, []))
+                tiled.add(alike_tiling)
         object.__setattr__(self, "_into", {k: tuple(v) for k, v in into.items()})
         object.__setattr__(self, "_from", {k: tuple(v) for k, v in out.items()})
         object.__setattr__(self, "_feeds", {k: tuple(v) for k, v in feeds.items()})
         object.__setattr__(self, "_numbers", {k: tuple(v) for k, v in numbers.items()})
-        patterns: dict[tuple[object, ...], int] = {}
-        object.__setattr__(
-            self,
-            "_patterns",
-            {
-                k: patterns.setdefault(tuple((link.box, link.origin) for link in v), len(patterns))
-                for k, v in into.items()
-            },
-        )
+        object.__setattr__(self, "_patterns", pattern_of)
+
+    def _check_link(
+        self,
+        link: Link,
+        position: int | None,
+        shape: tuple[int, ...] | None,
+        checked: set[tuple[Box, Box, tuple[int, ...], tuple[int, ...]]],
+    ) -> int:
+        """``link``'s source position, once its tensors are known, its boxes inside them and of one extent; links
+        alike in boxes and shapes (the same weight of every layer) are checked once, in ``checked``.
+
+        Raises:
+            ManifestError: naming the link, as the class says.
+        """
+        if position is None or shape is None:  # the manifests' own errors, naming the tensor
+            position, shape = self.sources.index(link.source), self.targets.tensor(link.target).shape
+        source_shape = self.sources.tensors[position].shape
+        alike = (link.box, link.origin, shape, source_shape)
+        if alike not in checked:
+            if not _inside(link.box, shape) or not _inside(link.origin, source_shape):
+                raise ManifestError(
+                    f"{self._where(link)}: a box reaches outside {tensor_label(link.target)} "
+                    f"{list(shape)} or {tensor_label(link.source)} {list(source_shape)}: check the sizes"
+                )
+            if _extents(link.box) != _extents(link.origin):
+                raise ManifestError(f"{self._where(link)}: the two boxes differ in extent")
+            checked.add(alike)
+        return position
 
     def _where(self, link: Link) -> str:
         """A link in a message (made only for one: a model's maps have a quarter million links)."""
@@ -222,28 +252,40 @@ class WeightMap:
         if after.sources is not self.targets:
             raise ManifestError(f"{self.name} then {after.name}: the second map must read the first map's targets")
         links: list[Link] = []
+        composed: dict[tuple[int, Box, Box], list[tuple[int, Box, Box]]] = {}
         for second in after.links:
-            fed = 0
-            for first in self.into(second.source):
-                if meets(first.box, second.origin):
-                    shared = overlap(first.box, second.origin)
-                    fed += volume(shared)
-                    links.append(
-                        Link(
-                            second.target,
-                            translate(shared, second.origin, second.box),
-                            first.source,
-                            translate(shared, first.box, first.origin),
-                        )
-                    )
-            if fed != volume(second.origin):
-                raise ManifestError(
-                    f"{self.name} then {after.name}: {tensor_label(second.target)} reads padding of "
-                    f"{tensor_label(second.source)} that no source of {self.sources.name!r} feeds"
-                )
+            firsts = self.into(second.source)
+            # (first link's number, box, origin) of each piece: the same for every source of one pattern
+            alike = (self.pattern(second.source), second.box, second.origin)
+            pieces = composed.get(alike)
+            if pieces is None:
+                pieces = composed[alike] = self._through(firsts, second, after)
+            links.extend(Link(second.target, box, firsts[number].source, origin) for number, box, origin in pieces)
         return WeightMap(
-            self.sources, after.targets, tuple(links), after.padding, f"{self.name} -> {after.name}", after.zeroed
+            self.sources, after.targets, tuple(links), after.padding, f"{self.name} -> {after.name}", after.zeroed, True
         )
+
+    def _through(self, firsts: tuple[Link, ...], second: Link, after: WeightMap) -> list[tuple[int, Box, Box]]:
+        """``second``'s link of ``after`` through this map's links into its source (``firsts``): per first link it
+        meets, (its number, the box of ``second.target``, the box of the first link's source).
+
+        Raises:
+            ManifestError: part of ``second`` reads padding of its source that no link feeds.
+        """
+        pieces, fed = [], 0
+        for number, first in enumerate(firsts):
+            if meets(first.box, second.origin):
+                shared = overlap(first.box, second.origin)
+                fed += volume(shared)
+                pieces.append(
+                    (number, translate(shared, second.origin, second.box), translate(shared, first.box, first.origin))
+                )
+        if fed != volume(second.origin):
+            raise ManifestError(
+                f"{self.name} then {after.name}: {tensor_label(second.target)} reads padding of "
+                f"{tensor_label(second.source)} that no source of {self.sources.name!r} feeds"
+            )
+        return pieces
 
     def reversed(self, name: str | None = None) -> WeightMap:
         """The same correspondences read the other way: this map's sources filled from its targets. The parts
