@@ -322,6 +322,7 @@ def _prepare(
         dense = landing or conversion or Plain(sources=held, destinations=wanted)
         delta = _delta_session(session, checked, dense)
         schedule = _schedule(session, plan, mine, checked, rank, world)
+        dense.kept_runs = schedule.runs
         amax = [] if conversion is None else conversion.amax_batches(rank, world, checked.bucket_bytes, checked.max_ops)
         terms = _terms(plan, checked)
         zeros = _zeroed(plan, mine, landing)

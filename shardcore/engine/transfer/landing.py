@@ -110,6 +110,10 @@ class Landing(Plain):
             self.peak_bytes = max(self.peak_bytes, self.held_bytes)
         return found
 
+    def written_dtype(self, name: str) -> torch.dtype:
+        """A converting tensor's staging dtype, else its destination's."""
+        return self.dtypes[name] if name in self.pending else self.destinations[name].dtype
+
     def landed(self, name: str, elements: int) -> None:
         """``elements`` of ``name`` have landed in its staging copy (or been packed for a forward): once none is
         left, quantize it into its destination."""

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 from ...refit.boxes import fitted
 from ...refit.schedule import Message, Piece
 from .exchange import Exchange, Place
+from .runs import Run, copy_run, runs
 
 if TYPE_CHECKING:
     import torch
@@ -44,6 +45,9 @@ class Plain:
 
     sources: dict[str, torch.Tensor] = field(default_factory=dict)
     destinations: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    kept_runs: dict[tuple[int, ...], tuple[list[Run], list[tuple[Piece, int]]]] | None = None
+    """The runs of each received message (``transfer.runs``) by key, found by an earlier refit of the same schedule
+    (``Schedule.runs``): they depend on the plan's part alone. None: found for each message, kept nowhere."""
 
     encodes: ClassVar[bool] = False
     """Whether a data message's bytes are an encoding (a delta refit's), never its pieces in place."""
@@ -72,6 +76,10 @@ class Plain:
     def written(self, name: str) -> torch.Tensor:
         """The tensor the pieces of destination ``name`` land in (and a relay forwards from)."""
         return self.destinations[name]
+
+    def written_dtype(self, name: str) -> torch.dtype:
+        """The dtype of ``written(name)``, without making it (a staging copy is made when its first piece lands)."""
+        return self.destinations[name].dtype
 
     def landed(self, name: str, elements: int) -> None:
         """``elements`` of destination ``name`` landed (or were packed for a forward)."""
@@ -102,10 +110,20 @@ class Plain:
         """A send this rank does not pack (it drains: its peers never read it)."""
 
     def unpack(self, message: Message, wire: torch.Tensor, staged: bool) -> list[str]:
-        """Write a received message into the destinations (a staged one; one in place is there already); returns
-        what is wrong with it (nothing, when plain: its size and checksum are the exchange's to check)."""
+        """Write a received message into the destinations (a staged one; one in place is there already), its pieces
+        in strided runs where they form them (``transfer.runs``); returns what is wrong with it (nothing, when
+        plain: its size and checksum are the exchange's to check)."""
         if staged:
-            for piece, offset in message.pieces:
+            found = None if self.kept_runs is None else self.kept_runs.get(message.key)
+            if found is None:
+                found = runs(message.pieces, self.destination_shape, self.received_dtype)
+                if self.kept_runs is not None:
+                    self.kept_runs[message.key] = found
+            together, single = found
+            for run in together:
+                copy_run(run, self.written(run.name), wire)
+                self.landed(run.name, run.segments * run.numel)
+            for piece, offset in single:
                 target = self.target_of(piece)
                 dtype = self.wire_dtype(piece.tensor, target.dtype)
                 target.copy_(wire[offset : offset + piece.nbytes].view(dtype).view(target.shape))
@@ -162,6 +180,14 @@ class Plain:
         name = self.name_of(message, piece)
         tensor = self.sources[name] if message.send and not message.hop else self.written(name)
         return self.wire_dtype(piece.tensor, tensor.dtype)
+
+    def destination_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of local destination ``name`` (and of a staging copy of it)."""
+        return tuple(self.destinations[name].shape)
+
+    def received_dtype(self, piece: Piece) -> torch.dtype:
+        """The dtype a received piece travels in."""
+        return self.wire_dtype(piece.tensor, self.written_dtype(piece.destination))
 
     def target_of(self, piece: Piece) -> torch.Tensor:
         """The box of this rank's destination tensor a received piece lands in."""

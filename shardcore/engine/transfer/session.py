@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from ...refit.part import RankRefit
     from .exchange import Place
+    from .runs import Run
 
 TensorKey = tuple[str, int, tuple[int, ...]]
 """A tensor as a session knows it: (device, address, shape)."""
@@ -51,6 +52,8 @@ class Schedule:
     options: tuple[int, int, int, int, frozenset[str]]
     batches: list[Batch]
     places: dict[tuple[int, ...], Place] | None = None
+    runs: dict[tuple[int, ...], tuple[list[Run], list[tuple[Piece, int]]]] = field(default_factory=dict)
+    """The strided runs of each received message (``transfer.runs``), by key, as refits find them."""
 
     @functools.cached_property
     def tally(self) -> int:

@@ -1,0 +1,109 @@
+"""A received message's pieces as strided runs (``transfer.runs``): fewer copies, the same bytes.
+
+Each case packs a message's pieces as a sender does (each piece's box, row-major, at its aligned offset), then
+lands it twice: piece by piece (a view and a copy each, the executor's path before runs) and through the runs;
+both must write the same bytes, and the runs must be as few as the layout allows.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from shardcore.engine.transfer.runs import copy_run, runs
+from shardcore.refit.boxes import fitted
+from shardcore.refit.schedule import Piece, aligned
+
+
+def _message(pieces: list[tuple[str, tuple[int, ...], tuple[int, ...]]], tensors: dict[str, torch.Tensor]):
+    """(name, shape, offset) per piece -> the message's (Piece, byte offset) and its bytes, filled with each
+    piece's elements of a random source, as a sender packs them."""
+    made, at, chunks = [], 0, []
+    for name, shape, offset in pieces:
+        tensor = tensors[name]
+        values = torch.randn(shape).to(tensor.dtype)
+        nbytes = values.numel() * values.element_size()
+        made.append((Piece(name, shape, offset, offset, nbytes), at))
+        chunk = torch.zeros(aligned(nbytes), dtype=torch.uint8)
+        chunk[:nbytes] = values.reshape(-1).view(torch.uint8)
+        chunks.append(chunk)
+        at += aligned(nbytes)
+    return made, torch.cat(chunks)
+
+
+def _piece_by_piece(made, wire: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+    for piece, offset in made:
+        tensor = tensors[piece.destination]
+        box = fitted(piece.shape, tensor.dim())
+        view = tensor[tuple(slice(o, o + n) for o, n in zip(piece.dst_offset, box))]
+        view.copy_(wire[offset : offset + piece.nbytes].view(tensor.dtype).view(view.shape))
+
+
+def _by_runs(made, wire: torch.Tensor, tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
+    together, single = runs(
+        made, lambda name: tuple(tensors[name].shape), lambda piece: tensors[piece.destination].dtype
+    )
+    for run in together:
+        copy_run(run, tensors[run.name], wire)
+    _piece_by_piece(single, wire, tensors)
+    return len(together), len(single)
+
+
+def _landed_alike(pieces, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
+    one = {name: torch.zeros(shape, dtype=dtype) for name, shape in shapes.items()}
+    other = {name: torch.zeros(shape, dtype=dtype) for name, shape in shapes.items()}
+    made, wire = _message(pieces, one)
+    _piece_by_piece(made, wire, one)
+    counts = _by_runs(made, wire, other)
+    for name in shapes:
+        assert torch.equal(one[name].view(torch.uint8), other[name].view(torch.uint8)), name
+    return counts
+
+
+def test_experts_gate_up_and_down_land_as_one_run_per_tensor() -> None:
+    """A MoE layer's experts from one sender: each expert's gate rows then up rows of ``w13_weight`` (one stretch
+    once merged), then its ``w2_weight``: two runs for the whole layer, whatever the number of experts."""
+    experts, ffn, hidden = 16, 8, 12
+    pieces = []
+    for e in range(experts):
+        pieces.append(("w13", (1, ffn, hidden), (e, 0, 0)))
+        pieces.append(("w13", (1, ffn, hidden), (e, ffn, 0)))
+        pieces.append(("w2", (1, hidden, ffn), (e, 0, 0)))
+    counts = _landed_alike(pieces, {"w13": (experts, 2 * ffn, hidden), "w2": (experts, hidden, ffn)})
+    assert counts == (2, 0)
+
+
+def test_a_column_block_lands_piece_by_piece() -> None:
+    """Columns of a matrix are no stretch of it: those pieces are copied one by one, beside the runs."""
+    pieces = [("a", (4, 3), (0, 3)), ("a", (4, 3), (4, 3)), ("b", (2, 6), (0, 0)), ("b", (2, 6), (2, 0))]
+    counts = _landed_alike(pieces, {"a": (8, 6), "b": (4, 6)})
+    assert counts == (1, 2)
+
+
+def test_pieces_through_a_map_with_fewer_dims_than_their_tensor() -> None:
+    """An expert's own 2-d box lands in a slot of a stacked 3-d tensor (unit dims on the left)."""
+    pieces = [("w", (5, 4), (e, 0, 0)) for e in (0, 1, 2, 5, 6)]
+    counts = _landed_alike(pieces, {"w": (8, 5, 4)})
+    assert counts == (2, 0)  # 0-2 one progression, 5-6 another (the step breaks)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_drawn_pieces_land_as_piece_by_piece(seed: int) -> None:
+    """Random disjoint row and column blocks of a few tensors, in a random order: the same bytes either way."""
+    draw = random.Random(seed)
+    shapes = {"x": (draw.randint(1, 6), draw.randint(1, 9), draw.randint(1, 5)), "y": (draw.randint(2, 40), 3)}
+    pieces = []
+    for name, shape in shapes.items():
+        rows = sorted(draw.sample(range(1, shape[0]), min(draw.randint(0, 4), shape[0] - 1)))
+        for start, stop in zip([0, *rows], [*rows, shape[0]]):
+            if len(shape) == 3 or draw.random() < 0.5:
+                pieces.append((name, (stop - start, *shape[1:]), (start, *(0,) * (len(shape) - 1))))
+            else:  # two column blocks of these rows
+                cut = draw.randint(1, shape[1] - 1)
+                pieces.append((name, (stop - start, cut), (start, 0)))
+                pieces.append((name, (stop - start, shape[1] - cut), (start, cut)))
+    draw.shuffle(pieces)
+    dtype = draw.choice([torch.bfloat16, torch.float32, torch.float16])
+    _landed_alike(pieces, shapes, dtype)
