@@ -47,6 +47,7 @@ from ...plan.arguments import DEFAULT_TIMEOUT, as_timedelta, shown, shown_ranks
 from ...refit import pairing
 from ...refit.landing import NO_DELTA
 from ...refit.options import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_OPS, ExecuteOptions, Verify
+from ...refit.collector import gc_paused
 from ...refit.schedule import Batch, rank_batches
 from ...version import __version__
 from ..agreement import GRACE, Party, Purpose, Terms, arrive_failed, convene, declare_absent, exchange_notes, meet
@@ -372,7 +373,9 @@ def _schedule(
     last = session.schedule
     if last is None or last.mine is not mine or last.options != options:
         shapes = _global_shapes(plan.manifest, mine)
-        last = session.schedule = Schedule(mine, options, rank_batches(mine, *options[:4], shapes, options[4]))
+        with gc_paused():  # tens of thousands of pieces and messages, no cycle among them
+            batches = rank_batches(mine, *options[:4], shapes, options[4])
+        last = session.schedule = Schedule(mine, options, batches)
     return last
 
 
