@@ -8,7 +8,8 @@ ranks, with a kept plan (``execute_refit`` alone is timed). The engine rank rece
 rows and down columns from the training rank holding it: about 45,000 pieces. Reported: its receives (the plan's
 ``Transfer``s), its CPU time in ``execute_refit`` (``time.process_time``: the machine's cores are shared) in the
 first refit of the plan (which finds each message's runs, ``transfer.runs``) and in the later ones (best of
-``--repeat`` - 1: an RL job's refits, which reuse them), and that CPU per received piece; after the last round
+``--repeat`` - 1: an RL job's refits, which reuse them), and that CPU per received piece; the same for the
+training rank that sends the most pieces (it packs them in runs too); after the last round
 its tensors must equal the known weights put through the weight map, or the run fails. ``--profile`` prints
 cProfile's top entries of the engine rank's last round.
 
@@ -79,7 +80,7 @@ def bench_rank(rank: int, world: int, repeat: int, profile: bool) -> dict[str, A
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
         shown = out.getvalue()
-    return {"recvs": len(mine.recvs), "first": cpu[0], "cpu": min(cpu[1:]), "profile": shown}
+    return {"recvs": len(mine.recvs), "sends": len(mine.sends), "first": cpu[0], "cpu": min(cpu[1:]), "profile": shown}
 
 
 def main() -> None:
@@ -95,12 +96,15 @@ def main() -> None:
     engine = results[ENGINE]
     columns = ["shards", "engine rank's receives", "its CPU in the first execute_refit", "per received piece"]
     columns += [f"its CPU in a later one (best of {args.repeat - 1})", "per received piece"]
+    columns += ["busiest training rank's sends", "its CPU in a later one", "per sent piece"]
     print("| " + " | ".join(columns) + " |")
     print("|---|" + "---:|" * (len(columns) - 1))
     per = [1e6 * engine[key] / engine["recvs"] for key in ("first", "cpu")]
+    sender = max(results[:ENGINE], key=lambda result: result["sends"])
     print(
         f"| `{SPEC}` | {engine['recvs']:,} | {engine['first']:.2f} s | {per[0]:.1f} µs "
-        f"| {engine['cpu']:.3f} s | {per[1]:.1f} µs |"
+        f"| {engine['cpu']:.3f} s | {per[1]:.1f} µs | {sender['sends']:,} | {sender['cpu']:.3f} s "
+        f"| {1e6 * sender['cpu'] / sender['sends']:.1f} µs |"
     )
     if engine["profile"]:
         print(engine["profile"])

@@ -1,8 +1,9 @@
-"""A received message's pieces as strided runs (``transfer.runs``): fewer copies, the same bytes.
+"""A message's pieces as strided runs (``transfer.runs``): fewer copies, the same bytes.
 
 Each case packs a message's pieces as a sender does (each piece's box, row-major, at its aligned offset), then
 lands it twice: piece by piece (a view and a copy each, the executor's path before runs) and through the runs;
-both must write the same bytes, and the runs must be as few as the layout allows.
+both must write the same bytes, the runs must be as few as the layout allows, and packing the landed tensors again
+through the runs must give the message's bytes back.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import random
 import pytest
 import torch
 
-from shardcore.engine.transfer.runs import copy_run, runs
+from shardcore.engine.transfer.runs import run_views, runs
 from shardcore.refit.boxes import fitted
 from shardcore.refit.schedule import Piece, aligned
 
@@ -41,14 +42,37 @@ def _piece_by_piece(made, wire: torch.Tensor, tensors: dict[str, torch.Tensor]) 
         view.copy_(wire[offset : offset + piece.nbytes].view(tensor.dtype).view(view.shape))
 
 
-def _by_runs(made, wire: torch.Tensor, tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
-    together, single = runs(
-        made, lambda name: tuple(tensors[name].shape), lambda piece: tensors[piece.destination].dtype
+def _where(tensors: dict[str, torch.Tensor]):
+    return lambda piece: (
+        piece.destination,
+        piece.dst_offset,
+        tuple(tensors[piece.destination].shape),
+        tensors[piece.destination].dtype,
     )
+
+
+def _by_runs(made, wire: torch.Tensor, tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
+    together, single = runs(made, _where(tensors))
     for run in together:
-        copy_run(run, tensors[run.name], wire)
+        target, source = run_views(run, tensors[run.name], wire)
+        target.copy_(source)
     _piece_by_piece(single, wire, tensors)
     return len(together), len(single)
+
+
+def _packed_by_runs(made, size: int, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The message's bytes packed from ``tensors`` as a sender packs them with runs (the rest piece by piece)."""
+    wire = torch.zeros(size, dtype=torch.uint8)
+    together, single = runs(made, _where(tensors))
+    for run in together:
+        source, target = run_views(run, tensors[run.name], wire)
+        target.copy_(source)
+    for piece, offset in single:
+        tensor = tensors[piece.destination]
+        box = fitted(piece.shape, tensor.dim())
+        view = tensor[tuple(slice(o, o + n) for o, n in zip(piece.dst_offset, box))]
+        wire[offset : offset + piece.nbytes].view(tensor.dtype).view(view.shape).copy_(view)
+    return wire
 
 
 def _landed_alike(pieces, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
@@ -59,6 +83,9 @@ def _landed_alike(pieces, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype
     counts = _by_runs(made, wire, other)
     for name in shapes:
         assert torch.equal(one[name].view(torch.uint8), other[name].view(torch.uint8)), name
+    repacked = _packed_by_runs(made, wire.numel(), other)  # and back: a sender's runs give the message's bytes
+    for piece, offset in made:
+        assert torch.equal(repacked[offset : offset + piece.nbytes], wire[offset : offset + piece.nbytes])
     return counts
 
 

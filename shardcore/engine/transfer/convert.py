@@ -181,6 +181,10 @@ class Conversion(Plain):
     def wire_dtype(self, name: str, default: torch.dtype) -> torch.dtype:
         return self.wire.get(name, default)
 
+    def quantizes(self, name: str) -> bool:
+        """An fp8 weight's pieces are quantized with its scales on their way out."""
+        return name in self.scaled
+
     def outgoing(self, name: str, view: torch.Tensor, offset: tuple[int, ...]) -> torch.Tensor:
         """What to copy into the wire (or a local destination) for ``view``, the box at ``offset`` of the local
         source tensor ``name``: quantized with its scales for an fp8 weight, else the view itself (the copy into

@@ -45,9 +45,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from ...errors import RefitInputError, RefitIntegrityError, RefitMismatchError, RefitPeerError, ShardcoreError
 from ...plan.arguments import DEFAULT_TIMEOUT, as_timedelta, shown, shown_ranks
 from ...refit import pairing
+from ...refit.collector import gc_paused
 from ...refit.landing import NO_DELTA
 from ...refit.options import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_OPS, ExecuteOptions, Verify
-from ...refit.collector import gc_paused
 from ...refit.schedule import Batch, rank_batches
 from ...version import __version__
 from ..agreement import GRACE, Party, Purpose, Terms, arrive_failed, convene, declare_absent, exchange_notes, meet

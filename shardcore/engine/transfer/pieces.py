@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 from ...refit.boxes import fitted
 from ...refit.schedule import Message, Piece
 from .exchange import Exchange, Place
-from .runs import Run, copy_run, runs
+from .runs import Run, Where, run_views, runs
 
 if TYPE_CHECKING:
     import torch
@@ -63,6 +63,10 @@ class Plain:
     def wire_dtype(self, name: str, default: torch.dtype) -> torch.dtype:
         """The dtype tensor ``name``'s pieces travel in, ``default`` being its tensor's."""
         return default
+
+    def quantizes(self, name: str) -> bool:
+        """Whether ``outgoing`` changes source ``name``'s pieces beyond a cast (then each is copied alone)."""
+        return False
 
     def outgoing(self, name: str, view: torch.Tensor, offset: tuple[int, ...]) -> torch.Tensor:
         """What to copy into the wire (or a local destination) for ``view``, the box at ``offset`` of the local
@@ -114,14 +118,10 @@ class Plain:
         in strided runs where they form them (``transfer.runs``); returns what is wrong with it (nothing, when
         plain: its size and checksum are the exchange's to check)."""
         if staged:
-            found = None if self.kept_runs is None else self.kept_runs.get(message.key)
-            if found is None:
-                found = runs(message.pieces, self.destination_shape, self.received_dtype)
-                if self.kept_runs is not None:
-                    self.kept_runs[message.key] = found
-            together, single = found
+            together, single = self.runs_of(message)
             for run in together:
-                copy_run(run, self.written(run.name), wire)
+                target, source = run_views(run, self.written(run.name), wire)
+                target.copy_(source)
                 self.landed(run.name, run.segments * run.numel)
             for piece, offset in single:
                 target = self.target_of(piece)
@@ -164,30 +164,57 @@ class Plain:
     # -- pieces --------------------------------------------------------------------------------------
 
     def pack_pieces(self, message: Message, wire: torch.Tensor) -> None:
-        """Copy a send's pieces, in the wire's dtype, to their offsets in ``wire``."""
-        for piece, offset in message.pieces:
+        """Copy a send's pieces, in the wire's dtype, to their offsets in ``wire``: in strided runs where they form
+        them (``transfer.runs``), the rest (and what ``outgoing`` quantizes) one by one."""
+        together, single = self.runs_of(message)
+        for run in together:
+            source, target = run_views(run, self.written(run.name) if message.hop else self.sources[run.name], wire)
+            target.copy_(source)
+            if message.hop:  # a forward of a staging copy has read it
+                self.landed(run.name, run.segments * run.numel)
+        for piece, offset in single:
             name = self.name_of(message, piece)
             view = view_of(self.written(name) if message.hop else self.sources[name], piece.src_offset, piece.shape)
             dtype = self.wire_dtype(piece.tensor, view.dtype)
             if not message.hop:  # a relay forwards its destination's bytes, already converted
                 view = self.outgoing(piece.tensor, view, piece.src_offset)
             wire[offset : offset + piece.nbytes].view(dtype).view(view.shape).copy_(view)
-            if message.hop:  # a forward of a staging copy has read it
+            if message.hop:
                 self.landed(name, view.numel())
+
+    def runs_of(self, message: Message) -> tuple[list[Run], list[tuple[Piece, int]]]:
+        """``message``'s pieces as strided runs on this rank, and the pieces copied alone (``transfer.runs``): kept in
+        ``kept_runs`` when given."""
+        found = None if self.kept_runs is None else self.kept_runs.get(message.key)
+        if found is None:
+            found = runs(message.pieces, self._where(message))
+            if self.kept_runs is not None:
+                self.kept_runs[message.key] = found
+        return found
+
+    def _where(self, message: Message) -> Where:
+        """Where ``message``'s pieces lie on this rank (``runs.Where``): a send's in its source tensors (a relay's
+        forward in its destinations), a receive's in its destinations; a piece ``outgoing`` changes goes alone."""
+        reads_source = message.send and not message.hop
+
+        def where(piece: Piece) -> tuple[str, tuple[int, ...], tuple[int, ...], torch.dtype] | None:
+            if reads_source:
+                if self.quantizes(piece.tensor):
+                    return None
+                tensor = self.sources[piece.tensor]
+                return piece.tensor, piece.src_offset, tuple(tensor.shape), self.wire_dtype(piece.tensor, tensor.dtype)
+            name = piece.destination
+            offset = piece.src_offset if message.send else piece.dst_offset
+            shape = tuple(self.destinations[name].shape)
+            return name, offset, shape, self.wire_dtype(piece.tensor, self.written_dtype(name))
+
+        return where
 
     def piece_dtype(self, message: Message, piece: Piece) -> torch.dtype:
         """The dtype a piece of ``message`` travels in (its tensor's, or a converting refit's wire dtype)."""
         name = self.name_of(message, piece)
         tensor = self.sources[name] if message.send and not message.hop else self.written(name)
         return self.wire_dtype(piece.tensor, tensor.dtype)
-
-    def destination_shape(self, name: str) -> tuple[int, ...]:
-        """The shape of local destination ``name`` (and of a staging copy of it)."""
-        return tuple(self.destinations[name].shape)
-
-    def received_dtype(self, piece: Piece) -> torch.dtype:
-        """The dtype a received piece travels in."""
-        return self.wire_dtype(piece.tensor, self.written_dtype(piece.destination))
 
     def target_of(self, piece: Piece) -> torch.Tensor:
         """The box of this rank's destination tensor a received piece lands in."""

@@ -46,32 +46,30 @@ class Run(NamedTuple):
     wire_step: int
 
 
-def runs(
-    pieces: Sequence[tuple[Piece, int]],
-    shape_of: Callable[[str], tuple[int, ...]],
-    dtype_of: Callable[[Piece], torch.dtype],
-) -> tuple[list[Run], list[tuple[Piece, int]]]:
-    """A message's received ``pieces`` (with their byte offsets) as runs, and the pieces that join none (not one
-    stretch of their tensor: a block of columns), in their order. The local tensors are contiguous (``execute_refit``
-    checks the destinations; a staging copy is made so), so the runs depend on the plan's part alone, and a
+Where = Callable[[Piece], "tuple[str, tuple[int, ...], tuple[int, ...], torch.dtype] | None"]
+"""Where a piece lies on this rank: (its local tensor, its offset there, the tensor's shape, the dtype it travels
+in), or None when it must be copied alone (quantized on its way out)."""
+
+
+def runs(pieces: Sequence[tuple[Piece, int]], where: Where) -> tuple[list[Run], list[tuple[Piece, int]]]:
+    """A message's ``pieces`` (with their byte offsets) as runs, and the pieces that join none (not one stretch of
+    their tensor, a block of columns; or copied alone), in their order. The local tensors are contiguous
+    (``execute_refit`` checks them; a staging copy is made so), so the runs depend on the plan's part alone, and a
     schedule keeps them for its next refits (``Schedule.runs``).
 
     Args:
         pieces: The message's pieces and their offsets.
-        shape_of: The shape of the local tensor a piece lands in, by name.
-        dtype_of: The dtype a piece travels in.
+        where: Where each piece lies in this rank's tensors (``Where``).
     """
-    strides_of: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
     builders: dict[tuple[str, torch.dtype], _Builder] = {}
     single: list[tuple[Piece, int]] = []
     for item in pieces:
         piece, offset = item
-        name = piece.target or piece.tensor
-        known = strides_of.get(name)
-        if known is None:
-            shape = shape_of(name)
-            known = strides_of[name] = (shape, _strides(shape))
-        shape, strides = known
+        found = where(piece)
+        if found is None:
+            single.append(item)
+            continue
+        name, at, shape, dtype = found
         box = piece.shape if len(piece.shape) == len(shape) else fitted(piece.shape, len(shape))
         lead = 0
         while lead < len(box) - 1 and box[lead] == 1:
@@ -79,12 +77,10 @@ def runs(
         if box[lead + 1 :] != shape[lead + 1 :]:  # a block of columns: not one stretch of its tensor
             single.append(item)
             continue
-        dtype = dtype_of(piece)
         builder = builders.get((name, dtype))
         if builder is None:
-            builder = builders[name, dtype] = _Builder(name, dtype)
-        start = sum(o * s for o, s in zip(piece.dst_offset, strides))
-        builder.add(start, offset, piece.nbytes // dtype.itemsize)
+            builder = builders[name, dtype] = _Builder(name, dtype, _strides(shape))
+        builder.add(sum(o * s for o, s in zip(at, builder.strides)), offset, piece.nbytes // dtype.itemsize)
     return [run for builder in builders.values() for run in builder.done()], single
 
 
@@ -101,8 +97,8 @@ class _Builder:
     """The runs of one (tensor, dtype): segments merged while they continue each other on both sides, each
     finished segment appended to the run it steps on from, or starting a new one."""
 
-    def __init__(self, name: str, dtype: torch.dtype) -> None:
-        self.name, self.dtype, self.itemsize = name, dtype, dtype.itemsize
+    def __init__(self, name: str, dtype: torch.dtype, strides: tuple[int, ...]) -> None:
+        self.name, self.dtype, self.itemsize, self.strides = name, dtype, dtype.itemsize, strides
         self.runs: list[Run] = []
         self.run: list[int] | None = None  # [start, wire, numel, segments, step, wire_step]
         self.segment: list[int] | None = None  # [start, wire, numel]
@@ -138,13 +134,14 @@ class _Builder:
         return iter(self.runs)
 
 
-def copy_run(run: Run, tensor: torch.Tensor, wire: torch.Tensor) -> None:
-    """Copy ``run`` from the message's bytes ``wire`` into its local ``tensor`` (contiguous), casting as it goes."""
+def run_views(run: Run, tensor: torch.Tensor, wire: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``run``'s elements in its local ``tensor`` (contiguous) and in the message's bytes ``wire``: two views of
+    (segments, numel), to copy one into the other (the copy casts between their dtypes)."""
     itemsize = run.dtype.itemsize
     typed = wire[run.wire : run.wire + (run.segments - 1) * run.wire_step + run.numel * itemsize].view(run.dtype)
-    source = typed.as_strided((run.segments, run.numel), (run.wire_step // itemsize, 1))
-    target = tensor.as_strided((run.segments, run.numel), (run.step, 1), tensor.storage_offset() + run.start)
-    target.copy_(source)
+    in_wire = typed.as_strided((run.segments, run.numel), (run.wire_step // itemsize, 1))
+    in_tensor = tensor.as_strided((run.segments, run.numel), (run.step, 1), tensor.storage_offset() + run.start)
+    return in_tensor, in_wire
 
 
-__all__ = ["Run", "copy_run", "runs"]
+__all__ = ["Run", "Where", "run_views", "runs"]
