@@ -566,7 +566,8 @@ class RefitPlan:
         """What every rank executing this plan must agree on, part by part, as short readable texts:
         equal plans give equal parts (the executor compares them before a byte moves)."""
         if not self._fingerprint:
-            self._fingerprint.update(self._fingerprint_parts())
+            with gc_paused():  # the manifest's and the maps' digests make a text per tensor, and nothing lasts
+                self._fingerprint.update(self._fingerprint_parts())
         return dict(self._fingerprint)
 
     def _fingerprint_parts(self) -> dict[str, str]:
