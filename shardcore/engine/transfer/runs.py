@@ -1,12 +1,12 @@
-"""A received message's pieces as strided runs: one copy for many pieces.
+"""A message's pieces as strided runs: one copy for many pieces, packed or landed.
 
 A message can carry tens of thousands of small pieces: an engine rank of a MoE model receives, from each training
 rank, every expert's gate rows, up rows and down columns, a few hundred bytes to a few MB each. One copy per piece
-costs the receiver's CPU a view and a copy's dispatch each, ~10 us, whatever its size. Pieces that lie one after
-the other in their tensor and in the message merge into one segment (an expert's gate rows, then its up rows, of
+costs the CPU a view and a copy's dispatch each, ~10 us, whatever its size. Pieces that lie one after the other in
+their tensor and in the message merge into one segment (an expert's gate rows, then its up rows, of
 ``w13_weight``), and segments of one size whose starts step alike in the tensor and in the message (expert after
-expert) form a run, copied with one strided view on each side (``Tensor.as_strided``). What is not contiguous in
-its tensor (a column block) is copied piece by piece, as before.
+expert) form a run, copied with one strided view on each side (``Tensor.as_strided``). What is not one stretch of
+its tensor (a column block), or is quantized on its way out, is copied piece by piece.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
 
 class Run(NamedTuple):
-    """``segments`` segments of ``numel`` elements of local tensor ``name``, each ``step`` elements after the last there
-    and ``wire_step`` bytes after the last in the message, travelling in ``dtype``.
+    """``segments`` stretches of ``numel`` elements of local tensor ``name``, each ``step`` elements after the last
+    there and ``wire_step`` bytes after the last in the message, travelling in ``dtype``.
 
     Attributes:
         name: The local tensor.
@@ -31,7 +31,7 @@ class Run(NamedTuple):
         start: The first segment's first element, from the tensor's own first (not its storage's).
         wire: The first segment's byte offset in the message.
         numel: Elements per segment.
-        segments: Segments.
+        segments: How many stretches.
         step: Elements from one segment's start to the next's in the tensor.
         wire_step: Bytes from one segment's start to the next's in the message.
     """
