@@ -28,7 +28,7 @@ from dataclasses import InitVar, dataclass, field
 from typing import NamedTuple
 
 from ..errors import ManifestError
-from .boxes import Box, from_fields, meets, moved, overlap, subtract, volume
+from .boxes import Box, fitted, from_fields, meets, moved, overlap, subtract, volume
 from .manifest import Manifest, tensor_label
 from .placement import HeldTensor, HolderSet, Placement, Slice
 
@@ -559,8 +559,7 @@ class MappedPlacement(Placement):
                     if meets(piece.box, box):
                         shared = overlap(piece.box, box)
                         start = moved(piece.offset, piece.box, shared)
-                        extents = [stop - lo for lo, stop in shared][-len(start) :]
-                        extents = [1] * (len(start) - len(extents)) + extents  # unit dims on the left never move
+                        extents = fitted(tuple(stop - lo for lo, stop in shared), len(start))
                         boxes.append(tuple((at, at + size) for at, size in zip(start, extents)))
             if boxes:
                 found[name] = tuple(boxes)
