@@ -13,7 +13,6 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
-from functools import cached_property
 
 
 def ranges(ranks: Iterable[int]) -> list[tuple[int, int]]:
@@ -88,6 +87,8 @@ class Renumbering:
         return self.survivors + self.added
 
     def is_gone(self, old: int) -> bool:
+        """Whether old rank ``old`` is lost or released. On an old place (a survivor's or a replacement's), it is
+        gone only when a replacement took that place: what ``old_of`` tells a replacement by."""
         position = bisect_left(self._gone, old)
         return position < len(self._gone) and self._gone[position] == old
 
@@ -106,11 +107,7 @@ class Renumbering:
         if new >= self._places:
             return None
         old = self._place(new)
-        return None if self.replaced and old in self._replaced else old
-
-    @cached_property
-    def _replaced(self) -> frozenset[int]:
-        return frozenset(self.replaced)
+        return None if self.replaced and self.is_gone(old) else old
 
     def old_ranks(self, window: range) -> list[int | None]:
         """``old_of`` for every new rank of ``window`` (ascending), in O(len(window) + gone)."""
@@ -127,7 +124,7 @@ class Renumbering:
                 old += 1
                 while position < len(gaps) and gaps[position] == old:
                     old, position = old + 1, position + 1
-            out.append(None if self.replaced and old in self._replaced else old)
+            out.append(None if self.replaced and self.is_gone(old) else old)
         return out
 
     def replaces_within(self, first: int, last: int) -> bool:
