@@ -161,14 +161,14 @@ def _text_width(svg: ET.Element) -> float:
     return max((len(t.text or "") * 0.6 * float(t.get("font-size", 12)) for t in svg.iter("text")), default=0)
 
 
-def _outline_segments(group: tuple[int, ...], k: int) -> list[tuple[int, int]]:
-    """Runs of consecutive ranks within one node: each is outlined by one rectangle."""
+def _outline_segments(slots: tuple[int, ...], k: int) -> list[tuple[int, int]]:
+    """Runs of consecutive slots (sorted) within one node: each is outlined by one rectangle."""
     runs: list[tuple[int, int]] = []
-    for rank in group:
-        if runs and rank == runs[-1][1] + 1 and rank // k == runs[-1][0] // k:
-            runs[-1] = (runs[-1][0], rank)
+    for slot in slots:
+        if runs and slot == runs[-1][1] + 1 and slot // k == runs[-1][0] // k:
+            runs[-1] = (runs[-1][0], slot)
         else:
-            runs.append((rank, rank))
+            runs.append((slot, slot))
     return runs
 
 
@@ -217,7 +217,7 @@ def _rank_cells(
     for slot, why in sorted(absent.items()):
         _absent_cell(group, slot, why, corner(slot), cell_w)
     if highlight is not None:
-        _outlines(svg, layout, k, highlight, lambda rank: corner(places.of(rank)), cell_w, places)
+        _outlines(svg, layout, k, highlight, corner, cell_w, places)
     if marked:
         _marks(svg, marked, lambda rank: corner(places.of(rank)), cell_w)
     return left + columns * pitch_x, top + nodes * pitch_y
@@ -307,7 +307,7 @@ def _outlines(
     places: Places,
 ) -> None:
     """Outline each group of ``name`` with more than one rank: one rectangle per run of neighbouring
-    places, dashed when it spans nodes (``corner``: a rank's cell)."""
+    places, dashed when it spans nodes (``corner``: a slot's cell, where a run's rectangle starts)."""
     outlines = _el(svg, "g", class_="highlight", fill="none", stroke_width=2.5)
     number = 0
     for plan in layout.shards:
@@ -327,9 +327,8 @@ def _outlines(
                 **attrs,
             )
             number += 1
-            at = dict(zip(slots, members))
             for first, last in _outline_segments(tuple(sorted(slots)), k):
-                x, y = corner(at[first])
+                x, y = corner(first)
                 _el(
                     box,
                     "rect",
