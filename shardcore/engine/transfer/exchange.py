@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from functools import cached_property
-from typing import TYPE_CHECKING, ClassVar, NamedTuple, Protocol, cast
+from typing import TYPE_CHECKING, ClassVar, NamedTuple, Protocol, TypeVar, cast
 
 from ...plan.arguments import shown_ranks
 from ...refit.schedule import Batch, Message, Slot, StagingLayout, aligned, staging_layout
@@ -54,6 +54,9 @@ if TYPE_CHECKING:
     from ...refit.part import Transfer
 
 log = logging.getLogger("shardcore.refit")
+
+Result = TypeVar("Result")
+"""What a step ``Exchange._guarded`` runs returns."""
 
 POLL_SECONDS = 0.05
 """Between batches, how often a rank looks for failures other ranks published."""
@@ -291,13 +294,16 @@ class Exchange:
             )
         self.draining = self.draining or "its own error"
 
-    def _guarded(self, step: Callable[[], object]) -> None:
+    def _guarded(self, step: Callable[[], Result]) -> Result | None:
+        """Run a local step unless this rank drains (``fail`` takes any failure in it); returns what the step
+        returned, or None when it did not run or failed."""
         if self.draining:
-            return
+            return None
         try:
-            step()
+            return step()
         except Exception as error:  # any local failure is published and drained, never left half done
             self.fail(error)
+            return None
 
     def others_failed(self) -> bool:
         """Whether another rank published a failure (then its drained sends explain short messages here)."""
@@ -502,15 +508,10 @@ class Exchange:
     def _sent(self, message: Message, slot: torch.Tensor, staged: bool) -> torch.Tensor:
         """A send's bytes (``_pack``); when this rank drains, or fails here, the slot as it is, which its peers then
         never read."""
-        wire = slot
-        if not self.draining:
-            try:
-                wire = self._pack(message, slot, staged)
-            except Exception as error:  # published and drained, like any local failure
-                self.fail(error)
+        packed = self._guarded(functools.partial(self._pack, message, slot, staged))
         if self.draining:
             self.codec.unsent(message)
-        return wire
+        return slot if packed is None else packed
 
     def _pack(self, message: Message, wire: torch.Tensor, staged: bool) -> torch.Tensor:
         """A send's bytes as the codec makes them in its slot ``wire`` (or ``wire`` itself, its own tensor's bytes
