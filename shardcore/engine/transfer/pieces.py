@@ -125,7 +125,7 @@ class Plain:
                 self.landed(run.name, run.segments * run.numel)
             for piece, offset in single:
                 target = self.target_of(piece)
-                dtype = self.wire_dtype(piece.tensor, target.dtype)
+                dtype = self.piece_dtype(message, piece)
                 target.copy_(wire[offset : offset + piece.nbytes].view(dtype).view(target.shape))
                 self.landed(piece.destination, target.numel())
         return []
@@ -175,7 +175,7 @@ class Plain:
         for piece, offset in single:
             name = self.name_of(message, piece)
             view = view_of(self.written(name) if message.hop else self.sources[name], piece.src_offset, piece.shape)
-            dtype = self.wire_dtype(piece.tensor, view.dtype)
+            dtype = self.piece_dtype(message, piece)
             if not message.hop:  # a relay forwards its destination's bytes, already converted
                 view = self.outgoing(piece.tensor, view, piece.src_offset)
             wire[offset : offset + piece.nbytes].view(dtype).view(view.shape).copy_(view)
@@ -201,20 +201,22 @@ class Plain:
             if reads_source:
                 if self.quantizes(piece.tensor):
                     return None
-                tensor = self.sources[piece.tensor]
-                return piece.tensor, piece.src_offset, tuple(tensor.shape), self.wire_dtype(piece.tensor, tensor.dtype)
+                shape = tuple(self.sources[piece.tensor].shape)
+                return piece.tensor, piece.src_offset, shape, self.piece_dtype(message, piece)
             name = piece.destination
             offset = piece.src_offset if message.send else piece.dst_offset
             shape = tuple(self.destinations[name].shape)
-            return name, offset, shape, self.wire_dtype(piece.tensor, self.written_dtype(name))
+            return name, offset, shape, self.piece_dtype(message, piece)
 
         return where
 
     def piece_dtype(self, message: Message, piece: Piece) -> torch.dtype:
-        """The dtype a piece of ``message`` travels in (its tensor's, or a converting refit's wire dtype)."""
+        """The dtype a piece of ``message`` travels in: its local tensor's (``name_of``: a source's, else the dtype
+        its destination is written in, ``written_dtype``, so no staging copy is made for it), or a converting
+        refit's wire dtype. What the runs, packing, landing and a delta refit's encoding all read a piece as."""
         name = self.name_of(message, piece)
-        tensor = self.sources[name] if message.send and not message.hop else self.written(name)
-        return self.wire_dtype(piece.tensor, tensor.dtype)
+        local = self.sources[name].dtype if message.send and not message.hop else self.written_dtype(name)
+        return self.wire_dtype(piece.tensor, local)
 
     def target_of(self, piece: Piece) -> torch.Tensor:
         """The box of this rank's destination tensor a received piece lands in."""
