@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass, replace
+from functools import cached_property
 from math import lcm
 
 from ..plan.arguments import counted
@@ -62,15 +63,21 @@ class Constraints:
     """The axes a new spec may vary (``Footprint.axes``: ep and expt_tp only for a model with experts)."""
     train_bytes_per_param: float = DEFAULT_TRAIN_BYTES_PER_PARAM
 
+    @cached_property
+    def weight_bytes_per_param(self) -> float:
+        """The model's weight bytes per parameter (scale tensors not counted), read from the manifest once:
+        ``memory_of`` asks for it per candidate spec (tens of thousands in a large replan), and a large model's
+        manifest holds tens of thousands of tensors (DeepSeek-V3: about 30,000)."""
+        manifest = self.footprint.manifest
+        return manifest.nbytes / max(1, sum(t.numel for t in manifest if t.scale_of is None))
+
     def memory_of(self, spec: ShardSpec) -> float:
         """The most memory a rank of a shard of ``spec`` needs: its weights, and for a train shard its weights'
         parameters times ``train_bytes_per_param`` (weights, master weights, gradients, optimizer state)."""
         weights = self.footprint.weight_bytes(spec)
         if spec.role != "train":
             return weights
-        manifest = self.footprint.manifest
-        bytes_per_param = manifest.nbytes / max(1, sum(t.numel for t in manifest if t.scale_of is None))
-        return weights / bytes_per_param * self.train_bytes_per_param
+        return weights / self.weight_bytes_per_param * self.train_bytes_per_param
 
     def admits(self, spec: ShardSpec) -> bool:
         return self.footprint.fits(spec) is None and self.memory_of(spec) <= self.memory
