@@ -40,7 +40,7 @@ from .arguments import (
     lone_flags,
     missing_flags,
 )
-from .check import JoinedProgress, Load, Progress, check_machine, require_torch, torchrun_world
+from .check import JoinedProgress, Load, Progress, check_load, check_machine, require_torch, torchrun_world
 from .search import add_search_arguments, run_search
 
 if TYPE_CHECKING:
@@ -256,8 +256,7 @@ def _check(args: argparse.Namespace) -> int:
     execute = _execute_options(args)
     torchrun = torchrun_world()
     joined = torchrun is not None
-    if not joined:
-        check_machine(args.nproc)  # the limits on processes alone, before planning
+    warnings = [] if joined else check_machine(args.nproc)  # the limits on processes alone, before planning
     require_torch("refit --check")
     args.world = args.nproc if torchrun is None else torchrun
     request, plan = _plan(args)
@@ -265,7 +264,8 @@ def _check(args: argparse.Namespace) -> int:
         refuse_delta(plan.destination_placements, "--delta")
     from ..engine.live import refit_check
 
-    warnings = [] if joined else check_machine(args.nproc, _load(plan, execute, refit_check.check_held_bytes))
+    if not joined:
+        check_load(args.nproc, _load(plan, execute, refit_check.check_held_bytes))
     changes = (0.02 if args.changed is None else args.changed,) if args.delta else ()
     options = refit_check.RefitCheckOptions(request, execute, changes)
     speaks = not args.quiet and (not joined or os.environ["RANK"] == "0")
