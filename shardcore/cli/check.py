@@ -81,7 +81,7 @@ def _available_mib() -> int | None:
 @dataclass(frozen=True)
 class Load:
     """What a live command's processes hold beyond the interpreter and torch (``MIB_PER_PROCESS``), for
-    ``check_machine``: bytes per rank, what those bytes are, and how to hold less."""
+    ``check_load``: bytes per rank, what those bytes are, and how to hold less."""
 
     per_rank: Sequence[int]
     what: str
@@ -92,15 +92,17 @@ class Load:
     """The flag that sets the number of processes."""
 
 
-def check_machine(nproc: int, load: Load | None = None) -> list[str]:
-    """Refuse a world this machine cannot hold; return warnings for one it holds only slowly.
+def check_machine(nproc: int) -> list[str]:
+    """Refuse a world whose processes alone this machine cannot hold; return warnings for one it holds only
+    slowly. It needs no plan, so a live command runs it before planning (a plan of a large world takes
+    seconds), and ``check_load`` once the plan says what each rank holds.
 
     Memory is read as the kernel's MemAvailable: what can be allocated without swapping. Each process counts
-    MIB_PER_PROCESS, and with ``load`` what its rank holds on top (``load.per_rank``).
+    MIB_PER_PROCESS.
 
     Raises:
-        CheckError: ``nproc`` above ``local_limit``, or more than the available memory holds, naming the
-            figures and a way out.
+        CheckError: ``nproc`` above ``local_limit``, or more processes than the available memory holds,
+            naming the figures and a way out.
     """
     limit, why = local_limit()
     if nproc > limit:
@@ -116,19 +118,30 @@ def check_machine(nproc: int, load: Load | None = None) -> list[str]:
             f"{available / 1024:.1f} GiB is available here; use at most {max(1, available // MIB_PER_PROCESS)}, "
             "or run check under torchrun across nodes"
         )
-    if available is not None and load is not None and load.per_rank:
-        need = nproc * MIB_PER_PROCESS / 1024 + sum(load.per_rank) / GIB
-        most = max(range(len(load.per_rank)), key=load.per_rank.__getitem__)
-        if need > available / 1024:
-            raise CheckError(
-                f"{load.flag} {nproc}: {counted(nproc, 'process', 'processes')} would hold about {need:.1f} GiB "
-                f"({load.what}; rank {most} the most, {load.per_rank[most] / GIB:.1f} GiB, plus about "
-                f"{MIB_PER_PROCESS} MiB each) but {available / 1024:.1f} GiB is available here: {load.less}"
-            )
     cores = os.cpu_count() or 1
     if nproc > OVERSUBSCRIBED * cores:
         return [f"{counted(nproc, 'process', 'processes')} on {counted(cores, 'core')}: expect minutes"]
     return []
+
+
+def check_load(nproc: int, load: Load) -> None:
+    """Refuse a world whose processes, with what each rank holds (``load.per_rank``) on top of
+    MIB_PER_PROCESS, need more than the kernel's MemAvailable: the kernel would kill them after they start.
+
+    Raises:
+        CheckError: naming the total, the rank that holds the most, what is available and how to hold less.
+    """
+    available = _available_mib()
+    if available is None or not load.per_rank:
+        return
+    need = nproc * MIB_PER_PROCESS / 1024 + sum(load.per_rank) / GIB
+    most = max(range(len(load.per_rank)), key=load.per_rank.__getitem__)
+    if need > available / 1024:
+        raise CheckError(
+            f"{load.flag} {nproc}: {counted(nproc, 'process', 'processes')} would hold about {need:.1f} GiB "
+            f"({load.what}; rank {most} the most, {load.per_rank[most] / GIB:.1f} GiB, plus about "
+            f"{MIB_PER_PROCESS} MiB each) but {available / 1024:.1f} GiB is available here: {load.less}"
+        )
 
 
 def require_torch(command: str) -> None:
@@ -384,6 +397,7 @@ __all__ = [
     "CheckError",
     "Load",
     "Progress",
+    "check_load",
     "check_machine",
     "check_rows",
     "cmd_check",

@@ -22,7 +22,6 @@ from ..refit.options import (
     OPTION_FLAGS,
     ExecuteOptions,
     OptionFlag,
-    Verify,
 )
 from ..refit.part import RankRefit, Transfer
 from ..refit.plan import DEFAULT_MIN_PIECE_BYTES, ShardRefitPlan
@@ -40,7 +39,7 @@ from .arguments import (
     lone_flags,
     missing_flags,
 )
-from .check import JoinedProgress, Load, Progress, check_machine, require_torch, torchrun_world
+from .check import JoinedProgress, Load, Progress, check_load, check_machine, require_torch, torchrun_world
 from .search import add_search_arguments, run_search
 
 if TYPE_CHECKING:
@@ -256,8 +255,7 @@ def _check(args: argparse.Namespace) -> int:
     execute = _execute_options(args)
     torchrun = torchrun_world()
     joined = torchrun is not None
-    if not joined:
-        check_machine(args.nproc)  # the limits on processes alone, before planning
+    warnings = [] if joined else check_machine(args.nproc)  # the limits on processes alone, before planning
     require_torch("refit --check")
     args.world = args.nproc if torchrun is None else torchrun
     request, plan = _plan(args)
@@ -265,7 +263,8 @@ def _check(args: argparse.Namespace) -> int:
         refuse_delta(plan.destination_placements, "--delta")
     from ..engine.live import refit_check
 
-    warnings = [] if joined else check_machine(args.nproc, _load(plan, execute, refit_check.check_held_bytes))
+    if not joined:
+        check_load(args.nproc, _load(plan, execute, refit_check.check_held_bytes))
     changes = (0.02 if args.changed is None else args.changed,) if args.delta else ()
     options = refit_check.RefitCheckOptions(request, execute, changes)
     speaks = not args.quiet and (not joined or os.environ["RANK"] == "0")
@@ -685,7 +684,7 @@ def _add_check_flags(parser: argparse.ArgumentParser) -> None:
     add_timeout_flag(parser, when="with --check: ")
     for field, option in OPTION_FLAGS.items():
         if field not in DELTA_SHAPING:
-            _add_option_flag(parser, field, option, "with --check: ")
+            _add_option_flag(parser, option, "with --check: ")
     parser.add_argument(
         "--changed",
         type=FRACTION,
@@ -693,18 +692,18 @@ def _add_check_flags(parser: argparse.ArgumentParser) -> None:
         help="with --delta: the fraction of elements the optimizer step changes (default 0.02)",
     )
     for field in DELTA_SHAPING:
-        _add_option_flag(parser, field, OPTION_FLAGS[field], "with --delta: ")
+        _add_option_flag(parser, OPTION_FLAGS[field], "with --delta: ")
 
 
-def _add_option_flag(parser: argparse.ArgumentParser, field: str, option: OptionFlag, when: str) -> None:
-    """The flag of the executor's option ``field``, as ``OPTION_FLAGS`` names and describes it: a switch, a choice
-    (``verify``) or a whole number (``version`` may be 0)."""
-    if field == "verify":
-        parser.add_argument(option.flag, choices=list(Verify), help=when + option.help)
+def _add_option_flag(parser: argparse.ArgumentParser, option: OptionFlag, when: str) -> None:
+    """An executor option's flag, as its ``OPTION_FLAGS`` row names and describes it: a choice, a switch or a
+    whole number of at least ``option.minimum``."""
+    if option.choices is not None:
+        parser.add_argument(option.flag, choices=list(option.choices), help=when + option.help)
     elif option.metavar is None:
         parser.add_argument(option.flag, action="store_true", help=when + option.help)
     else:
-        number = NON_NEGATIVE_INT if field == "version" else POSITIVE_INT
+        number = NON_NEGATIVE_INT if option.minimum == 0 else POSITIVE_INT
         parser.add_argument(option.flag, type=number, metavar=option.metavar, help=when + option.help)
 
 

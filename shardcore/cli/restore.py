@@ -18,7 +18,7 @@ from ..plan.arguments import counted, format_bytes
 from ..refit.options import ExecuteOptions
 from ..replan import ReplanOption, ReplanRequest, format_ranks, named_ranks
 from ..views.tables import format_table
-from .check import TORCH_HINT, Load, Progress, check_machine
+from .check import TORCH_HINT, Load, Progress, check_load, check_machine
 
 if TYPE_CHECKING:
     from ..engine.live.restore_check import RestoreCheckOptions, RestoreReport
@@ -95,13 +95,13 @@ def run_restore_check(args: argparse.Namespace, request: ReplanRequest) -> int:
         raise CheckError("--check runs the survivors of --lost: it cannot start the ranks --new-world adds")
     if args.json or args.svg:
         raise CheckError("--check prints its own table: drop --json and --svg (run them without --check)")
-    check_machine(args.world)  # the limits on processes alone, before planning
+    warnings = check_machine(args.world)  # the limits on processes alone, before planning
     options = _options(args, request)
     option = restore_check.choose_option(options)  # bad input and missing copies fail here, before any start
     bucket = options.execute.bucket_bytes
     held = [restore_check.check_held_bytes(option, rank, bucket) for rank in range(args.world)]
     what = "each rank's old and new tensors, and a whole tensor while it is drawn"
-    warnings = check_machine(args.world, Load(held, what, "check a smaller model or world", "--world"))
+    check_load(args.world, Load(held, what, "check a smaller model or world", "--world"))
     gone = option.renumbering.gone
     print(
         f"replan --check: {counted(args.world, 'local process', 'local processes')}, losing "

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from datetime import timedelta
 from enum import StrEnum
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 from ..errors import OptionValueError, RefitInputError, ShardcoreError
 from ..plan.arguments import as_timedelta, count_problem, shown
@@ -45,8 +45,13 @@ class OptionFlag(NamedTuple):
 
     flag: str
     metavar: str | None
-    """None: a switch (given or not)."""
+    """None: a switch (given or not), or a choice of ``choices``."""
     help: str
+    choices: tuple[str, ...] | None = None
+    """The values a choice takes; None: a switch or a whole number."""
+    minimum: Literal[0, 1] = 1
+    """The least whole number the flag parses (0 where 0 means something, as a version does); the executor's
+    own range (``ExecuteOptions``) is checked after, naming the flag."""
 
 
 DELTA_SHAPING = ("anchor_every", "delta_checksum")
@@ -67,9 +72,13 @@ OPTION_FLAGS: dict[str, OptionFlag] = {
         None,
         "check each received message's size against its sender's ledger (size, the default), or its size and a "
         "checksum of its bytes",
+        choices=tuple(Verify),
     ),
     "version": OptionFlag(
-        "--refit-version", "STEP", "the refit's version (e.g. the training step), recorded with the destinations"
+        "--refit-version",
+        "STEP",
+        "the refit's version (e.g. the training step), recorded with the destinations",
+        minimum=0,
     ),
     "delta": OptionFlag(
         "--delta",

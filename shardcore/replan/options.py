@@ -27,8 +27,9 @@ Shards that lost nothing keep their spec and processes in every kind but shift. 
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from math import lcm
 
 from ..plan.arguments import counted
@@ -62,15 +63,21 @@ class Constraints:
     """The axes a new spec may vary (``Footprint.axes``: ep and expt_tp only for a model with experts)."""
     train_bytes_per_param: float = DEFAULT_TRAIN_BYTES_PER_PARAM
 
+    @cached_property
+    def weight_bytes_per_param(self) -> float:
+        """The model's weight bytes per parameter (scale tensors not counted), read from the manifest once:
+        ``memory_of`` asks for it per candidate spec (tens of thousands in a large replan), and a large model's
+        manifest holds tens of thousands of tensors (DeepSeek-V3: about 30,000)."""
+        manifest = self.footprint.manifest
+        return manifest.nbytes / max(1, sum(t.numel for t in manifest if t.scale_of is None))
+
     def memory_of(self, spec: ShardSpec) -> float:
         """The most memory a rank of a shard of ``spec`` needs: its weights, and for a train shard its weights'
         parameters times ``train_bytes_per_param`` (weights, master weights, gradients, optimizer state)."""
         weights = self.footprint.weight_bytes(spec)
         if spec.role != "train":
             return weights
-        manifest = self.footprint.manifest
-        bytes_per_param = manifest.nbytes / max(1, sum(t.numel for t in manifest if t.scale_of is None))
-        return weights / bytes_per_param * self.train_bytes_per_param
+        return weights / self.weight_bytes_per_param * self.train_bytes_per_param
 
     def admits(self, spec: ShardSpec) -> bool:
         return self.footprint.fits(spec) is None and self.memory_of(spec) <= self.memory
@@ -94,11 +101,18 @@ def _closeness(old: ShardSpec, spec: ShardSpec, constraints: Constraints) -> tup
     return (sum(changed), *changed, constraints.footprint.weight_bytes(spec))
 
 
-def shrink(plan: ShardPlan, lost: list[int], constraints: Constraints) -> tuple[ShardSpec, list[int]] | None:
+def _replica_block(spec: ShardSpec) -> int:
+    """The dp coordinates of the smallest block of whole dp replicas that is also a block of whole expt_dp
+    replicas (lcm(tp*cp, expt_tp*ep) ranks per stage): what shrink and borrow drop at a time, so that every
+    replica left, dense or expert, is whole."""
+    return lcm(spec.tp * spec.cp, spec.expt_tp * spec.ep) // (spec.tp * spec.cp)
+
+
+def shrink(plan: ShardPlan, lost: Sequence[int], constraints: Constraints) -> tuple[ShardSpec, list[int]] | None:
     """Drop the replica blocks holding ``lost``: (the new spec, the ranks released), or None when no replica
     would remain (or the spec does not fit the constraints)."""
     spec, grid = plan.spec, plan.decoder_grid
-    block = lcm(spec.tp * spec.cp, spec.expt_tp * spec.ep) // (spec.tp * spec.cp)  # dp coordinates per block
+    block = _replica_block(spec)
     stride = grid.stride_of("dp")
 
     def block_of(rank: int) -> int:
@@ -135,7 +149,7 @@ def relayout(spec: ShardSpec, ranks: int, constraints: Constraints, above: int =
 
 
 def _rework(
-    kind: str, plan: ShardPlan, gone: list[int], lost: set[int], constraints: Constraints
+    kind: str, plan: ShardPlan, gone: Sequence[int], constraints: Constraints
 ) -> tuple[str, ShardSpec, list[int], str] | str:
     """How a shard that lost ``gone`` is reworked in place: (what was done, the new spec, the ranks released,
     a note), or why it cannot be. A relayout that would hold no more ranks than shrinking shrinks."""
@@ -145,6 +159,7 @@ def _rework(
     dropped = shrink(plan, gone, constraints)
     chosen = None
     if kind == "relayout" or dropped is None:
+        lost = set(gone)
         survivors = [rank for rank in plan.ranks if rank not in lost]
         chosen = relayout(plan.spec, len(survivors), constraints, dropped[0].world_size if dropped else 0)
         if chosen is not None:
@@ -158,17 +173,18 @@ def _rework(
     return "shrink", spec, freed, f"{where}: drops {replicas} -> '{spec}', releases {len(freed)}"
 
 
-def _in_place(kind: str, old: Layout, lost: set[int], constraints: Constraints, failed: list[str]) -> Proposal | None:
+def _in_place(
+    kind: str, old: Layout, base: Renumbering, constraints: Constraints, failed: list[str]
+) -> Proposal | None:
     """Shrink or relayout every shard that lost ranks, each within its own window; None, with the reason in
     ``failed``, when a shard can do neither."""
     specs, released, notes, done = [], [], [], set()
-    ordered = sorted(lost)
     for plan in old.shards:
-        gone = ordered[bisect_left(ordered, plan.rank_offset) : bisect_left(ordered, plan.ranks.stop)]
+        gone = base.lost_within(plan.ranks)
         if not gone:
             specs.append(plan.spec)
             continue
-        reworked = _rework(kind, plan, gone, lost, constraints)
+        reworked = _rework(kind, plan, gone, constraints)
         if isinstance(reworked, str):
             failed.append(reworked)
             return None
@@ -199,23 +215,14 @@ def _borrowed(old: Layout, base: Renumbering, constraints: Constraints, failed: 
     """Keep the kept shard that lost ranks whole by shrinking another (each other one in turn, nearest first):
     the lender drops as few whole replica blocks as cover the loss, and gives the ranks at its edge nearest the
     kept shard to it (the windows in between close over the gap); ranks it drops beyond the loss are released."""
-    lost = sorted(base.lost)
-    needy = [
-        plan
-        for plan in old.shards
-        if plan.index in constraints.keep and bisect_left(lost, plan.ranks.stop) > bisect_left(lost, plan.rank_offset)
-    ]
+    needy = [plan for plan in old.shards if plan.index in constraints.keep and base.lost_within(plan.ranks)]
     if len(needy) != 1 or base.added:
         return []  # nothing to make whole, more than one kept shard to, or added ranks that shift or replace can use
     keeper = needy[0]
-    short = bisect_left(lost, keeper.ranks.stop) - bisect_left(lost, keeper.rank_offset)
+    short = len(base.lost_within(keeper.ranks))
     found = []
     for lender in sorted(old.shards, key=lambda plan: abs(plan.index - keeper.index)):
-        if (
-            lender is keeper
-            or lender.index in constraints.keep
-            or bisect_left(lost, lender.ranks.stop) > bisect_left(lost, lender.rank_offset)
-        ):
+        if lender is keeper or lender.index in constraints.keep or base.lost_within(lender.ranks):
             continue
         lent = _lend(lender, short, lender.index > keeper.index, constraints)
         if lent is None:
@@ -236,7 +243,7 @@ def _lend(plan: ShardPlan, short: int, after: bool, constraints: Constraints) ->
     or None when no replica would remain or the spec does not fit. It gives its first ``short`` ranks (``after``:
     it lies after the kept shard) or its last, and releases the next ones it drops."""
     spec = plan.spec
-    block = lcm(spec.tp * spec.cp, spec.expt_tp * spec.ep) // (spec.tp * spec.cp)  # dp coordinates per block
+    block = _replica_block(spec)
     per_block = spec.world_size // spec.dp * block
     blocks = -(-short // per_block)
     dp = spec.dp - blocks * block
@@ -250,12 +257,11 @@ def _lend(plan: ShardPlan, short: int, after: bool, constraints: Constraints) ->
 
 def proposals(old: Layout, base: Renumbering, constraints: Constraints) -> tuple[list[Proposal], list[str]]:
     """Every candidate for losing ``base.lost`` (and gaining ``base.added``), and why the other kinds failed."""
-    lost = set(base.lost)
     head = base.survivors_below(old.rank_offset)
     found: list[Proposal] = []
     failed: list[str] = []
     for kind in ("shrink", "relayout"):
-        proposal = _in_place(kind, old, lost, constraints, failed)
+        proposal = _in_place(kind, old, base, constraints, failed)
         if proposal is not None and all(proposal.specs != other.specs for other in found):
             found.append(proposal)
     specs = tuple(plan.spec for plan in old.shards)

@@ -127,6 +127,11 @@ class Renumbering:
             out.append(None if self.replaced and self.is_gone(old) else old)
         return out
 
+    def lost_within(self, window: range) -> tuple[int, ...]:
+        """The lost ranks in the old ranks ``window`` (a shard's), ascending, by bisection over ``lost``."""
+        lost = self.lost
+        return lost[bisect_left(lost, window.start) : bisect_left(lost, window.stop)]
+
     def replaces_within(self, first: int, last: int) -> bool:
         """Whether a replacement took the place of an old rank in [first, last]: a new process among old ones."""
         replaced = self.replaced

@@ -195,6 +195,25 @@ def test_more_processes_than_the_memory_holds_are_refused() -> None:
         check_machine(too_many)
 
 
+def test_what_the_ranks_hold_beyond_the_available_memory_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """check_load, run once the plan says what each rank holds: the total, the rank holding the most, the way out."""
+    from shardcore.cli import check
+    from shardcore.cli.check import GIB, CheckError, Load, check_load
+
+    monkeypatch.setattr(check, "_available_mib", lambda: 4096)
+    load = Load([GIB, 3 * GIB], "the test's tensors", "hold less", "--world")
+    with pytest.raises(CheckError) as raised:
+        check_load(2, load)
+    assert str(raised.value) == (
+        "--world 2: 2 processes would hold about 4.5 GiB (the test's tensors; rank 1 the most, 3.0 GiB, plus about "
+        "250 MiB each) but 4.0 GiB is available here: hold less"
+    )
+    check_load(1, Load([3 * GIB], "the test's tensors", "hold less"))  # 3.2 GiB: it fits
+    check_load(2, Load([], "nothing", "hold less"))
+    monkeypatch.setattr(check, "_available_mib", lambda: None)  # no /proc/meminfo: nothing to check against
+    check_load(2, load)
+
+
 def test_many_processes_per_core_warn() -> None:
     import os
 

@@ -279,6 +279,31 @@ def test_every_executor_option_has_its_flag_in_the_help(capsys: pytest.CaptureFi
         assert option.flag in shown and " ".join(option.help.split()) in shown
 
 
+def test_every_executor_flag_parses_as_its_table_row_says(capsys: pytest.CaptureFixture[str]) -> None:
+    """The parser reads a flag's kind from its ``OPTION_FLAGS`` row alone (choices, a switch, a whole number from
+    ``minimum``), never from its field's name."""
+    from shardcore.cli.main import build_parser
+    from shardcore.cli.refit import _dest
+
+    parser = build_parser()
+    base = ["refit", "--check", "--delta", "--model", "tiny-dense", "--shards", "tp=2+tp=2", "--from", "0", "--to", "1"]
+    for field, option in OPTION_FLAGS.items():
+        dest = _dest(option)
+        if option.choices is not None:
+            for choice in option.choices:
+                assert getattr(parser.parse_args([*base, option.flag, choice]), dest) == choice
+            refused = [*base, option.flag, "none-of-them"]
+        elif option.metavar is None:
+            assert getattr(parser.parse_args([*base, option.flag]), dest) is True
+            continue
+        else:
+            assert getattr(parser.parse_args([*base, option.flag, str(option.minimum)]), dest) == option.minimum
+            refused = [*base, option.flag, str(option.minimum - 1)]
+        with pytest.raises(SystemExit):
+            parser.parse_args(refused)
+        assert f"argument {option.flag}:" in capsys.readouterr().err, field
+
+
 QWEN2_SMALL = {
     "architectures": ["Qwen2ForCausalLM"],
     "model_type": "qwen2",

@@ -37,6 +37,9 @@ def test_renumbering_keeps_the_survivors_in_order(data: st.DataObject) -> None:
     assert all(renumbering.new_of(rank) is None for rank in lost | released)
     window = range(data.draw(st.integers(0, renumbering.new_world)), renumbering.new_world)
     assert renumbering.old_ranks(window) == [renumbering.old_of(new) for new in window]
+    first = data.draw(st.integers(0, world))
+    shard = range(first, data.draw(st.integers(first, world)))
+    assert renumbering.lost_within(shard) == tuple(sorted(rank for rank in lost if rank in shard))
 
 
 @settings(deadline=None, max_examples=200)
