@@ -260,7 +260,7 @@ def refit(
 
     with torch.no_grad():
         sources = local(src_state, plan.source_placement)
-        copy = next((p for p in plan.destination_placements if rank in p.ranks), None)
+        copy = plan.destination_placement_of(rank)
         targets = {} if copy is None else local(dst_state, copy)
         return execute_refit(plan, sources, targets, options=options, timeout=timeout, bucket_bytes=bucket_bytes)
 
