@@ -254,9 +254,11 @@ def refit(
     names = [tensor.name for tensor in plan.manifest]
 
     def local(state: Mapping[str, Any] | None, side: Placement) -> dict[str, Any]:
-        """This rank's local tensors of one side, shaped as the plan has them (0-d as [1])."""
+        """This rank's local tensors of one side, shaped as the plan has them (0-d as [1]). ``_records`` checked
+        every tensor (a DTensor, Shard/Replicate) and a plan exists only for records without a problem, so the
+        local shards are taken as they are (``local_shards`` would check them all again, every call)."""
         held = {names[tensor.position]: tensor.shape for tensor in side.held(rank)}
-        return {name: t.view(held[name]) for name, t in local_shards(state or {}).items() if name in held}
+        return {name: t.to_local().view(held[name]) for name, t in (state or {}).items() if name in held}
 
     with torch.no_grad():
         sources = local(src_state, plan.source_placement)
