@@ -398,12 +398,18 @@ HF_PREFIX = "hf:"
 """``--model hf:PATH``: a Hugging Face config.json (or the folder holding it) instead of a manifest or preset."""
 
 
-def hf_model_of(model: str) -> HFModel:
-    """The model ``--model hf:PATH`` names (``manifest_from_hf_config(PATH)``).
+def hf_model_of(model: str | HFModel) -> HFModel:
+    """The model ``--model hf:PATH`` names (``manifest_from_hf_config(PATH)``), or ``model`` itself when it is one
+    already parsed: a caller that holds the config's contents (vLLM's init info) passes it without a file.
+
+    Args:
+        model: ``hf:PATH`` (a ``config.json`` or the folder holding it), or an ``HFModel``.
 
     Raises:
-        ManifestError: ``model`` does not start with ``hf:``, or its config is bad.
+        ManifestError: ``model`` is neither an ``HFModel`` nor text starting with ``hf:``, or its config is bad.
     """
+    if isinstance(model, HFModel):
+        return model
     if not isinstance(model, str) or not model.startswith(HF_PREFIX):
         raise ManifestError(
             f"model {shown(model)}: a layout other than megatron needs the model's Hugging Face config: "
@@ -413,10 +419,17 @@ def hf_model_of(model: str) -> HFModel:
 
 
 def shard_layouts(
-    model: str, src: int, dst: Sequence[int], source: str = "megatron", destination: str = "megatron"
+    model: str | HFModel, src: int, dst: Sequence[int], source: str = "megatron", destination: str = "megatron"
 ) -> dict[int, ModelLayout] | None:
     """``plan_refit``'s ``layouts`` for ``--from-layout`` / ``--to-layout``: ``source``'s for shard ``src``,
     ``destination``'s for every shard of ``dst``; None when both are megatron (no layout to plan through).
+
+    Args:
+        model: ``hf:PATH`` or an ``HFModel`` (``hf_model_of``).
+        src: The source shard's index.
+        dst: The destination shards' indices.
+        source: The source's layout (``LAYOUTS``).
+        destination: The destinations' layout.
 
     Raises:
         ManifestError: an unknown layout, or one other than megatron without ``--model hf:PATH``.

@@ -111,6 +111,16 @@ class RefitPlan:
         """The model every placement of the plan describes."""
         return self.source_placement.manifest
 
+    def destination_placement_of(self, rank: int) -> Placement | None:
+        """The destination placement rank ``rank`` is in (no rank is in two), or None for a rank that receives
+        nothing: what the executor, the checks and a plugin ask of a rank to find its local tensors and what it
+        lands, zeroes or is checked against.
+
+        Args:
+            rank: A rank of the plan's world.
+        """
+        return next((placement for placement in self.destination_placements if rank in placement.ranks), None)
+
     def destination_tensor(self, name: str) -> TensorSpec:
         """The tensor a destination rank holds locally as ``name``: the manifest's, or through a weight map an
         engine's (its names, shapes and dtypes), for the executor's checks of the tensors it is given.

@@ -14,7 +14,7 @@ from ..errors import ManifestError, RefitError
 from ..plan.arguments import shown
 from ..plan.layout import DEFAULT_ORDER, Layout, ShardPlan, plan_layout
 from .documents import model_manifest
-from .families import ModelLayout, shard_layouts
+from .families import HFModel, ModelLayout, shard_layouts
 from .manifest import Manifest
 from .plan import DEFAULT_MIN_PIECE_BYTES, ShardRefitPlan, tensors_matching
 from .planner import plan_refit
@@ -25,7 +25,9 @@ class RefitRequest:
     """What to refit: the layout and its shards, the model, the planner's options, the tensors, the conversion.
 
     Attributes:
-        model: A preset name, a manifest file (JSON/YAML), or a ``Manifest``.
+        model: A preset name, a manifest file (JSON/YAML), ``hf:PATH`` (a Hugging Face ``config.json``), a
+            ``Manifest``, or an ``HFModel`` (``manifest_from_hf_config``: a config parsed already, from a path
+            or from its contents).
         shards: The layout's spec, e.g. ``'tp=4,role=train + tp=2'``.
         src: The source shard's index.
         dst: The destination shards' indices.
@@ -39,10 +41,11 @@ class RefitRequest:
             linear layers' weights for fp8), or None for the manifest's own.
         scale: With a ``float8_e4m3fn`` ``to_dtype``: ``block`` (the default) or ``tensor``.
         from_layout / to_layout: How the source / the destinations hold their weights (``families.LAYOUTS``:
-            ``megatron``, ``hf``, ``hf-stacked``, ``vllm``); another than megatron needs ``model`` = ``hf:PATH``.
+            ``megatron``, ``hf``, ``hf-stacked``, ``vllm``); another than megatron needs ``model`` = ``hf:PATH``
+            or an ``HFModel``.
     """
 
-    model: str | Manifest
+    model: str | Manifest | HFModel
     shards: str
     src: int
     dst: tuple[int, ...]
@@ -64,7 +67,10 @@ class RefitRequest:
         Raises:
             ManifestError: an unknown model, a bad manifest file, or a conversion the tensors cannot take.
         """
-        manifest = self.model if isinstance(self.model, Manifest) else model_manifest(self.model)
+        if isinstance(self.model, Manifest):
+            manifest = self.model
+        else:
+            manifest = self.model.manifest if isinstance(self.model, HFModel) else model_manifest(self.model)
         return manifest if self.to_dtype is None else manifest.converted(self.to_dtype, self.scale)
 
     def layout(self, world_size: int) -> Layout:
@@ -117,14 +123,15 @@ class RefitRequest:
         """``plan_refit``'s ``layouts`` for ``from_layout`` / ``to_layout`` (None: Megatron's on both sides).
 
         Raises:
-            ManifestError: an unknown layout, or one other than megatron without a ``hf:PATH`` model.
+            ManifestError: an unknown layout, or one other than megatron without a ``hf:PATH`` or ``HFModel`` model.
         """
         if self.from_layout == self.to_layout == "megatron":
             return None
-        if not isinstance(self.model, str):
+        if not isinstance(self.model, str | HFModel):
             raise ManifestError(
                 f"--from-layout {self.from_layout} --to-layout {self.to_layout}: a layout other than megatron "
-                "needs the model as a Hugging Face config, model='hf:PATH/config.json'"
+                "needs the model as a Hugging Face config, model='hf:PATH/config.json' (or manifest_from_hf_config's "
+                "HFModel)"
             )
         return shard_layouts(self.model, self.src, self.dst, self.from_layout, self.to_layout)
 

@@ -340,6 +340,27 @@ def test_cli_plans_into_a_layout_from_an_hf_config(tmp_path: Any, capsys: pytest
     assert "cannot read HF config" in capsys.readouterr().err
 
 
+def test_a_request_takes_the_parsed_model_as_it_takes_its_hf_path(tmp_path: Any) -> None:
+    """An ``HFModel`` (a config parsed already, from its contents: vLLM's init info) plans what ``hf:PATH`` of the
+    same config plans, and is used as it is, never parsed again; a ``Manifest`` still plans no layout."""
+    from shardcore.refit import RefitRequest
+    from shardcore.refit.families import hf_model_of, shard_layouts
+
+    contents = {**BASE, **CONFIGS["qwen2"]}
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(contents))
+    model = manifest_from_hf_config(contents)
+    assert hf_model_of(model) is model
+    layouts = shard_layouts(model, 0, [1], "hf", "vllm")
+    assert layouts is not None and {layout.model for layout in layouts.values()} == {model}
+    by_path = RefitRequest(f"hf:{config}", "tp=1,role=train + tp=2", 0, (1,), from_layout="hf", to_layout="vllm")
+    parsed = replace(by_path, model=model)
+    assert parsed.plan(3).fingerprint() == by_path.plan(3).fingerprint()
+    assert parsed.manifest() is model.manifest
+    with pytest.raises(ManifestError, match="needs the model as a Hugging Face config"):
+        replace(by_path, model=model.manifest).plan(3)
+
+
 def test_fan_out_and_subsets_compose_with_layouts() -> None:
     """Fan-out relays a tile into a node once, into the engine's own tensors; a subset keeps its tensors' pieces."""
     model = model_of("qwen3_moe")

@@ -176,6 +176,13 @@ def test_shard_plans_keep_the_recorded_schedule() -> None:
     assert digest(dense) == "5a5d8a80f4658c40"
 
 
+def test_destination_placement_of_a_rank_is_the_one_it_is_in() -> None:
+    """Each destination rank finds its own placement; a rank in no destination (a trainer's) finds none."""
+    plan = plan_refit(plan_layout(6, "tp=2,dp=2,role=train+tp=1+tp=1"), 0, [1, 2], preset("tiny-dense"))
+    first, second = plan.destination_placements
+    assert [plan.destination_placement_of(rank) for rank in range(6)] == [None] * 4 + [first, second]
+
+
 # -- explicit placements -------------------------------------------------------------------------
 
 

@@ -48,7 +48,7 @@ def _executed(plan: RefitPlan, sources: dict[int, dict[str, torch.Tensor]]) -> d
         mine = plan.for_rank(rank)
         assert sorted((*mine.sends, *mine.recvs, *mine.copies)) == sorted(t for t in every if rank in (t.src, t.dst))
         destinations[rank] = {name: torch.full(shape, FILL) for name, shape in mine.destination_shapes.items()}
-        placement = next((p for p in plan.destination_placements if rank in p.ranks), None)
+        placement = plan.destination_placement_of(rank)
         for name, boxes in placement.zeroed(rank).items() if placement is not None else ():
             for box in boxes if name in destinations[rank] else ():  # what the executor zeroes: the engine's padding
                 destinations[rank][name][tuple(slice(start, stop) for start, stop in box)] = 0.0

@@ -254,13 +254,15 @@ def refit(
     names = [tensor.name for tensor in plan.manifest]
 
     def local(state: Mapping[str, Any] | None, side: Placement) -> dict[str, Any]:
-        """This rank's local tensors of one side, shaped as the plan has them (0-d as [1])."""
+        """This rank's local tensors of one side, shaped as the plan has them (0-d as [1]). ``_records`` checked
+        every tensor (a DTensor, Shard/Replicate) and a plan exists only for records without a problem, so the
+        local shards are taken as they are (``local_shards`` would check them all again, every call)."""
         held = {names[tensor.position]: tensor.shape for tensor in side.held(rank)}
-        return {name: t.view(held[name]) for name, t in local_shards(state or {}).items() if name in held}
+        return {name: t.to_local().view(held[name]) for name, t in (state or {}).items() if name in held}
 
     with torch.no_grad():
         sources = local(src_state, plan.source_placement)
-        copy = next((p for p in plan.destination_placements if rank in p.ranks), None)
+        copy = plan.destination_placement_of(rank)
         targets = {} if copy is None else local(dst_state, copy)
         return execute_refit(plan, sources, targets, options=options, timeout=timeout, bucket_bytes=bucket_bytes)
 

@@ -102,9 +102,7 @@ class ShardcoreWeightTransferEngine(WeightTransferEngine[ShardcoreInitInfo, Shar
                 f"{parallel.tensor_parallel_size}, pipeline_parallel_size={parallel.pipeline_parallel_size}; give "
                 f"the engine's own spec, e.g. 'tp={parallel.tensor_parallel_size}'"
             )
-        if self.group is not None:
-            self.group.close()
-            self.group = None
+        self.shutdown()
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         group, self._plans = setup.join("engine", rank, parallel.world_size)
         self.group, self.setup = group, setup
@@ -160,11 +158,8 @@ class ShardcoreWeightTransferEngine(WeightTransferEngine[ShardcoreInitInfo, Shar
                 for layer in layers:
                     process(layer, info_of(layer))
         except BaseException:
-            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-            finalize_layerwise_reload(self.model, self.model_config)
-            self.group.close()
-            self.group = None
+            self.finish_weight_update()
+            self.shutdown()
             raise
         self.stats = {
             "version": update_info.version,

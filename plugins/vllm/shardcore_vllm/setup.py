@@ -12,16 +12,12 @@ Torch-free and vLLM-free: the trainer side imports it without vLLM installed.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from shardcore import ExecuteOptions, RefitInputError, parse_shards
-from shardcore.refit import RefitRequest, ShardRefitPlan
+from shardcore.refit import HFModel, RefitRequest, ShardRefitPlan, manifest_from_hf_config
 
 if TYPE_CHECKING:
     from shardcore import RefitGroup
@@ -30,25 +26,21 @@ BACKEND = "shardcore"
 """The name vLLM selects this backend by: ``weight_transfer_config={"backend": "shardcore"}``."""
 
 
-def _config_path(model: str | Mapping[str, Any]) -> str:
-    """``hf:PATH`` for a Hugging Face config given as a path (of ``config.json`` or its folder) or as its contents.
+def _hf_model(model: str | Mapping[str, Any]) -> HFModel:
+    """The model of a Hugging Face config given as a path (of ``config.json`` or its folder, ``hf:`` or not) or as
+    its contents, parsed once for every plan of an update (``RefitRequest`` takes it as it is).
 
-    Contents are written once per process to a file named by their hash, so every process that is handed the
-    same dict plans the same model."""
+    Raises:
+        RefitInputError: ``model`` is neither a path nor a mapping.
+        ManifestError: a config that does not parse.
+    """
     if isinstance(model, str):
-        path = model.removeprefix("hf:")
-        return f"hf:{os.path.join(path, 'config.json') if os.path.isdir(path) else path}"
+        return manifest_from_hf_config(model.removeprefix("hf:"))
     if not isinstance(model, Mapping):
         raise RefitInputError(
             f"model {model!r}: expected a Hugging Face config.json path (or its folder), or the config as a dict"
         )
-    text = json.dumps(dict(model), sort_keys=True)
-    path = os.path.join(tempfile.gettempdir(), f"shardcore-vllm-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json")
-    if not os.path.exists(path):
-        with tempfile.NamedTemporaryFile("w", dir=os.path.dirname(path), delete=False, suffix=".json") as out:
-            out.write(text)
-        os.replace(out.name, path)
-    return f"hf:{path}"
+    return manifest_from_hf_config(model)
 
 
 @dataclass(frozen=True)
@@ -113,7 +105,7 @@ class RefitSetup:
                 engine's tp does not split, say), the same on both sides.
         """
         request = RefitRequest(
-            _config_path(self.model),
+            _hf_model(self.model),
             f"{self.trainer_spec} + {self.engine_spec}",
             0,
             (1,),

@@ -9,7 +9,6 @@ gives them from a live model; ``megatron_trainer_job`` sends from such a live mo
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -215,11 +214,6 @@ def megatron_trainer_job(
         sent.append(_sent(trainer.send(model_tensors(model), version=version)))
     trainer.close()
     return {"differ": sorted(differ), "sent": sent}
-
-
-def write_config(config: dict[str, Any], path: Path) -> str:
-    path.write_text(json.dumps(config))
-    return str(path)
 
 
 def trainer_api_job(rank: int, world: int, init: dict[str, Any], config: dict[str, Any], folder: str, url: str) -> Any:

@@ -32,7 +32,7 @@ def through_map(plan: Any, rank: int) -> Callable[[str, Callable[[str], torch.Te
 
     A tensor quantized on landing (fp8 through a layout) is expected as the engine's high-precision local tensor,
     its padding zero (what the rank quantizes), quantized per block of it; its ``_scale_inv``, as those scales."""
-    placement = next((p for p in plan.destination_placements if rank in p.ranks), None)
+    placement = plan.destination_placement_of(rank)
     if not isinstance(placement, MappedPlacement):
         return None
     weights, engine, local_tensors = placement.weights, placement.engine, placement.local_tensors()

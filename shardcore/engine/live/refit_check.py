@@ -215,7 +215,7 @@ def check_held_bytes(plan: Any, rank: int, bucket_bytes: int) -> int:
     from ...refit.weightmap import MappedPlacement
 
     manifest, mine = plan.manifest, plan.for_rank(rank)
-    placement = next((p for p in plan.destination_placements if rank in p.ranks), None)
+    placement = plan.destination_placement_of(rank)
     if isinstance(placement, MappedPlacement):  # an engine's tensor is checked against the tensors feeding it
         checked = {link.source for name in mine.destination_shapes for link in placement.weights.into(name)}
     else:  # a scale tensor is checked through the weight it scales

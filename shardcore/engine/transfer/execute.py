@@ -339,7 +339,7 @@ def _zeroed(plan: RefitPlan, mine: RankRefit, landing: Landing | None) -> dict[s
     """The boxes of this rank's destination tensors that no source feeds and the refit writes as zeros, by tensor:
     an engine's vocabulary padding, which its own loader zeroes (``Placement.zeroed``). A tensor quantized on
     landing has them zero already (its staging is zero-filled)."""
-    placement = next((p for p in plan.destination_placements if mine.rank in p.ranks), None)
+    placement = plan.destination_placement_of(mine.rank)
     if placement is None:
         return {}
     return {

@@ -73,7 +73,7 @@ class Landing(Plain):
         ``transfer.convert``)."""
         import torch
 
-        placement = next((p for p in plan.destination_placements if mine.rank in p.ranks), None)
+        placement = plan.destination_placement_of(mine.rank)
         landing = getattr(placement, "landing", None)  # a MappedPlacement's, through a layout
         if landing is None:
             return None
