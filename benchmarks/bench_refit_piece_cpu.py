@@ -23,12 +23,12 @@ import time
 from typing import Any
 
 from bench_refit import known_sources
+from bench_refit_layouts import DEEPSEEK_V3
 
 TINY_DEEPSEEK_V3 = {
-    "model_type": "deepseek_v3", "hidden_size": 64, "intermediate_size": 64, "moe_intermediate_size": 8,
-    "num_hidden_layers": 61, "first_k_dense_replace": 3, "n_routed_experts": 256, "n_shared_experts": 1,
+    **DEEPSEEK_V3, "hidden_size": 64, "intermediate_size": 64, "moe_intermediate_size": 8,
     "num_attention_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
-    "qk_rope_head_dim": 8, "v_head_dim": 8, "vocab_size": 1024, "torch_dtype": "bfloat16",
+    "qk_rope_head_dim": 8, "v_head_dim": 8, "vocab_size": 1024,
 }  # fmt: skip
 """DeepSeek-V3's structure at tiny widths: the real number of tensors and pieces, a few MB in all."""
 SPEC = "tp=1,dp=4,ep=4,expt_tp=1,role=train + tp=1,expt_tp=1"
