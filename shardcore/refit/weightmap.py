@@ -363,30 +363,82 @@ def _shown(box: Box) -> str:
     return str([list(pair) for pair in box])
 
 
-class _Image(NamedTuple):
+Entry = tuple[int, Box, tuple[int, ...], HolderSet, int]
+"""One slice of an image: (link number, source box, offset in the destination's local tensor, holders, block)."""
+
+
+class _Image:
     """A destination tensor's slices in its source tensors' coordinates, without the tensors' names.
 
+    Its slices are numbered link by link, each link's in the engine's order (a slice's number, its ``part``, seeds
+    the planner's choice of sender), but made one link at a time, when asked for: a training rank reads the links of
+    the few experts it holds, not an engine tensor's thousands. Which engine slices meet a link is found once per
+    distinct extent of the link along the dims the slices are cut on (every expert's link of a stacked tensor has
+    the same): a slice meets a link when it meets it there and along the dims every slice spans alike.
+
     Attributes:
-        entries: (link number, source box, offset in the destination's local tensor, holders, block) of each
-            slice, in order (a slice's ``part``).
-        starts: Where each link's slices start among ``entries`` (by link number; one more at the end).
-        by_holders: The slices' orders, by holder set (the set's members first).
-        ranks: Per rank asked for, the (order, entry) of each slice it holds, in order (``of_rank``).
+        starts: Where each link's slices start among the image's (by link number; one more at the end).
     """
 
-    entries: list[tuple[int, Box, tuple[int, ...], HolderSet, int]]
-    starts: list[int]
-    by_holders: list[tuple[frozenset[int], list[int]]]
-    ranks: dict[int, list[tuple[int, tuple[int, Box, tuple[int, ...], HolderSet, int]]]]
+    __slots__ = ("_by_holders", "_entries", "_links", "_made", "_matches", "ranks", "starts")
 
-    def of_rank(self, rank: int) -> list[tuple[int, tuple[int, Box, tuple[int, ...], HolderSet, int]]]:
+    def __init__(self, links: tuple[Link, ...], engine: Placement, position: int) -> None:
+        pieces = engine.slices(position)
+        spans = list(zip(*(piece.box for piece in pieces)))  # per dim, every slice's [start, stop)
+        cut = [d for d, span in enumerate(spans) if len(set(span)) > 1]
+        alike = [(d, span[0]) for d, span in enumerate(spans) if len(set(span)) == 1]
+        found: dict[tuple[tuple[int, int], ...], list[Slice]] = {}
+        self._matches: list[list[Slice]] = []
+        self.starts = [0]
+        for link in links:
+            box, matches = link.box, []
+            if all(box[d][0] < stop and start < box[d][1] for d, (start, stop) in alike):
+                key = tuple([box[d] for d in cut])
+                matches = found.get(key)
+                if matches is None:
+                    matches = found[key] = list(engine.overlapping(position, box))
+            self._matches.append(matches)
+            self.starts.append(self.starts[-1] + len(matches))
+        self._links = links
+        self._made: dict[int, list[Entry]] = {}
+        self._entries: list[Entry] | None = None
+        self._by_holders: list[tuple[frozenset[int], list[int]]] | None = None
+        self.ranks: dict[int, list[tuple[int, Entry]]] = {}
+
+    def link(self, number: int) -> list[Entry]:
+        """The slices of link ``number``, in order (the first is the image's ``starts[number]``-th)."""
+        made = self._made.get(number)
+        if made is None:
+            link = self._links[number]
+            made = self._made[number] = []
+            for piece in self._matches[number]:
+                shared = overlap(piece.box, link.box)
+                box = translate(shared, link.box, link.origin)
+                offset = tuple(o + lo - a for o, (lo, _), (a, _) in zip(piece.offset, shared, piece.box))
+                made.append((number, box, offset, piece.holders, piece.block))
+        return made
+
+    @property
+    def entries(self) -> list[Entry]:
+        """Every slice of the image, in order."""
+        if self._entries is None:
+            self._entries = [entry for number in range(len(self._links)) for entry in self.link(number)]
+        return self._entries
+
+    def of_rank(self, rank: int) -> list[tuple[int, Entry]]:
         """The (order, entry) of each slice ``rank`` holds, in order: found once per image and rank (a layer's
         tensor has the same as every other layer's)."""
         found = self.ranks.get(rank)
         if found is None:
-            mine = [orders for members, orders in self.by_holders if rank in members]
+            if self._by_holders is None:
+                by_holders: dict[int, tuple[frozenset[int], list[int]]] = {}
+                for order, entry in enumerate(self.entries):
+                    by_holders.setdefault(entry[3].key, (entry[3].members, []))[1].append(order)
+                self._by_holders = list(by_holders.values())
+            mine = [orders for members, orders in self._by_holders if rank in members]
             orders = mine[0] if len(mine) == 1 else sorted(order for group in mine for order in group)
-            found = self.ranks[rank] = [(order, self.entries[order]) for order in orders]
+            entries = self.entries
+            found = self.ranks[rank] = [(order, entries[order]) for order in orders]
         return found
 
 
@@ -451,21 +503,7 @@ class MappedPlacement(Placement):
         )
         found = self._images.get(key)
         if found is None:
-            links = self.weights.into(name)
-            entries: list[tuple[int, Box, tuple[int, ...], HolderSet, int]] = []
-            starts = []
-            for number, link in enumerate(links):
-                starts.append(len(entries))
-                for piece in self.engine.overlapping(position, link.box):
-                    shared = overlap(piece.box, link.box)
-                    box = translate(shared, link.box, link.origin)
-                    offset = tuple(o + lo - a for o, (lo, _), (a, _) in zip(piece.offset, shared, piece.box))
-                    entries.append((number, box, offset, piece.holders, piece.block))
-            starts.append(len(entries))
-            by_holders: dict[int, tuple[frozenset[int], list[int]]] = {}
-            for order, entry in enumerate(entries):
-                by_holders.setdefault(entry[3].key, (entry[3].members, []))[1].append(order)
-            found = self._images[key] = _Image(entries, starts, list(by_holders.values()), {})
+            found = self._images[key] = _Image(self.weights.into(name), self.engine, position)
         known = self._image_of[position] = (found, self.weights.feeds(name))
         return known
 
@@ -519,8 +557,7 @@ class MappedPlacement(Placement):
         for target, number in reads:
             image, _ = self._image(target)
             made = self._mapped.get(target)
-            for order in range(image.starts[number], image.starts[number + 1]):
-                _, piece_box, offset, holders, block = image.entries[order]
+            for order, (_, piece_box, offset, holders, block) in enumerate(image.link(number), image.starts[number]):
                 if meets(piece_box, box):
                     if made is not None:
                         yield made[order][1]
