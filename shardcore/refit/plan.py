@@ -737,7 +737,10 @@ class RefitPlan:
                 )
         for run in self._cut_runs(sending):
             for tile, piece in self._sends(run, rank):
-                part.extend(tile.position, self._transfers(tile, (piece,)))
+                if piece[2] == 0 and piece[3] == tile.rows and not tile.group:  # the whole tile, as most are sent
+                    part.add(tile, piece[0], piece[1])
+                else:
+                    part.extend(tile.position, self._transfers(tile, (piece,)))
         sends, recvs, copies = part.split(rank)
         return RankRefit(
             rank=rank,

@@ -386,13 +386,14 @@ class _Image:
         pieces = engine.slices(position)
         spans = list(zip(*(piece.box for piece in pieces)))  # per dim, every slice's [start, stop)
         cut = [d for d, span in enumerate(spans) if len(set(span)) > 1]
-        alike = [(d, span[0]) for d, span in enumerate(spans) if len(set(span)) == 1]
+        shape = engine.manifest.tensors[position].shape  # a link lies inside it: a slice spanning a dim meets it there
+        alike = [(d, span[0]) for d, span in enumerate(spans) if len(set(span)) == 1 and span[0] != (0, shape[d])]
         found: dict[tuple[tuple[int, int], ...], list[Slice]] = {}
         self._matches: list[list[Slice]] = []
         self.starts = [0]
         for link in links:
             box, matches = link.box, []
-            if all(box[d][0] < stop and start < box[d][1] for d, (start, stop) in alike):
+            if not alike or all(box[d][0] < stop and start < box[d][1] for d, (start, stop) in alike):
                 key = tuple([box[d] for d in cut])
                 matches = found.get(key)
                 if matches is None:
@@ -473,7 +474,8 @@ class MappedPlacement(Placement):
         self._slices: dict[int, tuple[Slice, ...]] = {}
         self._images: dict[tuple[object, ...], _Image] = {}
         self._image_of: dict[int, tuple[_Image, tuple[int, ...]]] = {}
-        self._reads: dict[int, list[tuple[int, int]]] = {}
+        self._reads: dict[int, tuple[list[int], tuple[tuple[int, int], ...]]] = {}
+        self._met: dict[tuple[object, ...], list[tuple[int, int, Entry]]] = {}
 
     @property
     def ranks(self) -> Collection[int]:
@@ -545,24 +547,36 @@ class MappedPlacement(Placement):
 
     def _meeting(self, position: int, box: Box) -> Iterator[Slice]:
         """``overlapping``'s slices, read off the images of the destination tensors ``position`` feeds: per
-        (destination tensor, link number) in ``slices``' order, the link's entries (``_Image.starts``) that meet."""
+        (destination tensor, link number) in ``slices``' order, the link's slices (``_Image.link``) that meet. Which
+        meet is found once per (images, link numbers, box): the same weight of every layer reads the same."""
         reads = self._reads.get(position)
         if reads is None:
             name = self.manifest.tensors[position].name
             index = self.weights.targets.index
-            reads = self._reads[position] = sorted(
-                zip((index(link.target) for link in self.weights.out_of(name)), self.weights.numbers(name))
+            pairs = sorted(zip((index(link.target) for link in self.weights.out_of(name)), self.weights.numbers(name)))
+            reads = self._reads[position] = (
+                [target for target, _ in pairs],
+                tuple((id(self._image(target)[0]), number) for target, number in pairs),
             )
-        targets = self.weights.targets.tensors
-        for target, number in reads:
-            image, _ = self._image(target)
+        targets, numbers = reads
+        key = (numbers, box)
+        met = self._met.get(key)
+        if met is None:
+            met = self._met[key] = [
+                (k, order, entry)
+                for k, (target, (_, number)) in enumerate(zip(targets, numbers))
+                for image in (self._image(target)[0],)
+                for order, entry in enumerate(image.link(number), image.starts[number])
+                if meets(entry[1], box)
+            ]
+        names = self.weights.targets.tensors
+        for k, order, (_, piece_box, offset, holders, block) in met:
+            target = targets[k]
             made = self._mapped.get(target)
-            for order, (_, piece_box, offset, holders, block) in enumerate(image.link(number), image.starts[number]):
-                if meets(piece_box, box):
-                    if made is not None:
-                        yield made[order][1]
-                    else:
-                        yield from_fields(Slice, (piece_box, offset, holders, block, order, targets[target].name))
+            if made is not None:
+                yield made[order][1]
+            else:
+                yield from_fields(Slice, (piece_box, offset, holders, block, order, names[target].name))
 
     def held(self, rank: int) -> Iterator[HeldTensor]:
         """The rank's tensors, each as the slices of its image the rank holds: made for this rank only (an
