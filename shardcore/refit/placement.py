@@ -242,6 +242,7 @@ class ShardPlacement(Placement):
         self._stages: dict[object, tuple[int, ...]] = {}
         self._holder_sets: dict[tuple[Any, ...], HolderSet] = {}
         self._parts: dict[tuple[Any, ...], tuple[Slice, ...]] = {}
+        self._slices: dict[int, tuple[Slice, ...]] = {}
 
     @property
     def ranks(self) -> range:
@@ -277,11 +278,17 @@ class ShardPlacement(Placement):
         return found
 
     def slices(self, position: int) -> tuple[Slice, ...]:
-        tensor = self.manifest.tensors[position]
-        tp = tp_size(tensor, self.plan)
-        if tp == 1:  # the cached tuple itself, which the same weight of other layers (other experts) shares
-            return self._slices_of(tensor, 0)
-        return tuple(piece for u in range(tp) for piece in self._slices_of(tensor, u))
+        """Every tp rank's slices of the tensor, kept per position (a plan asks for them tile after tile)."""
+        found = self._slices.get(position)
+        if found is None:
+            tensor = self.manifest.tensors[position]
+            tp = tp_size(tensor, self.plan)
+            found = self._slices[position] = (
+                self._slices_of(tensor, 0)  # the cached tuple itself, which the same weight of other layers shares
+                if tp == 1
+                else tuple(piece for u in range(tp) for piece in self._slices_of(tensor, u))
+            )
+        return found
 
     def overlapping(self, position: int, box: Box) -> Iterator[Slice]:
         """The slices meeting ``box``, found by arithmetic along the split dim: block, then tp rank."""

@@ -693,12 +693,14 @@ class RefitPlan:
                 if chosen is not None and position not in chosen:
                     continue
                 name = held.name or tensors[position].name
-                destination_shapes[name] = held.shape
-                spec = local.tensor(name) if held.name else tensors[position]
-                destination_dtypes[name] = spec.destination_dtype
-                if landing is not None and spec.scale is not None:  # quantized on landing
-                    destination_shapes[f"{name}_scale_inv"] = scale_shape(held.shape)
-                    destination_dtypes[f"{name}_scale_inv"] = local.tensor(f"{name}_scale_inv").destination_dtype
+                if name not in destination_shapes:  # an engine's tensor comes once per source tensor feeding it
+                    destination_shapes[name] = held.shape
+                    spec = local.tensor(name) if held.name else tensors[position]
+                    destination_dtypes[name] = spec.destination_dtype
+                    if landing is not None and spec.scale is not None:  # quantized on landing
+                        scales = f"{name}_scale_inv"
+                        destination_shapes[scales] = scale_shape(held.shape)
+                        destination_dtypes[scales] = local.tensor(scales).destination_dtype
                 receiving += self._tiles_alike(
                     found, position, shard, held.slices, self.source_placement.slices(position)
                 )
