@@ -392,12 +392,13 @@ class _Image:
         self._matches: list[list[Slice]] = []
         self.starts = [0]
         for link in links:
-            box, matches = link.box, []
+            box, matches = link.box, None
             if not alike or all(box[d][0] < stop and start < box[d][1] for d, (start, stop) in alike):
                 key = tuple([box[d] for d in cut])
                 matches = found.get(key)
                 if matches is None:
                     matches = found[key] = list(engine.overlapping(position, box))
+            matches = matches or []
             self._matches.append(matches)
             self.starts.append(self.starts[-1] + len(matches))
         self._links = links
