@@ -72,7 +72,7 @@ OPTION_FLAGS: dict[str, OptionFlag] = {
         None,
         "check each received message's size against its sender's ledger (size, the default), or its size and a "
         "checksum of its bytes",
-        choices=tuple(Verify),
+        choices=tuple(str(value) for value in Verify),
     ),
     "version": OptionFlag(
         "--refit-version",

@@ -211,6 +211,7 @@ def test_bad_manifest_file_is_one_line(
         ("--model", "x" * 5000, "(5000 characters): File name too long"),
         ("--order", "x" * 5000, "characters)... xxxx"),
         ("--order", "x" * 5000, "xxxx' (choose from 'tp-cp-dp-pp', 'tp-cp-pp-dp', 'tp-dp-pp', 'tp-pp-dp')"),
+        ("--verify", "bogus", "invalid choice: 'bogus' (choose from 'size', 'checksum')"),
     ],
 )
 def test_huge_flags_give_short_errors(capsys: pytest.CaptureFixture[str], flag: str, value: str, message: str) -> None:
