@@ -8,13 +8,13 @@ torch-free.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import ManifestError, RefitError
 from ..plan.arguments import shown
 from ..plan.layout import DEFAULT_ORDER, Layout, ShardPlan, plan_layout
 from .documents import model_manifest
-from .families import HFModel, ModelLayout, shard_layouts
+from .families import HF_PREFIX, HFModel, ModelLayout, hf_model_of, shard_layouts
 from .manifest import Manifest
 from .plan import DEFAULT_MIN_PIECE_BYTES, ShardRefitPlan, tensors_matching
 from .planner import plan_refit
@@ -105,16 +105,18 @@ class RefitRequest:
                     f"shards 0 to {len(other.shards) - 1}"
                 )
             targets = [other.shards[index] for index in self.dst]
-        manifest = self.manifest()
+        request = self
+        if isinstance(self.model, str) and self.model.startswith(HF_PREFIX):  # read once, for both
+            request = replace(self, model=hf_model_of(self.model))
         plan = plan_refit(
             layout,
             self.src,
             targets,
-            manifest,
+            request.manifest(),
             self.ranks_per_node,
             min_piece_bytes=self.min_piece_bytes,
             fan_out=self.fan_out,
-            layouts=self.layouts(),
+            layouts=request.layouts(),
         )
         # the plan's own tensors: through a layout a converting manifest is planned in the source's dtypes
         return plan.subset(tensors_matching(plan.manifest, self.tensors)) if self.tensors else plan

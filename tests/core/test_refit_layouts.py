@@ -361,6 +361,20 @@ def test_a_request_takes_the_parsed_model_as_it_takes_its_hf_path(tmp_path: Any)
         replace(by_path, model=model.manifest).plan(3)
 
 
+def test_a_request_reads_its_hf_config_once(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planning a request of ``hf:PATH`` into another layout parses the config once, for the manifest and the
+    layouts both (a DeepSeek-V3 config makes 30,000 tensors)."""
+    from shardcore.refit import RefitRequest, families
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**BASE, **CONFIGS["qwen2"]}))
+    parse, parsed = families.manifest_from_hf_config, []
+    monkeypatch.setattr(families, "manifest_from_hf_config", lambda path: parsed.append(path) or parse(path))
+    request = RefitRequest(f"hf:{config}", "tp=1,role=train + tp=2", 0, (1,), to_layout="vllm")
+    assert request.plan(3).for_rank(1).recvs
+    assert parsed == [str(config)]
+
+
 def test_fan_out_and_subsets_compose_with_layouts() -> None:
     """Fan-out relays a tile into a node once, into the engine's own tensors; a subset keeps its tensors' pieces."""
     model = model_of("qwen3_moe")
