@@ -168,19 +168,24 @@ class Plain:
         them (``transfer.runs``), the rest (and what ``outgoing`` quantizes) one by one."""
         together, single = self.runs_of(message)
         for run in together:
-            source, target = run_views(run, self.written(run.name) if message.hop else self.sources[run.name], wire)
+            source, target = run_views(run, self._read(message, run.name), wire)
             target.copy_(source)
             if message.hop:  # a forward of a staging copy has read it
                 self.landed(run.name, run.segments * run.numel)
         for piece, offset in single:
             name = self.name_of(message, piece)
-            view = view_of(self.written(name) if message.hop else self.sources[name], piece.src_offset, piece.shape)
+            view = view_of(self._read(message, name), piece.src_offset, piece.shape)
             dtype = self.piece_dtype(message, piece)
             if not message.hop:  # a relay forwards its destination's bytes, already converted
                 view = self.outgoing(piece.tensor, view, piece.src_offset)
             wire[offset : offset + piece.nbytes].view(dtype).view(view.shape).copy_(view)
             if message.hop:
                 self.landed(name, view.numel())
+
+    def _read(self, message: Message, name: str) -> torch.Tensor:
+        """The local tensor a send of ``message`` reads ``name`` from: a relay forwards what landed in its destination,
+        any other send reads its source."""
+        return self.written(name) if message.hop else self.sources[name]
 
     def runs_of(self, message: Message) -> tuple[list[Run], list[tuple[Piece, int]]]:
         """``message``'s pieces as strided runs on this rank, and the pieces copied alone (``transfer.runs``): kept in
