@@ -7,13 +7,22 @@ plan: cold, as in a training process), and the same with fan-out (``ranks_per_no
 the engine rank's part, its floor: its receives made as Transfers and put in order, nothing planned (``floor``).
 Run: ``python benchmarks/bench_refit_layouts.py`` (``--profile`` prints cProfile's top entries of each;
 ``--model DeepSeek-V3`` plans that model alone, in a fresh process).
+
+``--as-user`` measures as a user plans: the config written to a file, ``RefitRequest("hf:PATH", ...,
+to_layout="vllm").plan(world)``, and each measure in a process of its own (the whole plan with its stats, the maps
+included; one engine rank's part; one training rank's part), ``--rounds`` times.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import json
+import os
 import pstats
+import subprocess
+import sys
+import tempfile
 import time
 from functools import partial
 from typing import Any
@@ -27,6 +36,7 @@ from shardcore.refit.families import manifest_from_hf_config
 from shardcore.refit.manifest import Manifest
 from shardcore.refit.part import PartBuilder, RankRefit, Transfer
 from shardcore.refit.planner import plan_refit
+from shardcore.refit.request import RefitRequest
 
 QWEN3_235B = {
     "model_type": "qwen3_moe", "hidden_size": 4096, "intermediate_size": 12288, "moe_intermediate_size": 1536,
@@ -100,13 +110,70 @@ def run_case(label: str, config: dict[str, Any], spec: str, profile: bool) -> No
         pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
 
 
+MEASURES = ("plan and stats", "engine rank's part", "training rank's part")
+
+
+def as_user(label: str, measure: str, config_path: str) -> None:
+    """One measure of ``--as-user``, in this process (a fresh one): prints its seconds."""
+    _, _, spec = next(case for case in CASES if case[0] == label)
+    shards = parse_shards(spec)
+    world = sum(shard.world_size for shard in shards)
+    request = RefitRequest(f"hf:{config_path}", spec, 0, (1,), to_layout="vllm")
+    start = time.perf_counter()
+    plan = request.plan(world)
+    if measure == MEASURES[0]:
+        RefitStats.of(plan)
+        print(time.perf_counter() - start)
+        return
+    rank = shards[0].world_size if measure == MEASURES[1] else 0  # the engine's first rank, or the trainer's
+    start = time.perf_counter()
+    plan.for_rank(rank)
+    print(time.perf_counter() - start)
+
+
+def run_as_user(rounds: int, only: str | None) -> None:
+    """Every measure of ``--as-user``, each in a fresh process, ``rounds`` times, as a table."""
+    print("| model | " + " | ".join(MEASURES) + " |")
+    print("|---|" + "---:|" * len(MEASURES))
+    with tempfile.TemporaryDirectory() as folder:
+        for label, config, _ in CASES:
+            if only not in (None, label):
+                continue
+            path = os.path.join(folder, f"{label}.json")
+            with open(path, "w") as file:
+                json.dump(config, file)
+            found: dict[str, list[float]] = {measure: [] for measure in MEASURES}
+            for _ in range(rounds):
+                for measure in MEASURES:
+                    command = [sys.executable, __file__, "--one", label, measure, path]
+                    found[measure].append(
+                        float(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+                    )
+            shown = [
+                ", ".join(f"{s:.2f} s" if n == 0 else f"{1000 * s:.0f} ms" for s in found[measure])
+                for n, measure in enumerate(MEASURES)
+            ]
+            print(f"| {label} | " + " | ".join(shown) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", action="store_true", help="print cProfile's top entries per case")
     parser.add_argument(
         "--model", choices=[label for label, _, _ in CASES], help="this model alone (a fresh process per model)"
     )
+    parser.add_argument(
+        "--as-user", action="store_true", help="plan through RefitRequest, each measure in a fresh process"
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="--as-user: processes per measure (default 2)")
+    parser.add_argument("--one", nargs=3, metavar=("MODEL", "MEASURE", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.one:
+        as_user(*args.one)
+        return
+    if args.as_user:
+        run_as_user(args.rounds, args.model)
+        return
     columns = ["model", "tensors (Megatron -> vLLM)", "shards", "maps", "plan_refit", "one engine rank's part"]
     columns += ["its floor", "stats", "moved", "one training rank's part", "the same with fan-out (8 ranks a node)"]
     print("| " + " | ".join(columns) + " |")
