@@ -162,24 +162,25 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def pieces_of(transfer: Any, cap: int) -> Iterator[Piece]:
+def pieces_of(transfer: Any, cap: int) -> list[Piece]:
     """A transfer cut along its first dim with extent > 1 into pieces of at most ``cap`` bytes (or one slab)."""
-    shape = tuple(stop - start for start, stop in transfer.box)
+    shape = tuple([stop - start for start, stop in transfer.box])
     nbytes = int(transfer.bytes)
-    dim = next((d for d, n in enumerate(shape) if n > 1), None)
     target = getattr(transfer, "target", "")
-    if dim is None or nbytes <= cap:
-        yield Piece(transfer.tensor, shape, tuple(transfer.src_offset), tuple(transfer.dst_offset), nbytes, target)
-        return
+    dim = None if nbytes <= cap else next((d for d, n in enumerate(shape) if n > 1), None)
+    if dim is None:  # one piece, as most transfers are
+        return [Piece(transfer.tensor, shape, tuple(transfer.src_offset), tuple(transfer.dst_offset), nbytes, target)]
     slab = nbytes // shape[dim]
     step = max(1, cap // slab)
     box = tuple((0, n) for n in shape)
+    pieces = []
     for start in range(0, shape[dim], step):
         n = min(step, shape[dim] - start)
         cut = (*shape[:dim], n, *shape[dim + 1 :])
         part = (*box[:dim], (start, start + n), *box[dim + 1 :])
         src, dst = (moved(tuple(offset), box, part) for offset in (transfer.src_offset, transfer.dst_offset))
-        yield Piece(transfer.tensor, cut, src, dst, slab * n, target)
+        pieces.append(Piece(transfer.tensor, cut, src, dst, slab * n, target))
+    return pieces
 
 
 def pair_messages(transfers: Sequence[Any], cap: int) -> list[tuple[tuple[tuple[Piece, int], ...], int]]:

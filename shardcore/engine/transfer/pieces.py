@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from ...refit.boxes import fitted
+from ...refit.collector import gc_paused
 from ...refit.schedule import Message, Piece
 from .exchange import Exchange, Place
 from .runs import Run, Where, run_views, runs
@@ -192,26 +193,31 @@ class Plain:
         ``kept_runs`` when given."""
         found = None if self.kept_runs is None else self.kept_runs.get(message.key)
         if found is None:
-            found = runs(message.pieces, self._where(message))
+            with gc_paused():  # a message's pieces are thousands; its runs make no cycle
+                found = runs(message.pieces, self._where(message))
             if self.kept_runs is not None:
                 self.kept_runs[message.key] = found
         return found
 
     def _where(self, message: Message) -> Where:
         """Where ``message``'s pieces lie on this rank (``runs.Where``): a send's in its source tensors (a relay's
-        forward in its destinations), a receive's in its destinations; a piece ``outgoing`` changes goes alone."""
+        forward in its destinations), a receive's in its destinations; a piece ``outgoing`` changes goes alone.
+        What depends on a piece's tensors alone (the local tensor, its shape, the dtype) is found once per tensor."""
         reads_source = message.send and not message.hop
+        tensors: dict[tuple[str, str], tuple[str, tuple[int, ...], torch.dtype] | None] = {}
 
         def where(piece: Piece) -> tuple[str, tuple[int, ...], tuple[int, ...], torch.dtype] | None:
-            if reads_source:
-                if self.quantizes(piece.tensor):
-                    return None
-                shape = tuple(self.sources[piece.tensor].shape)
-                return piece.tensor, piece.src_offset, shape, self.piece_dtype(message, piece)
-            name = piece.destination
-            offset = piece.src_offset if message.send else piece.dst_offset
-            shape = tuple(self.destinations[name].shape)
-            return name, offset, shape, self.piece_dtype(message, piece)
+            key = (piece.tensor, piece.target)
+            if key not in tensors:
+                name = self.name_of(message, piece)
+                local = self.sources[name] if reads_source else self.destinations[name]
+                quantized = reads_source and self.quantizes(name)
+                tensors[key] = None if quantized else (name, tuple(local.shape), self.piece_dtype(message, piece))
+            found = tensors[key]
+            if found is None:
+                return None
+            name, shape, dtype = found
+            return name, piece.src_offset if message.send else piece.dst_offset, shape, dtype
 
         return where
 

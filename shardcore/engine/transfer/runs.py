@@ -12,6 +12,7 @@ its tensor (a column block), or is quantized on its way out, is copied piece by 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from operator import mul
 from typing import TYPE_CHECKING, NamedTuple
 
 from ...refit.boxes import fitted
@@ -80,7 +81,7 @@ def runs(pieces: Sequence[tuple[Piece, int]], where: Where) -> tuple[list[Run], 
         builder = builders.get((name, dtype))
         if builder is None:
             builder = builders[name, dtype] = _Builder(name, dtype, _strides(shape))
-        builder.add(sum(o * s for o, s in zip(at, builder.strides)), offset, piece.nbytes // dtype.itemsize)
+        builder.add(sum(map(mul, at, builder.strides)), offset, piece.nbytes // dtype.itemsize)
     return [run for builder in builders.values() for run in builder.done()], single
 
 
