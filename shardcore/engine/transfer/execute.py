@@ -606,7 +606,7 @@ def _run(exchange: Exchange, stats: TransferStats, delta: DeltaSession | None) -
         stats.peak_buffer_bytes = peak
     except Exception as error:  # no staging memory: drain (sends of 1 byte need none) and fail at the end
         exchange.fail(error)
-    with torch.no_grad():
+    with torch.no_grad(), gc_paused():  # its messages' runs, views and pieces make no cycle (see ``gc_paused``)
         exchange.run()
     stats.bytes_sent, stats.bytes_received = exchange.bytes_sent, exchange.bytes_received
     stats.bytes_copied = exchange.bytes_copied

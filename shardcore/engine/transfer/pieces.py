@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from ...refit.boxes import fitted
-from ...refit.collector import gc_paused
 from ...refit.schedule import Message, Piece
 from .exchange import Exchange, Place
 from .runs import Run, Where, run_views, runs
@@ -193,8 +192,7 @@ class Plain:
         ``kept_runs`` when given."""
         found = None if self.kept_runs is None else self.kept_runs.get(message.key)
         if found is None:
-            with gc_paused():  # a message's pieces are thousands; its runs make no cycle
-                found = runs(message.pieces, self._where(message))
+            found = runs(message.pieces, self._where(message))
             if self.kept_runs is not None:
                 self.kept_runs[message.key] = found
         return found
