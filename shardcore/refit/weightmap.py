@@ -392,13 +392,12 @@ class _Image:
         self._matches: list[list[Slice]] = []
         self.starts = [0]
         for link in links:
-            box, matches = link.box, None
+            box, matches = link.box, []
             if not alike or all(box[d][0] < stop and start < box[d][1] for d, (start, stop) in alike):
                 key = tuple([box[d] for d in cut])
-                matches = found.get(key)
-                if matches is None:
-                    matches = found[key] = list(engine.overlapping(position, box))
-            matches = matches or []
+                if key not in found:
+                    found[key] = list(engine.overlapping(position, box))
+                matches = found[key]
             self._matches.append(matches)
             self.starts.append(self.starts[-1] + len(matches))
         self._links = links
@@ -475,7 +474,7 @@ class MappedPlacement(Placement):
         self._slices: dict[int, tuple[Slice, ...]] = {}
         self._images: dict[tuple[object, ...], _Image] = {}
         self._image_of: dict[int, tuple[_Image, tuple[int, ...]]] = {}
-        self._reads: dict[int, tuple[list[int], tuple[tuple[int, int], ...]]] = {}
+        self._reads: dict[int, tuple[list[int], list[_Image], tuple[tuple[int, int], ...]]] = {}
         self._met: dict[tuple[object, ...], list[tuple[int, int, Entry]]] = {}
 
     @property
@@ -555,18 +554,19 @@ class MappedPlacement(Placement):
             name = self.manifest.tensors[position].name
             index = self.weights.targets.index
             pairs = sorted(zip((index(link.target) for link in self.weights.out_of(name)), self.weights.numbers(name)))
+            images = [self._image(target)[0] for target, _ in pairs]
             reads = self._reads[position] = (
                 [target for target, _ in pairs],
-                tuple((id(self._image(target)[0]), number) for target, number in pairs),
+                images,
+                tuple((id(image), number) for image, (_, number) in zip(images, pairs)),  # kept alive in _images
             )
-        targets, numbers = reads
-        key = (numbers, box)
+        targets, images, signature = reads
+        key = (signature, box)
         met = self._met.get(key)
         if met is None:
             met = self._met[key] = [
                 (k, order, entry)
-                for k, (target, (_, number)) in enumerate(zip(targets, numbers))
-                for image in (self._image(target)[0],)
+                for k, (image, (_, number)) in enumerate(zip(images, signature))
                 for order, entry in enumerate(image.link(number), image.starts[number])
                 if meets(entry[1], box)
             ]

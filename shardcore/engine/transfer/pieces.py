@@ -148,7 +148,7 @@ class Plain:
         if len(message.pieces) != 1:
             return None
         piece = message.pieces[0][0]
-        reads_source = message.send and not message.hop  # a relay's forward reads its destination
+        reads_source = self.reads_source(message)
         if not self.in_place(piece, reads_source):  # cast on the way, or landing in a staging copy
             return None
         name = self.name_of(message, piece)
@@ -201,7 +201,7 @@ class Plain:
         """Where ``message``'s pieces lie on this rank (``runs.Where``): a send's in its source tensors (a relay's
         forward in its destinations), a receive's in its destinations; a piece ``outgoing`` changes goes alone.
         What depends on a piece's tensors alone (the local tensor, its shape, the dtype) is found once per tensor."""
-        reads_source = message.send and not message.hop
+        reads_source = self.reads_source(message)
         tensors: dict[tuple[str, str], tuple[str, tuple[int, ...], torch.dtype] | None] = {}
 
         def where(piece: Piece) -> tuple[str, tuple[int, ...], tuple[int, ...], torch.dtype] | None:
@@ -224,7 +224,7 @@ class Plain:
         its destination is written in, ``written_dtype``, so no staging copy is made for it), or a converting
         refit's wire dtype. What the runs, packing, landing and a delta refit's encoding all read a piece as."""
         name = self.name_of(message, piece)
-        local = self.sources[name].dtype if message.send and not message.hop else self.written_dtype(name)
+        local = self.sources[name].dtype if self.reads_source(message) else self.written_dtype(name)
         return self.wire_dtype(piece.tensor, local)
 
     def target_of(self, piece: Piece) -> torch.Tensor:
@@ -232,10 +232,16 @@ class Plain:
         return view_of(self.written(piece.destination), piece.dst_offset, piece.shape)
 
     @staticmethod
-    def name_of(message: Message, piece: Piece) -> str:
+    def reads_source(message: Message) -> bool:
+        """Whether ``message``'s pieces are read from this rank's source tensors: a send at hop 0 (a relay's forward
+        reads its destinations, a receive writes them)."""
+        return message.send and not message.hop
+
+    @classmethod
+    def name_of(cls, message: Message, piece: Piece) -> str:
         """The local tensor ``message`` reads or writes ``piece`` in: its source tensor for a send from the
         sources, else the destination's (another one through a weight map)."""
-        return piece.tensor if message.send and not message.hop else piece.destination
+        return piece.tensor if cls.reads_source(message) else piece.destination
 
 
 __all__ = ["Plain", "view_of"]
