@@ -17,7 +17,7 @@ from math import prod
 from typing import Any, TypeGuard
 
 from ..errors import ManifestError
-from ..plan.arguments import check_count, shown
+from ..plan.arguments import check_count, count_problem, shown
 
 ITEMSIZES: dict[str, int] = {
     "float64": 8,
@@ -95,6 +95,22 @@ memory, and small enough that every offset and byte count fits torch's int64."""
 _LONG_NAME = 100
 """Tensor names longer than this (Megatron's are under 80 characters) are shown shortened in messages."""
 
+_NORMALIZED = ("shape", "itemsize", "blocks", "stage", "to_dtype", "scale")
+"""The fields of a TensorSpec that its checks set (normalized, or derived: itemsize)."""
+_CHECKED: dict[tuple[object, ...], dict[str, Any]] = {}
+"""The checked and normalized fields (``_NORMALIZED``) of a TensorSpec, by what its checks read but its name, layer
+and expert (``TensorSpec._alike_key``): DeepSeek-V3's manifests make some 76,000 specs per plan that differ only in
+those three, and formatting each one's message labels to check the rest again took about a second. Only specs that
+passed are kept."""
+_CHECKED_MAX = 4096
+"""Past this many kinds of spec ``_CHECKED`` starts again, so a process that builds many models holds a few MB for it
+at most; one model has a few dozen kinds (DeepSeek-V3's Megatron and HF layouts: 25)."""
+_LISTS = (tuple, list)
+_INT = {int}
+_STR = {str}
+_INT_OR_NONE = (int, type(None))
+_STR_OR_NONE = (str, type(None))
+
 
 def tensor_label(name: str) -> str:
     """A tensor's name as messages show it: as given when short and printable, else quoted and bounded."""
@@ -170,7 +186,63 @@ class TensorSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ManifestError(f"tensor name {shown(self.name)}: expected a non-empty string")
-        label = f"tensor {tensor_label(self.name)}"
+        key = self._alike_key()
+        checked = _CHECKED.get(key) if key is not None else None
+        if checked is None:
+            self._check_fields()
+            if key is not None:
+                if len(_CHECKED) >= _CHECKED_MAX:
+                    _CHECKED.clear()
+                _CHECKED[key] = {attribute: getattr(self, attribute) for attribute in _NORMALIZED}
+            return
+        self.__dict__.update(checked)  # as object.__setattr__ field by field would, in one call
+        self._check_indices()
+
+    def _alike_key(self) -> tuple[object, ...] | None:
+        """What every check but the name's, the layer's and the expert's reads, as the key of ``_CHECKED``; None
+        when a field is not of its plain type (an exact tuple or list of exact ints, str, int or None), whose
+        checks then run in full: True == 1 and 2048.0 == 2048 hash and compare alike, so only values of one exact
+        type can share a key without letting a bad spec take a good one's result. Of the layer and scale_of, the
+        checks read only whether they are None (a layer or a stage; a scale tensor's dtypes)."""
+        shape, blocks, stage = self.shape, self.blocks, self.stage
+        if type(stage) is str:
+            stage = (stage,)
+        if not (
+            type(shape) in _LISTS
+            and type(blocks) in _LISTS
+            and type(stage) in _LISTS
+            and set(map(type, shape)) <= _INT
+            and (not blocks or set(map(type, blocks)) <= _INT)
+            and (not stage or set(map(type, stage)) <= _STR)
+            and type(self.dtype) is str
+            and type(self.unit) is int
+            and type(self.tp_dim) in _INT_OR_NONE
+            and type(self.to_dtype) in _STR_OR_NONE
+            and type(self.scale) in _STR_OR_NONE
+            and type(self.scale_of) in _STR_OR_NONE
+        ):
+            return None
+        return (
+            tuple(shape),
+            self.dtype,
+            self.tp_dim,
+            tuple(blocks),
+            self.unit,
+            tuple(stage),
+            self.to_dtype,
+            self.scale,
+            self.scale_of is None,
+            self.layer is None,
+        )
+
+    @property
+    def _label(self) -> str:
+        """The tensor as its messages name it."""
+        return f"tensor {tensor_label(self.name)}"
+
+    def _check_fields(self) -> None:
+        """Every check but the name's, normalizing shape, blocks, stage, to_dtype and scale and setting itemsize."""
+        label = self._label
         shape = _sizes(f"{label}: shape", self.shape, "[4096, 1024]")
         if not shape:
             raise ManifestError(f"{label}: shape=[]: expected a non-empty list of positive integers")
@@ -225,12 +297,16 @@ class TensorSpec:
                 f"{label}: give exactly one of layer (a global decoder layer index) or stage "
                 f"(first, last, [first, last] for a tied embedding, or all)"
             )
-        if self.layer is not None:
-            check_count(f"{label}: layer", self.layer, minimum=0, error=ManifestError)
-        if self.expert is not None:
-            check_count(f"{label}: expert", self.expert, minimum=0, error=ManifestError)
-            if self.layer is None:
-                raise ManifestError(f"{label}: an expert tensor needs the layer it belongs to")
+        self._check_indices()
+
+    def _check_indices(self) -> None:
+        """The layer and the expert: whole numbers from 0, an expert's with its layer. Run for every spec, as they
+        differ between specs alike otherwise (``_CHECKED``), so the label is formatted only for a message."""
+        for what, index in (("layer", self.layer), ("expert", self.expert)):
+            if index is not None and count_problem(index, minimum=0) is not None:
+                check_count(f"{self._label}: {what}", index, minimum=0, error=ManifestError)
+        if self.expert is not None and self.layer is None:
+            raise ManifestError(f"{self._label}: an expert tensor needs the layer it belongs to")
 
     def _check_conversion(self, label: str) -> None:
         to_dtype = None if self.to_dtype == self.dtype else self.to_dtype

@@ -285,6 +285,37 @@ def test_manifest_api_arguments(call: Any, message: str) -> None:
     assert message in str(raised.value) and len(str(raised.value)) < MAX_MESSAGE, str(raised.value)
 
 
+_EXPERT: dict[str, Any] = {"shape": (2048, 7168), "layer": 3, "expert": 1}
+_SPLIT: dict[str, Any] = {"shape": (2048, 64), "tp_dim": 0, "layer": 0}
+
+
+@pytest.mark.parametrize(
+    ("good", "bad", "message"),
+    [
+        ({"shape": (1, 2048), "layer": 0}, {"shape": (True, 2048)}, "tensor w: shape entry=True: expected a whole"),
+        ({"shape": (2048, 7168), "layer": 0}, {"shape": (2048.0, 7168)}, "tensor w: shape entry=2048.0: expected"),
+        ({"shape": [2048, 7168], "layer": 0}, {"shape": [2048, 7168.0]}, "tensor w: shape entry=7168.0: expected"),
+        (_SPLIT, {"tp_dim": False}, "tensor w: tp_dim=False: expected a whole number"),
+        (_SPLIT, {"unit": True}, "tensor w: unit=True: expected a whole number"),
+        ({**_SPLIT, "blocks": (1024, 1024)}, {"blocks": (1024.0, 1024)}, "tensor w: blocks entry=1024.0: expected"),
+        (_EXPERT, {"layer": -1}, "tensor w: layer=-1: expected a whole number from 0"),
+        (_EXPERT, {"layer": True}, "tensor w: layer=True: expected a whole number from 0"),
+        (_EXPERT, {"expert": True}, "tensor w: expert=True: expected a whole number from 0"),
+        ({"shape": (2048, 7168), "stage": ("all",)}, {"expert": 1}, "tensor w: an expert tensor needs the layer"),
+        (_EXPERT, {"name": 7}, "tensor name 7: expected a non-empty string"),
+        (_EXPERT, {"name": ""}, "tensor name '': expected a non-empty string"),
+    ],
+)
+def test_bad_spec_after_an_alike_good_one(good: dict[str, Any], bad: dict[str, Any], message: str) -> None:
+    """TensorSpec keeps the checks of specs alike but for name, layer and expert; True == 1 and 2048.0 == 2048
+    compare alike, so a bad spec after good ones must still be refused with its own message."""
+    for name in ("v", "w"):
+        TensorSpec(**{"name": name, **good})
+    with pytest.raises(ManifestError) as raised:
+        TensorSpec(**{"name": "w", **good, **bad})
+    assert str(raised.value).startswith(message), str(raised.value)
+
+
 def test_bad_counts_read_alike_everywhere() -> None:
     """One validator (plan.arguments.check_count) for the spec, the manifest, the config and the refit CLI."""
     said = []
