@@ -21,22 +21,23 @@ Only shapes and index math live here; no weight, no torch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any
 
 from ..errors import ManifestError
 from ..plan.arguments import shown
 from ..plan.layout import ShardPlan
+from .boxes import Box
 from .collector import gc_paused
 from .hf_config import MEGATRON_VOCAB_MULTIPLE, parse_hf_config
 from .manifest import Manifest, TensorSpec
 from .models import TransformerConfig, manifest_from_config
 from .placement import Placement, ShardPlacement, check_fits
 from .vllm_packing import engine_placement, vllm_tensors
-from .weightmap import Link, MappedPlacement, WeightMap, rows, whole
+from .weightmap import MapBuilder, MappedPlacement, WeightMap, rows, whole
 
 UNMAPPED = ("mlp.gate.e_score_correction_bias",)
 """HF tensors (by the end of their names) no refit moves: DeepSeek-V3's router bias is Megatron-Core's
@@ -162,19 +163,17 @@ class HFModel:
         per_group = c.heads // groups
         span = (per_group + 2) * d
         tensors: list[TensorSpec] = []
-        links: list[Link] = []
+        links = MapBuilder()
 
         def add(name: str, shape: tuple[int, ...], origin: str, **where: Any) -> None:
             """A tensor that is its Megatron tensor whole."""
             tensors.append(TensorSpec(name, shape, dtype, **where))
-            links.append(Link(name, whole(shape), origin, whole(source.tensor(origin).shape)))
+            links.link(name, whole(shape), origin, whole(source.tensor(origin).shape))
 
         vocab = self.vocab
         tensors.append(TensorSpec("model.embed_tokens.weight", (vocab, hidden), dtype, stage=("first",)))
-        links.append(
-            Link("model.embed_tokens.weight", rows((vocab, hidden), 0, vocab), "embedding.word_embeddings.weight",
-                 rows((c.vocab, hidden), 0, vocab))
-        )  # fmt: skip
+        links.link("model.embed_tokens.weight", rows((vocab, hidden), 0, vocab), "embedding.word_embeddings.weight",
+                   rows((c.vocab, hidden), 0, vocab))  # fmt: skip
         for layer in range(c.layers):
             m, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
             at: dict[str, Any] = {"layer": layer}
@@ -189,12 +188,12 @@ class HFModel:
                     name = f"{h}self_attn.{part}_proj.{kind}"
                     shape = (groups * heads * d, *tail)
                     tensors.append(TensorSpec(name, shape, dtype, **at))
-                    for g in range(groups):  # query group g: its q heads, then its k head, then its v head
-                        start = g * span + skip * d
-                        links.append(
-                            Link(name, rows(shape, g * heads * d, (g + 1) * heads * d), fused,
-                                 rows(full, start, start + heads * d))
-                        )  # fmt: skip
+                    links.fill(
+                        name,
+                        (fused,),
+                        ("qkv", shape, full, heads, skip, d),
+                        partial(_unfused, shape, full, heads, skip, d),
+                    )
             if c.qk_norm:
                 for part in "qk":
                     add(f"{h}self_attn.{part}_norm.weight", (d,), f"{m}self_attention.{part}_layernorm.weight", **at)
@@ -212,13 +211,11 @@ class HFModel:
         add("model.norm.weight", (hidden,), "decoder.final_layernorm.weight", stage=("last",))
         if not c.tied_embeddings:
             tensors.append(TensorSpec("lm_head.weight", (vocab, hidden), dtype, stage=("last",)))
-            links.append(
-                Link("lm_head.weight", rows((vocab, hidden), 0, vocab), "output_layer.weight",
-                     rows((c.vocab, hidden), 0, vocab))
-            )  # fmt: skip
+            links.link("lm_head.weight", rows((vocab, hidden), 0, vocab), "output_layer.weight",
+                       rows((c.vocab, hidden), 0, vocab))  # fmt: skip
         kind = "hf-stacked" if stacked else "hf"
         targets = Manifest(tuple(tensors), layers=c.layers, name=f"{self.name} ({kind})")
-        return targets, WeightMap(source, targets, tuple(links), name=f"megatron -> {kind}")
+        return targets, WeightMap.filled(source, targets, links.fills, name=f"megatron -> {kind}")
 
     def _mla(self, add: Any, m: str, h: str, at: dict[str, Any]) -> None:
         """DeepSeek's multi-latent attention: each Megatron projection is one HF tensor whole (both put a head's
@@ -241,7 +238,7 @@ class HFModel:
     def _mlp(
         self,
         tensors: list[TensorSpec],
-        links: list[Link],
+        links: MapBuilder,
         m: str,
         h: str,
         ffn: int,
@@ -255,11 +252,11 @@ class HFModel:
         for block, part in enumerate(("gate", "up")):
             name = f"{h}{part}_proj.weight"
             tensors.append(TensorSpec(name, (ffn, hidden), dtype, **at))
-            links.append(Link(name, whole((ffn, hidden)), fc1, rows((2 * ffn, hidden), block * ffn, (block + 1) * ffn)))
+            links.fill(name, (fc1,), ("fc1", block, ffn, hidden), partial(_fc1_block, block, ffn, hidden))
         tensors.append(TensorSpec(f"{h}down_proj.weight", (hidden, ffn), dtype, **at))
-        links.append(Link(f"{h}down_proj.weight", whole((hidden, ffn)), fc2, whole((hidden, ffn))))
+        links.fill(f"{h}down_proj.weight", (fc2,), ("fc2", ffn, hidden), partial(_fc2, ffn, hidden))
 
-    def _experts(self, tensors: list[TensorSpec], links: list[Link], layer: int, stacked: bool) -> None:
+    def _experts(self, tensors: list[TensorSpec], links: MapBuilder, layer: int, stacked: bool) -> None:
         """A MoE layer's routed experts: one MLP per expert, or transformers 5's two stacked tensors, in which
         expert e's ``gate_up_proj[e]`` is its ``linear_fc1`` whole ([gate; up]), ``down_proj[e]`` its ``linear_fc2``."""
         c = self.config
@@ -275,9 +272,8 @@ class HFModel:
             ("down_proj", (experts, hidden, ffn), "linear_fc2.weight"),
         ):
             tensors.append(TensorSpec(f"{h}{name}", shape, c.dtype, **at))
-            links += [
-                Link(f"{h}{name}", rows(shape, e, e + 1), f"{m}{origin}{e}", whole(shape[1:])) for e in range(experts)
-            ]
+            sources = tuple(f"{m}{origin}{e}" for e in range(experts))
+            links.fill(f"{h}{name}", sources, ("stacked", shape), partial(_stacked, shape))
 
     # -- Hugging Face -> vLLM ------------------------------------------------------------------------
 
@@ -305,6 +301,33 @@ class HFModel:
             with gc_paused():
                 self._from_megatron[key] = self.to_hf.then(self.vllm(tp, expt_tp)[1])
         return self._from_megatron[key]
+
+
+def _unfused(
+    shape: tuple[int, ...], full: tuple[int, ...], heads: int, skip: int, d: int
+) -> Iterator[tuple[Box, Box, int]]:
+    """One of q, k, v (``heads`` heads of ``d`` rows per query group, after ``skip`` heads of the group) out of
+    Megatron's ``linear_qkv`` (``full``): per query group, its q heads, then its k head, then its v head."""
+    span = full[0] // (shape[0] // (heads * d))
+    for g in range(shape[0] // (heads * d)):
+        start = g * span + skip * d
+        yield rows(shape, g * heads * d, (g + 1) * heads * d), rows(full, start, start + heads * d), 0
+
+
+def _fc1_block(block: int, ffn: int, hidden: int) -> Iterator[tuple[Box, Box, int]]:
+    """Gate (``block`` 0) or up (1) out of Megatron's ``linear_fc1`` = [gate; up]."""
+    yield whole((ffn, hidden)), rows((2 * ffn, hidden), block * ffn, (block + 1) * ffn), 0
+
+
+def _fc2(ffn: int, hidden: int) -> Iterator[tuple[Box, Box, int]]:
+    """``down_proj``: Megatron's ``linear_fc2`` whole."""
+    yield whole((hidden, ffn)), whole((hidden, ffn)), 0
+
+
+def _stacked(shape: tuple[int, ...]) -> Iterator[tuple[Box, Box, int]]:
+    """A stacked experts tensor: expert e's slot is its own tensor (source e) whole."""
+    for e in range(shape[0]):
+        yield rows(shape, e, e + 1), whole(shape[1:]), e
 
 
 @dataclass(frozen=True)

@@ -19,15 +19,17 @@ and index math live here; no weight, no torch.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ManifestError
 from ..plan.layout import ShardPlan
+from .boxes import Box
 from .manifest import Manifest, TensorSpec, split_layers
 from .models import TransformerConfig
 from .placement import ExplicitPlacement, HeldBox, Placement
-from .weightmap import Link, WeightMap, rows, whole
+from .weightmap import MapBuilder, WeightMap, rows, whole
 
 VLLM_VOCAB_PADDING = 64
 """vLLM's ``DEFAULT_VOCAB_PADDING_SIZE``: ``VocabParallelEmbedding`` pads the vocabulary to a multiple of it."""
@@ -60,7 +62,7 @@ class _VllmPacking:
     tp: int
     expt_tp: int
     tensors: list[TensorSpec] = field(default_factory=list)
-    links: list[Link] = field(default_factory=list)
+    links: MapBuilder = field(default_factory=MapBuilder)
     padding: dict[str, tuple[tuple[tuple[int, int], ...], ...]] = field(default_factory=dict)
 
     def _check(self, what: str, size: int, parts: int, axis: str = "tp") -> int:
@@ -75,7 +77,7 @@ class _VllmPacking:
         """A tensor vLLM holds as the HF model does (whole or split by plain tiling)."""
         shape = self.hf.tensor(name).shape
         self.tensors.append(TensorSpec(name, shape, self.config.dtype, **at))
-        self.links.append(Link(name, whole(shape), name, whole(shape)))
+        self.links.link(name, whole(shape), name, whole(shape))
 
     def build(self) -> tuple[Manifest, WeightMap]:
         c, tp, hf = self.config, self.tp, self.hf
@@ -101,17 +103,17 @@ class _VllmPacking:
                 self._experts(h, **at)
                 if c.shared_experts:
                     shared, m = c.shared_experts * (c.moe_ffn or 0), f"{h}mlp.shared_experts."
-                    self._gate_up(m, m, "gate_up_proj.weight", shared, tp, **at)
+                    self._gate_up(m, m, "gate_up_proj.weight", shared, **at)
                     self.same(f"{m}down_proj.weight", **at)
             else:
-                self._gate_up(f"{h}mlp.", f"{h}mlp.", "gate_up_proj.weight", c.ffn, tp, **at)
+                self._gate_up(f"{h}mlp.", f"{h}mlp.", "gate_up_proj.weight", c.ffn, **at)
                 self.same(f"{h}mlp.down_proj.weight", **at)
         self.same("model.norm.weight", stage=("last",))
         if not c.tied_embeddings:
             self._vocab("lm_head.weight", "last")
         targets = Manifest(tuple(self.tensors), layers=c.layers, name=f"{self.model_name} (vllm tp={tp})")
         name = f"hf -> vllm tp={tp}"
-        return targets, WeightMap(hf, targets, tuple(self.links), self.padding, name=name, zeroed=True)
+        return targets, WeightMap.filled(hf, targets, self.links.fills, self.padding, name=name, zeroed=True)
 
     def _vocab(self, name: str, stage: str) -> None:
         """``VocabParallelEmbedding`` / ``ParallelLMHead``: the vocabulary padded to a multiple of 64, split over tp."""
@@ -124,7 +126,7 @@ class _VllmPacking:
             )
         shape = (padded, hidden)
         self.tensors.append(TensorSpec(name, shape, self.config.dtype, stage=(stage,)))
-        self.links.append(Link(name, rows(shape, 0, vocab), name, whole((vocab, hidden))))
+        self.links.link(name, rows(shape, 0, vocab), name, whole((vocab, hidden)))
         if padded > vocab:
             self.padding[name] = (rows(shape, vocab, padded),)
 
@@ -141,13 +143,15 @@ class _VllmPacking:
             parts = [self.hf.tensor(f"{a}{part}.weight").shape for part in ("q_a_proj", "kv_a_proj_with_mqa")]
             shape = (parts[0][0] + parts[1][0], c.hidden)
             self.tensors.append(TensorSpec(f"{a}fused_qkv_a_proj.weight", shape, c.dtype, **at))
-            start = 0
-            for part, size in zip(("q_a_proj", "kv_a_proj_with_mqa"), parts):
-                self.links.append(
-                    Link(f"{a}fused_qkv_a_proj.weight", rows(shape, start, start + size[0]), f"{a}{part}.weight",
-                         whole(size))
-                )  # fmt: skip
-                start += size[0]
+
+            def fused() -> Iterator[tuple[Box, Box, int]]:
+                start = 0
+                for number, size in enumerate(parts):
+                    yield rows(shape, start, start + size[0]), whole(size), number
+                    start += size[0]
+
+            sources = (f"{a}q_a_proj.weight", f"{a}kv_a_proj_with_mqa.weight")
+            self.links.fill(f"{a}fused_qkv_a_proj.weight", sources, ("fused_qkv_a", *parts), fused)
             self.same(f"{a}q_a_layernorm.weight", **at)
             self.same(f"{a}q_b_proj.weight", **at)
         self.same(f"{a}kv_a_layernorm.weight", **at)
@@ -170,55 +174,68 @@ class _VllmPacking:
         name = f"{h}self_attn.qkv_proj.{kind}"
         shape = (tp * local, *tail)
         self.tensors.append(TensorSpec(name, shape, c.dtype, **at))
-        for r in range(tp):
-            first_kv = (r // replicas) * kv_heads
-            start = r * local
-            for part, heads, first in (
-                ("q", q_heads, r * q_heads),
-                ("k", kv_heads, first_kv),
-                ("v", kv_heads, first_kv),
-            ):
-                source = f"{h}self_attn.{part}_proj.{kind}"
-                full = self.hf.tensor(source).shape
-                self.links.append(
-                    Link(
-                        name, rows(shape, start, start + heads * d), source, rows(full, first * d, (first + heads) * d)
-                    )
-                )
-                start += heads * d
+        sources = tuple(f"{h}self_attn.{part}_proj.{kind}" for part in "qkv")
+        fulls = tuple(self.hf.tensor(source).shape for source in sources)
 
-    def _gate_up(
-        self, m: str, h: str, name: str, ffn: int, parts: int, *, lead: tuple[int, ...] = (), **at: Any
-    ) -> None:
-        """``MergedColumnParallelLinear`` (and ``FusedMoE``'s w1/w3): rank r holds [its gate rows; its up rows]."""
-        share = self._check("ffn", ffn, parts, "tp" if not lead else "expt_tp")
-        hidden = self.config.hidden
-        target = f"{h}{name}"
-        for r in range(parts):
-            for block, part in enumerate(("gate", "up")):
-                start = r * 2 * share + block * share
-                box = ((lead[0], lead[0] + 1),) if lead else ()
-                self.links.append(
-                    Link(target, (*box, (start, start + share), (0, hidden)), f"{m}{part}_proj.weight",
-                         rows((ffn, hidden), r * share, (r + 1) * share))
-                )  # fmt: skip
-        if not lead:
-            self.tensors.append(TensorSpec(target, (2 * ffn, hidden), self.config.dtype, **at))
+        def packed() -> Iterator[tuple[Box, Box, int]]:
+            for r in range(tp):
+                first_kv = (r // replicas) * kv_heads
+                start = r * local
+                for part, (heads, first) in enumerate(
+                    ((q_heads, r * q_heads), (kv_heads, first_kv), (kv_heads, first_kv))
+                ):
+                    yield rows(shape, start, start + heads * d), rows(fulls[part], first * d, (first + heads) * d), part
+                    start += heads * d
+
+        self.links.fill(name, sources, ("qkv", shape, fulls, tp, q_heads, kv_heads, replicas, d), packed)
+
+    def _gate_up(self, m: str, h: str, name: str, ffn: int, **at: Any) -> None:
+        """``MergedColumnParallelLinear``: tp rank r holds [its gate rows; its up rows]."""
+        share, hidden, tp = self._check("ffn", ffn, self.tp), self.config.hidden, self.tp
+        sources = (f"{m}gate_proj.weight", f"{m}up_proj.weight")
+        self.links.fill(f"{h}{name}", sources, ("gate_up", ffn, hidden, tp), lambda: _gate_up(ffn, hidden, tp, share))
+        self.tensors.append(TensorSpec(f"{h}{name}", (2 * ffn, hidden), self.config.dtype, **at))
 
     def _experts(self, h: str, **at: Any) -> None:
         """``FusedMoE``: ``w13_weight [experts, 2*moe_ffn, hidden]`` with each expt_tp rank's [gate; up] rows side
-        by side, and ``w2_weight [experts, hidden, moe_ffn]`` (= each expert's down_proj, split on dim 2)."""
-        c = self.config
+        by side (its w1 and w3, as ``MergedColumnParallelLinear`` packs them), and ``w2_weight [experts, hidden,
+        moe_ffn]`` (= each expert's down_proj, split on dim 2)."""
+        c, parts = self.config, self.expt_tp
         ffn, hidden, experts = c.moe_ffn or 0, c.hidden, c.experts
+        share = self._check("ffn", ffn, parts, "expt_tp")
         self.tensors.append(TensorSpec(f"{h}{FUSED_MOE}w13_weight", (experts, 2 * ffn, hidden), c.dtype, **at))
         self.tensors.append(TensorSpec(f"{h}{FUSED_MOE}w2_weight", (experts, hidden, ffn), c.dtype, **at))
-        for e in range(experts):
-            m = f"{h}mlp.experts.{e}."
-            self._gate_up(m, f"{h}{FUSED_MOE}", "w13_weight", ffn, self.expt_tp, lead=(e,))
-            self.links.append(
-                Link(f"{h}{FUSED_MOE}w2_weight", ((e, e + 1), (0, hidden), (0, ffn)), f"{m}down_proj.weight",
-                     whole((hidden, ffn)))
-            )  # fmt: skip
+        m = f"{h}mlp.experts."
+        gate_up = tuple(f"{m}{e}.{part}_proj.weight" for e in range(experts) for part in ("gate", "up"))
+
+        def w13() -> Iterator[tuple[Box, Box, int]]:
+            links = _gate_up(ffn, hidden, parts, share)
+            for e in range(experts):
+                for box, origin, part in links:
+                    yield ((e, e + 1), *box), origin, 2 * e + part
+
+        self.links.fill(f"{h}{FUSED_MOE}w13_weight", gate_up, ("w13", experts, ffn, hidden, parts), w13)
+        down = tuple(f"{m}{e}.down_proj.weight" for e in range(experts))
+        self.links.fill(
+            f"{h}{FUSED_MOE}w2_weight",
+            down,
+            ("w2", experts, hidden, ffn),
+            lambda: [(((e, e + 1), (0, hidden), (0, ffn)), whole((hidden, ffn)), e) for e in range(experts)],
+        )
+
+
+def _gate_up(ffn: int, hidden: int, parts: int, share: int) -> list[tuple[Box, Box, int]]:
+    """A gate and up projection ([ffn, hidden] each) packed over ``parts`` ranks, each holding [its ``share`` of gate
+    rows; its share of up rows]: (box of the packed tensor, box of the projection, 0 for gate or 1 for up) per link."""
+    return [
+        (
+            (((2 * r + block) * share, (2 * r + block + 1) * share), (0, hidden)),
+            rows((ffn, hidden), r * share, (r + 1) * share),
+            block,
+        )
+        for r in range(parts)
+        for block in (0, 1)
+    ]
 
 
 _SPLITS: dict[str, tuple[tuple[str, int], ...]] = {

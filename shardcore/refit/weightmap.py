@@ -7,6 +7,11 @@ keeps ``q_proj`` / ``k_proj`` / ``v_proj``, and vLLM packs each tp rank's q and 
 a ``WeightMap`` lists those correspondences as ``Link``s, boxes in the tensors' global coordinates.
 The box math is the planner's (``boxes.py``); no tensor exists here.
 
+A map is held fill by fill (``Fill``): a destination tensor's links without the tensors' names, which the same
+weight of every layer shares, beside the names of the source tensors each fills from. DeepSeek-V3's map into a
+vLLM engine has a quarter million links but a few dozen fills: it is made (``MapBuilder``), checked and composed
+once per fill, and a ``Link`` is made only when asked for.
+
 A map is checked when made: every box inside its tensor, the two boxes of a link of one extent, and the
 links of each destination tensor tiling it exactly, except the boxes it names as *padding* (rows a layout
 pads its vocabulary with, which no source feeds: a refit writes them as zeros where the engine's own loader
@@ -23,8 +28,7 @@ tensor, held by the ranks that hold its image, at an offset in their local *dest
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Iterator, Mapping
-from dataclasses import InitVar, dataclass, field
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping
 from typing import NamedTuple
 
 from ..errors import ManifestError
@@ -85,14 +89,68 @@ def _inside(box: Box, shape: tuple[int, ...]) -> bool:
     return len(box) == len(shape) and all(0 <= a < b <= size for (a, b), size in zip(box, shape))
 
 
-@dataclass(frozen=True)
+class Fill(NamedTuple):
+    """How a destination tensor is filled, without the tensors' names: what the same weight of every layer shares.
+
+    Attributes:
+        links: Per link, in order: (its box of the destination tensor, its box of the source tensor it reads).
+        slots: Per link, which of the filling's source tensors it reads (its number among them).
+    """
+
+    links: tuple[tuple[Box, Box], ...]
+    slots: tuple[int, ...]
+
+
+Filling = tuple[Fill, tuple[str, ...]]
+"""A destination tensor's fill and its source tensors' names, by slot."""
+
+
+class MapBuilder:
+    """A weight map's destination tensors, each filled at once (``fill``): a fill is made once per key and shared by
+    the tensors whose links differ in the source tensors' names alone (the same weight of every layer), so a map of a
+    quarter million links costs as many fills as the model has kinds of weight. ``WeightMap.filled`` takes the result.
+
+    Attributes:
+        fills: The filling of each destination tensor, in the order they were filled.
+    """
+
+    def __init__(self) -> None:
+        self.fills: dict[str, Filling] = {}
+        self._made: dict[Hashable, Fill] = {}
+
+    def fill(
+        self, target: str, sources: tuple[str, ...], key: Hashable, make: Callable[[], Iterable[tuple[Box, Box, int]]]
+    ) -> None:
+        """Fill ``target`` from ``sources``, all of it at once (a later fill of the same tensor replaces it).
+
+        Args:
+            target: The destination tensor's name.
+            sources: The source tensors' names; a link reads one by its number among them.
+            key: What the links' boxes depend on, all of it: tensors with one key share one fill.
+            make: Yields (box of ``target``, box of the source, the source's number) per link, in order; called
+                once per ``key``.
+        """
+        found = self._made.get(key)
+        if found is None:
+            made = list(make())
+            found = self._made[key] = Fill(tuple((box, origin) for box, origin, _ in made), tuple(s for *_, s in made))
+        self.fills[target] = (found, sources)
+
+    def link(self, target: str, box: Box, source: str, origin: Box) -> None:
+        """Fill ``target`` with one link: its ``box`` is ``source``'s ``origin``."""
+        self.fill(target, (source,), (box, origin), lambda: ((box, origin, 0),))
+
+
 class WeightMap:
     """Every element of ``targets``' tensors as an element of ``sources``' (see the module doc).
+
+    Held fill by fill (``Fill``): each destination tensor's links as a fill that the same weight of every layer shares,
+    and the names of the source tensors it reads; a ``Link`` is made when asked for (``into``, ``out_of``, ``links``).
 
     Args:
         sources: The tensors the map reads.
         targets: The tensors it fills.
-        links: The correspondences.
+        links: The correspondences (``filled`` takes them fill by fill, from a ``MapBuilder``).
         padding: Per destination tensor, boxes no source feeds (an engine's vocabulary padding).
         name: What it maps, for messages and fingerprints ("megatron -> hf").
         zeroed: The destination holds zeros in its padding (an engine whose own loader zeroes it, as vLLM's
@@ -107,88 +165,144 @@ class WeightMap:
 
     sources: Manifest
     targets: Manifest
-    links: tuple[Link, ...]
-    padding: Mapping[str, tuple[Box, ...]] = field(default_factory=dict)
-    name: str = "map"
-    zeroed: bool = False
-    _into: dict[str, tuple[Link, ...]] = field(init=False, repr=False, compare=False)
-    _from: dict[str, tuple[Link, ...]] = field(init=False, repr=False, compare=False)
-    _feeds: dict[str, tuple[int, ...]] = field(init=False, repr=False, compare=False)
-    _numbers: dict[str, tuple[int, ...]] = field(init=False, repr=False, compare=False)
-    _patterns: dict[str, int] = field(init=False, repr=False, compare=False)
-    _pattern_boxes: tuple[tuple[tuple[Box, Box], ...], ...] = field(init=False, repr=False, compare=False)
-    _digest: str = field(default="", init=False, repr=False, compare=False)
-    _composed: InitVar[bool] = False
-    """Made by ``then`` from two checked maps, whose composition is a map by construction: not checked again."""
+    padding: Mapping[str, tuple[Box, ...]]
+    name: str
+    zeroed: bool
 
-    def __post_init__(self, _composed: bool) -> None:
-        into: dict[str, list[Link]] = {}
-        out: dict[str, list[Link]] = {}
-        feeds: dict[str, list[int]] = {}
-        numbers: dict[str, list[int]] = {}
+    def __init__(
+        self,
+        sources: Manifest,
+        targets: Manifest,
+        links: Iterable[Link],
+        padding: Mapping[str, tuple[Box, ...]] | None = None,
+        name: str = "map",
+        zeroed: bool = False,
+    ) -> None:
+        grouped: dict[str, list[Link]] = {}
+        for link in links:
+            grouped.setdefault(link.target, []).append(link)
+        fills: dict[str, Filling] = {}
+        alike: dict[Fill, Fill] = {}
+        for target, mine in grouped.items():
+            numbers: dict[str, int] = {}
+            slots = tuple(numbers.setdefault(link.source, len(numbers)) for link in mine)
+            fill = Fill(tuple((link.box, link.origin) for link in mine), slots)
+            fills[target] = (alike.setdefault(fill, fill), tuple(numbers))
+        self._settle(sources, targets, fills, padding or {}, name, zeroed, checked=False)
+
+    @classmethod
+    def filled(
+        cls,
+        sources: Manifest,
+        targets: Manifest,
+        fills: Mapping[str, Filling],
+        padding: Mapping[str, tuple[Box, ...]] | None = None,
+        name: str = "map",
+        zeroed: bool = False,
+    ) -> WeightMap:
+        """The map a ``MapBuilder`` filled (``fills``: its ``fills``); the other arguments as the class's.
+
+        Raises:
+            ManifestError: as the class.
+        """
+        made = cls.__new__(cls)
+        made._settle(sources, targets, fills, padding or {}, name, zeroed, checked=False)
+        return made
+
+    def _settle(
+        self,
+        sources: Manifest,
+        targets: Manifest,
+        fills: Mapping[str, Filling],
+        padding: Mapping[str, tuple[Box, ...]],
+        name: str,
+        zeroed: bool,
+        checked: bool,
+    ) -> None:
+        """Hold ``fills``, numbering each distinct fill (one object per kind of weight) and each distinct pattern of
+        boxes (``pattern``); check them unless ``checked`` (made by ``then`` from two checked maps, a map by
+        construction)."""
+        self.sources, self.targets, self.padding, self.name, self.zeroed = sources, targets, padding, name, zeroed
+        numbered: dict[int, int] = {}  # a fill's id -> its number: fills are shared objects, compared by identity
+        self._kinds: list[Fill] = []
+        self._fills: dict[str, tuple[int, tuple[str, ...]]] = {}
+        self._reads: dict[str, list[tuple[str, int]]] = {}  # source -> (target, slot) of each filling reading it
+        for target, (fill, names) in fills.items():
+            number = numbered.get(id(fill))
+            if number is None:
+                number = numbered[id(fill)] = len(self._kinds)
+                self._kinds.append(fill)
+            self._fills[target] = (number, names)
+            for slot, source in enumerate(names):
+                self._reads.setdefault(source, []).append((target, slot))
+        patterns: dict[tuple[tuple[Box, Box], ...], int] = {}
+        self._patterns = [patterns.setdefault(fill.links, len(patterns)) for fill in self._kinds]
+        self._pattern_boxes = tuple(patterns)
+        self._slot_links: dict[int, list[list[int]]] = {}
+        self._feeds: dict[str, tuple[int, ...]] = {}
+        self._links: tuple[Link, ...] | None = None
+        self._digest = ""
+        if not checked:
+            self._check()
+
+    def _check(self) -> None:
+        """The class's checks: each fill's links once per (fill, tensors' shapes), each tiling once per (pattern,
+        size, padding)."""
         at = {tensor.name: n for n, tensor in enumerate(self.sources)}
         shapes = {tensor.name: tensor.shape for tensor in self.targets}
-        checked: set[tuple[Box, Box, tuple[int, ...], tuple[int, ...]]] = set()  # alike links, checked once
-        for link in self.links:
-            position = (
-                at[link.source]
-                if _composed
-                else self._check_link(link, at.get(link.source), shapes.get(link.target), checked)
-            )
-            filling = into.setdefault(link.target, [])
-            numbers.setdefault(link.source, []).append(len(filling))
-            filling.append(link)
-            out.setdefault(link.source, []).append(link)
-            feeds.setdefault(link.target, []).append(position)
-        for name, boxes in () if _composed else self.padding.items():
+        sources = self.sources.tensors
+        checked: set[tuple[int, tuple[int, ...], tuple[tuple[int, ...], ...]]] = set()
+        for target, (number, names) in self._fills.items():
+            shape = shapes.get(target)
+            positions = [at.get(name) for name in names]
+            if shape is None or None in positions:  # the manifests' own errors, naming the tensor
+                shape = self.targets.tensor(target).shape
+                positions = [self.sources.index(name) for name in names]
+            source_shapes = tuple([sources[position].shape for position in positions])  # type: ignore[index]
+            if (number, shape, source_shapes) not in checked:
+                self._check_links(target, names, shape, source_shapes)
+                checked.add((number, shape, source_shapes))
+        for name, boxes in self.padding.items():
             tensor = self.targets.tensor(name)
             if not all(_inside(box, tensor.shape) for box in boxes):
                 raise ManifestError(f"{self.name}: padding of {tensor_label(name)} reaches outside it")
-        patterns: dict[tuple[tuple[Box, Box], ...], int] = {}
-        pattern_of = {
-            k: patterns.setdefault(tuple((link.box, link.origin) for link in v), len(patterns)) for k, v in into.items()
-        }
         tiled: set[tuple[int, int, tuple[Box, ...]]] = set()  # tensors of one pattern, size and padding: one check
-        for tensor in () if _composed else self.targets:
-            pattern = pattern_of.get(tensor.name)
-            alike_tiling = (-1 if pattern is None else pattern, tensor.numel, self.padding.get(tensor.name, ()))
-            if alike_tiling not in tiled:
-                self._check_tiled(tensor.name, tensor.numel, into.get(tensor.name, []))
-                tiled.add(alike_tiling)
-        object.__setattr__(self, "_into", {k: tuple(v) for k, v in into.items()})
-        object.__setattr__(self, "_from", {k: tuple(v) for k, v in out.items()})
-        object.__setattr__(self, "_feeds", {k: tuple(v) for k, v in feeds.items()})
-        object.__setattr__(self, "_numbers", {k: tuple(v) for k, v in numbers.items()})
-        object.__setattr__(self, "_patterns", pattern_of)
-        object.__setattr__(self, "_pattern_boxes", tuple(patterns))
+        for tensor in self.targets:
+            filling = self._fills.get(tensor.name)
+            alike = (
+                -1 if filling is None else self._patterns[filling[0]],
+                tensor.numel,
+                self.padding.get(tensor.name, ()),
+            )
+            if alike not in tiled:
+                self._check_tiled(tensor.name, tensor.numel, list(self.into(tensor.name)))
+                tiled.add(alike)
 
-    def _check_link(
-        self,
-        link: Link,
-        position: int | None,
-        shape: tuple[int, ...] | None,
-        checked: set[tuple[Box, Box, tuple[int, ...], tuple[int, ...]]],
-    ) -> int:
-        """``link``'s source position, once its tensors are known, its boxes inside them and of one extent; links
-        alike in boxes and shapes (the same weight of every layer) are checked once, in ``checked``.
+    def _check_links(
+        self, target: str, names: tuple[str, ...], shape: tuple[int, ...], source_shapes: tuple[tuple[int, ...], ...]
+    ) -> None:
+        """``target``'s links inside their tensors and of one extent each, alike links (boxes and shapes) once.
 
         Raises:
             ManifestError: naming the link, as the class says.
         """
-        if position is None or shape is None:  # the manifests' own errors, naming the tensor
-            position, shape = self.sources.index(link.source), self.targets.tensor(link.target).shape
-        source_shape = self.sources.tensors[position].shape
-        alike = (link.box, link.origin, shape, source_shape)
-        if alike not in checked:
-            if not _inside(link.box, shape) or not _inside(link.origin, source_shape):
+        fill = self._kinds[self._fills[target][0]]
+        alike: set[tuple[Box, Box, tuple[int, ...]]] = set()
+        for (box, origin), slot in zip(fill.links, fill.slots):
+            source_shape = source_shapes[slot]
+            if (box, origin, source_shape) in alike:
+                continue
+            if not _inside(box, shape) or not _inside(origin, source_shape):
                 raise ManifestError(
-                    f"{self._where(link)}: a box reaches outside {tensor_label(link.target)} "
-                    f"{list(shape)} or {tensor_label(link.source)} {list(source_shape)}: check the sizes"
+                    f"{self._where(Link(target, box, names[slot], origin))}: a box reaches outside "
+                    f"{tensor_label(target)} {list(shape)} or {tensor_label(names[slot])} {list(source_shape)}: check "
+                    "the sizes"
                 )
-            if _extents(link.box) != _extents(link.origin):
-                raise ManifestError(f"{self._where(link)}: the two boxes differ in extent")
-            checked.add(alike)
-        return position
+            if _extents(box) != _extents(origin):
+                raise ManifestError(
+                    f"{self._where(Link(target, box, names[slot], origin))}: the two boxes differ in extent"
+                )
+            alike.add((box, origin, source_shape))
 
     def _where(self, link: Link) -> str:
         """A link in a message (made only for one: a model's maps have a quarter million links)."""
@@ -224,71 +338,140 @@ class WeightMap:
 
     def into(self, target: str) -> tuple[Link, ...]:
         """The links that fill destination tensor ``target``."""
-        return self._into.get(target, ())
+        filling = self._fills.get(target)
+        if filling is None:
+            return ()
+        number, names = filling
+        fill = self._kinds[number]
+        return tuple(
+            [
+                from_fields(Link, (target, box, names[slot], origin))
+                for (box, origin), slot in zip(fill.links, fill.slots)
+            ]
+        )
 
     def feeds(self, target: str) -> tuple[int, ...]:
         """The position among the sources of each link that fills ``target`` (``into``'s order)."""
-        return self._feeds.get(target, ())
+        found = self._feeds.get(target)
+        if found is None:
+            filling = self._fills.get(target)
+            if filling is None:
+                return ()
+            number, names = filling
+            index = self.sources.index
+            positions = [index(name) for name in names]
+            found = self._feeds[target] = tuple([positions[slot] for slot in self._kinds[number].slots])
+        return found
 
     def pattern(self, target: str) -> int:
         """A number that destination tensors share when their links have the same boxes (the same weight of every
         layer; in another layer, the links read other tensors), so that what depends on boxes alone is found once."""
-        return self._patterns[target]
+        return self._patterns[self._fills[target][0]]
+
+    def _numbers(self, number: int) -> list[list[int]]:
+        """Per slot of fill ``number``, the numbers of its links reading that slot's source."""
+        found = self._slot_links.get(number)
+        if found is None:
+            fill = self._kinds[number]
+            found = self._slot_links[number] = [[] for _ in range(max(fill.slots, default=-1) + 1)]
+            for link, slot in enumerate(fill.slots):
+                found[slot].append(link)
+        return found
 
     def out_of(self, source: str) -> tuple[Link, ...]:
-        """The links that read source tensor ``source``."""
-        return self._from.get(source, ())
+        """The links that read source tensor ``source``, destination tensor by destination tensor."""
+        links = []
+        for target, slot in self._reads.get(source, ()):
+            number = self._fills[target][0]
+            pairs = self._kinds[number].links
+            for link in self._numbers(number)[slot]:
+                box, origin = pairs[link]
+                links.append(from_fields(Link, (target, box, source, origin)))
+        return tuple(links)
 
     def numbers(self, source: str) -> tuple[int, ...]:
         """The number of each link that reads ``source`` among the links filling its destination tensor (``out_of``'s
         order; ``into``'s numbering): a source tensor's part of a destination's image is found without the rest."""
-        return self._numbers.get(source, ())
+        return tuple(
+            link for target, slot in self._reads.get(source, ()) for link in self._numbers(self._fills[target][0])[slot]
+        )
+
+    @property
+    def links(self) -> tuple[Link, ...]:
+        """Every correspondence, destination tensor by destination tensor (made when first asked for)."""
+        if self._links is None:
+            self._links = tuple(link for target in self._fills for link in self.into(target))
+        return self._links
 
     def then(self, after: WeightMap) -> WeightMap:
         """This map followed by ``after`` (whose sources are this map's targets): one map from this map's
         sources to ``after``'s targets. Padding stays ``after``'s (and whether it is zeroed); an element
-        ``after`` reads from this map's padding would be fed by nothing, and is an error.
+        ``after`` reads from this map's padding would be fed by nothing, and is an error. Composed fill by fill:
+        once per (``after``'s fill, the fills of the tensors it reads, which of their sources are one tensor).
 
         Raises:
             ManifestError: the two maps do not meet (naming the tensor), or a composed box reads padding.
         """
         if after.sources is not self.targets:
             raise ManifestError(f"{self.name} then {after.name}: the second map must read the first map's targets")
-        links: list[Link] = []
-        composed: dict[tuple[int, Box, Box], list[tuple[int, Box, Box]]] = {}
-        for second in after.links:
-            firsts = self.into(second.source)
-            # (first link's number, box, origin) of each piece: the same for every source of one pattern
-            alike = (self.pattern(second.source), second.box, second.origin)
-            pieces = composed.get(alike)
-            if pieces is None:
-                pieces = composed[alike] = self._through(firsts, second, after)
-            links.extend(Link(second.target, box, firsts[number].source, origin) for number, box, origin in pieces)
-        return WeightMap(
-            self.sources, after.targets, tuple(links), after.padding, f"{self.name} -> {after.name}", after.zeroed, True
+        fills: dict[str, Filling] = {}
+        composed: dict[tuple[object, ...], tuple[Fill, tuple[int, ...]]] = {}
+        for target, (number, names) in after._fills.items():
+            firsts = [self._fills[name] for name in names]
+            slot_of: dict[str, int] = {}  # a source read through two of them (gate and up from one fc1) is one slot
+            slots = tuple([slot_of.setdefault(source, len(slot_of)) for _, reads in firsts for source in reads])
+            key = (number, tuple([kind for kind, _ in firsts]), slots)
+            found = composed.get(key)
+            if found is None:
+                found = composed[key] = self._through(after, target, (number, names), firsts, slots)
+            fill, kept = found
+            reads = tuple(slot_of)
+            fills[target] = (fill, tuple([reads[slot] for slot in kept]))
+        made = WeightMap.__new__(WeightMap)  # two checked maps compose into a map: not checked again
+        made._settle(
+            self.sources, after.targets, fills, after.padding, f"{self.name} -> {after.name}", after.zeroed, True
         )
+        return made
 
-    def _through(self, firsts: tuple[Link, ...], second: Link, after: WeightMap) -> list[tuple[int, Box, Box]]:
-        """``second``'s link of ``after`` through this map's links into its source (``firsts``): per first link it
-        meets, (its number, the box of ``second.target``, the box of the first link's source).
+    def _through(
+        self,
+        after: WeightMap,
+        target: str,
+        filling: tuple[int, tuple[str, ...]],
+        firsts: list[tuple[int, tuple[str, ...]]],
+        slots: tuple[int, ...],
+    ) -> tuple[Fill, tuple[int, ...]]:
+        """``after``'s fill of ``target`` (``filling``) through this map's fills of the tensors it reads (``firsts``):
+        per link, the pieces of it each link of theirs feeds; ``slots`` numbers their sources. Returns the composed
+        fill and which of ``slots``' sources it reads, in the order its own slots number them (a source that feeds
+        none of the pieces is no source of the composed tensor).
 
         Raises:
-            ManifestError: part of ``second`` reads padding of its source that no link feeds.
+            ManifestError: part of a link reads padding of its source that no link feeds.
         """
-        pieces, fed = [], 0
-        for number, first in enumerate(firsts):
-            if meets(first.box, second.origin):
-                shared = overlap(first.box, second.origin)
-                fed += volume(shared)
-                pieces.append(
-                    (number, translate(shared, second.origin, second.box), translate(shared, first.box, first.origin))
+        number, names = filling
+        second = after._kinds[number]
+        starts = [0]
+        for _, reads in firsts:
+            starts.append(starts[-1] + len(reads))
+        links: list[tuple[Box, Box]] = []
+        composed: list[int] = []
+        for (box, origin), k in zip(second.links, second.slots):
+            first, fed = self._kinds[firsts[k][0]], 0
+            for (first_box, first_origin), j in zip(first.links, first.slots):
+                if meets(first_box, origin):
+                    shared = overlap(first_box, origin)
+                    fed += volume(shared)
+                    links.append((translate(shared, origin, box), translate(shared, first_box, first_origin)))
+                    composed.append(slots[starts[k] + j])
+            if fed != volume(origin):
+                raise ManifestError(
+                    f"{self.name} then {after.name}: {tensor_label(target)} reads padding of "
+                    f"{tensor_label(names[k])} that no source of {self.sources.name!r} feeds"
                 )
-        if fed != volume(second.origin):
-            raise ManifestError(
-                f"{self.name} then {after.name}: {tensor_label(second.target)} reads padding of "
-                f"{tensor_label(second.source)} that no source of {self.sources.name!r} feeds"
-            )
-        return pieces
+        kept: dict[int, int] = {}
+        renumbered = tuple([kept.setdefault(slot, len(kept)) for slot in composed])
+        return Fill(tuple(links), renumbered), tuple(kept)
 
     def reversed(self, name: str | None = None) -> WeightMap:
         """The same correspondences read the other way: this map's sources filled from its targets. The parts
@@ -322,11 +505,11 @@ class WeightMap:
         map into vLLM, in every rank's first refit)."""
         if not self._digest:
             fills = [
-                (target, self._patterns[target], tuple(link.source for link in links))
-                for target, links in self._into.items()
+                (target, self._patterns[number], tuple([names[slot] for slot in self._kinds[number].slots]))
+                for target, (number, names) in self._fills.items()
             ]
             text = repr((self.name, self._pattern_boxes, fills, sorted(self.padding.items()), self.zeroed))
-            object.__setattr__(self, "_digest", hashlib.sha256(text.encode()).hexdigest()[:16])
+            self._digest = hashlib.sha256(text.encode()).hexdigest()[:16]
         return self._digest
 
 

@@ -25,7 +25,7 @@ from shardcore.refit.holdings import holdings
 from shardcore.refit.manifest import Manifest, TensorSpec
 from shardcore.refit.plan import RefitPlan
 from shardcore.refit.planner import plan_refit, plan_refit_from
-from shardcore.refit.weightmap import Link, WeightMap, rows, whole
+from shardcore.refit.weightmap import Link, WeightMap, rows, translate, whole
 
 BASE = {
     "hidden_size": 64,
@@ -199,6 +199,34 @@ def test_vllm_packing_of_one_rank() -> None:
     assert into == [(0, (d, 2 * d)), (d, (2 * d, 3 * d)), (2 * d, (3 * d, span))]
     bias = [t for t in mine.recvs if t.destination == qkv.replace("weight", "bias")]
     assert {t.tensor for t in bias} == {"decoder.layers.0.self_attention.linear_qkv.bias"}
+
+
+def element_source(weights: WeightMap, target: str, at: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
+    """The source tensor and element that ``weights`` fills element ``at`` of ``target`` from, read off its links."""
+    (link,) = [link for link in weights.into(target) if all(a <= i < b for i, (a, b) in zip(at, link.box))]
+    return link.source, tuple(start for start, _ in translate(tuple((i, i + 1) for i in at), link.box, link.origin))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_composed_map_reads_each_element_where_its_two_maps_do(family: str) -> None:
+    """Megatron -> vLLM, composed fill by fill (once per kind of weight, for every layer), fills the first and last
+    element of every link from where Megatron -> HF and HF -> vLLM, read one after the other, fill it; and a map made
+    again from the composed map's links is the same map."""
+    model = model_of(family, num_hidden_layers=3)
+    first, second = model.to_hf, model.vllm(2, 2)[1]
+    composed = model.vllm_from_megatron(2, 2)
+    for target in composed.targets:
+        for link in composed.into(target.name):
+            for point in {tuple(start for start, _ in link.box), tuple(stop - 1 for _, stop in link.box)}:
+                via, middle = element_source(second, target.name, point)
+                assert element_source(composed, target.name, point) == element_source(first, via, middle)
+    again = WeightMap(composed.sources, composed.targets, composed.links, composed.padding, composed.name, True)
+    assert again.digest() == composed.digest()
+    for tensor in composed.sources:
+        assert (again.out_of(tensor.name), again.numbers(tensor.name)) == (
+            composed.out_of(tensor.name),
+            composed.numbers(tensor.name),
+        )
 
 
 def test_reverse_from_hf_into_megatron() -> None:
