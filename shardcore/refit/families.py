@@ -120,7 +120,7 @@ class HFModel:
             other = theirs.get(tensor.name)
             if other == tensor:
                 continue
-            feeds = sorted({link.target for link in self.to_hf.out_of(tensor.name)})
+            feeds = sorted(self.to_hf.fed_by(tensor.name))
             fed = f" (it feeds {', '.join(feeds[:3])}{', ...' if len(feeds) > 3 else ''})" if feeds else ""
             given = "has no such tensor" if other is None else f"has {list(other.shape)} {other.dtype}"
             if other is not None and (other.shape, other.dtype) == (tensor.shape, tensor.dtype):

@@ -50,6 +50,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from itertools import accumulate, pairwise
 from operator import attrgetter
 from typing import Any, Self, cast
 
@@ -400,19 +401,21 @@ class RefitPlan:
             if key not in self._runs:
                 # a box's tile once: a rank that both sends and receives on a route finds each of its tiles twice,
                 # and with fan-out a box has a tile per destination of its group
-                places = list(map(_place, pending))
-                order = sorted(range(len(pending)), key=places.__getitem__)  # stable: a box's first tile stays first
-                kept = [pending[j] for n, j in enumerate(order) if not n or places[order[n - 1]] != places[j]]
+                pending.sort(key=_place)  # stable: a box's first tile stays first
+                kept = pending[:1]
+                kept += [
+                    tile
+                    for before, tile in pairwise(pending)
+                    if tile.box != before.box or tile.position != before.position
+                ]
                 self._runs[key] = self._run(kept)
         return [self._runs[key] for key in found]
 
     def _run(self, tiles: Sequence[Tile]) -> TileRun:
         """One route's run of ``tiles`` (in order) and its lines, cut (``line_cuts``)."""
         routes, floor = self._routes_of(tiles[0]), self.min_piece_bytes
-        starts, steps = [0], []
-        for tile in tiles:
-            steps.append(tile.row_bytes)
-            starts.append(starts[-1] + tile.rows * tile.row_bytes)
+        steps = [tile.row_bytes for tile in tiles]
+        starts = [0, *accumulate([tile.rows * step for tile, step in zip(tiles, steps)])]
         seed = tiles[0].seed
         lines = [
             WorkLine(
@@ -652,9 +655,9 @@ class RefitPlan:
                 continue
             weights, landing = placement.weights, placement.landing
             for position in chosen:
-                for link in weights.out_of(self.manifest.tensors[position].name):
-                    if landing.tensor(link.target).scale is not None:
-                        found.update(weights.feeds(link.target))
+                for target in weights.fed_by(self.manifest.tensors[position].name):
+                    if landing.tensor(target).scale is not None:
+                        found.update(weights.feeds(target))
         return found
 
     def _world(self) -> str:

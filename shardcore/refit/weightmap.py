@@ -389,11 +389,18 @@ class WeightMap:
                 links.append(from_fields(Link, (target, box, source, origin)))
         return tuple(links)
 
-    def numbers(self, source: str) -> tuple[int, ...]:
-        """The number of each link that reads ``source`` among the links filling its destination tensor (``out_of``'s
-        order; ``into``'s numbering): a source tensor's part of a destination's image is found without the rest."""
+    def fed_by(self, source: str) -> tuple[str, ...]:
+        """The destination tensors ``source`` feeds, in ``out_of``'s order, each once."""
+        return tuple([target for target, _ in self._reads.get(source, ())])
+
+    def read_by(self, source: str) -> tuple[tuple[str, int], ...]:
+        """(destination tensor, number among the links filling it: ``into``'s numbering) of each link that reads
+        ``source``, in ``out_of``'s order: a source tensor's part of a destination's image is found without the rest,
+        and without making its links."""
         return tuple(
-            link for target, slot in self._reads.get(source, ()) for link in self._numbers(self._fills[target][0])[slot]
+            (target, link)
+            for target, slot in self._reads.get(source, ())
+            for link in self._numbers(self._fills[target][0])[slot]
         )
 
     @property
@@ -712,7 +719,7 @@ class MappedPlacement(Placement):
         found = self._slices.get(position)
         if found is None:
             name = self.manifest.tensors[position].name
-            targets = sorted({self.weights.targets.index(link.target) for link in self.weights.out_of(name)})
+            targets = sorted(map(self.weights.targets.index, self.weights.fed_by(name)))
             for target in targets:
                 self._of_target(target)
             found = tuple(piece for t in targets for piece in self._by_source[t].get(position, ()))
@@ -736,7 +743,7 @@ class MappedPlacement(Placement):
         if reads is None:
             name = self.manifest.tensors[position].name
             index = self.weights.targets.index
-            pairs = sorted(zip((index(link.target) for link in self.weights.out_of(name)), self.weights.numbers(name)))
+            pairs = sorted((index(target), number) for target, number in self.weights.read_by(name))
             images = [self._image(target)[0] for target, _ in pairs]
             reads = self._reads[position] = (
                 [target for target, _ in pairs],

@@ -223,9 +223,9 @@ def test_a_composed_map_reads_each_element_where_its_two_maps_do(family: str) ->
     again = WeightMap(composed.sources, composed.targets, composed.links, composed.padding, composed.name, True)
     assert again.digest() == composed.digest()
     for tensor in composed.sources:
-        assert (again.out_of(tensor.name), again.numbers(tensor.name)) == (
+        assert (again.out_of(tensor.name), again.read_by(tensor.name)) == (
             composed.out_of(tensor.name),
-            composed.numbers(tensor.name),
+            composed.read_by(tensor.name),
         )
 
 
