@@ -350,6 +350,12 @@ class WeightMap:
             ]
         )
 
+    def boxes(self, target: str) -> tuple[tuple[Box, Box], ...]:
+        """(box of ``target``, box of its source) of each link that fills ``target``, in ``into``'s order: its
+        links without the source tensors' names, shared by the same weight of every layer."""
+        filling = self._fills.get(target)
+        return () if filling is None else self._kinds[filling[0]].links
+
     def feeds(self, target: str) -> tuple[int, ...]:
         """The position among the sources of each link that fills ``target`` (``into``'s order)."""
         found = self._feeds.get(target)
@@ -572,7 +578,7 @@ class _Image:
 
     __slots__ = ("_by_holders", "_entries", "_links", "_made", "_matches", "ranks", "starts")
 
-    def __init__(self, links: tuple[Link, ...], engine: Placement, position: int) -> None:
+    def __init__(self, links: tuple[tuple[Box, Box], ...], engine: Placement, position: int) -> None:
         pieces = engine.slices(position)
         spans = list(zip(*(piece.box for piece in pieces)))  # per dim, every slice's [start, stop)
         cut = [d for d, span in enumerate(spans) if len(set(span)) > 1]
@@ -582,7 +588,7 @@ class _Image:
         self._matches: list[list[Slice]] = []
         self.starts = [0]
         for link in links:
-            box, matches = link.box, []
+            box, matches = link[0], []
             if not alike or all(box[d][0] < stop and start < box[d][1] for d, (start, stop) in alike):
                 key = tuple([box[d] for d in cut])
                 if key not in found:
@@ -600,11 +606,11 @@ class _Image:
         """The slices of link ``number``, in order (the first is the image's ``starts[number]``-th)."""
         made = self._made.get(number)
         if made is None:
-            link = self._links[number]
+            link, origin = self._links[number]
             made = self._made[number] = []
             for piece in self._matches[number]:
-                shared = overlap(piece.box, link.box)
-                box = translate(shared, link.box, link.origin)
+                shared = overlap(piece.box, link)
+                box = translate(shared, link, origin)
                 offset = tuple(o + lo - a for o, (lo, _), (a, _) in zip(piece.offset, shared, piece.box))
                 made.append((number, box, offset, piece.holders, piece.block))
         return made
@@ -663,7 +669,7 @@ class MappedPlacement(Placement):
         self._by_source: dict[int, dict[int, list[Slice]]] = {}
         self._slices: dict[int, tuple[Slice, ...]] = {}
         self._images: dict[tuple[object, ...], _Image] = {}
-        self._image_of: dict[int, tuple[_Image, tuple[int, ...]]] = {}
+        self._image_of: dict[int, _Image] = {}
         self._reads: dict[int, tuple[list[int], list[_Image], tuple[tuple[int, int], ...]]] = {}
         self._met: dict[tuple[object, ...], list[tuple[int, int, Entry]]] = {}
 
@@ -679,11 +685,11 @@ class MappedPlacement(Placement):
             landing = f", quantizing {scaled} tensors on landing (digest {self.landing.digest()})"
         return f"{self.engine.describe()} through {self.weights.name} (digest {self.weights.digest()}){landing}"
 
-    def _image(self, position: int) -> tuple[_Image, tuple[int, ...]]:
-        """Destination tensor ``position``'s image (``_Image``), and the source tensor's position of each of its
-        links. An image is found once per distinct (engine slices, ``WeightMap.pattern``): the same weight of every
-        layer (a MoE layer's 4,096 expert links) has the same, only the tensors' names differ; and kept per position
-        (a training rank's slices ask for their destination tensors' images many times)."""
+    def _image(self, position: int) -> _Image:
+        """Destination tensor ``position``'s image (``_Image``). An image is found once per distinct (engine slices,
+        ``WeightMap.pattern``): the same weight of every layer (a MoE layer's 4,096 expert links) has the same, only
+        the tensors' names differ; and kept per position (a training rank's slices ask for their destination tensors'
+        images many times)."""
         known = self._image_of.get(position)
         if known is not None:
             return known
@@ -695,9 +701,9 @@ class MappedPlacement(Placement):
         )
         found = self._images.get(key)
         if found is None:
-            found = self._images[key] = _Image(self.weights.into(name), self.engine, position)
-        known = self._image_of[position] = (found, self.weights.feeds(name))
-        return known
+            found = self._images[key] = _Image(self.weights.boxes(name), self.engine, position)
+        self._image_of[position] = found
+        return found
 
     def _of_target(self, position: int) -> tuple[tuple[int, Slice], ...]:
         """Every slice of destination tensor ``position``'s image, with its source tensor's position."""
@@ -705,7 +711,7 @@ class MappedPlacement(Placement):
         if found is not None:
             return found
         name = self.weights.targets.tensors[position].name
-        image, feeds = self._image(position)
+        image, feeds = self._image(position), self.weights.feeds(name)
         found = self._mapped[position] = tuple(
             (feeds[number], from_fields(Slice, (box, offset, holders, block, order, name)))
             for order, (number, box, offset, holders, block) in enumerate(image.entries)
@@ -744,7 +750,7 @@ class MappedPlacement(Placement):
             name = self.manifest.tensors[position].name
             index = self.weights.targets.index
             pairs = sorted((index(target), number) for target, number in self.weights.read_by(name))
-            images = [self._image(target)[0] for target, _ in pairs]
+            images = [self._image(target) for target, _ in pairs]
             reads = self._reads[position] = (
                 [target for target, _ in pairs],
                 images,
@@ -775,7 +781,7 @@ class MappedPlacement(Placement):
         for held in self.engine.held(rank):
             position = held.position
             name = self.weights.targets.tensors[position].name
-            image, feeds = self._image(position)
+            image, feeds = self._image(position), self.weights.feeds(name)
             made = self._mapped.get(position)
             by_source: dict[int, list[Slice]] = {}
             for order, (number, box, offset, holders, block) in image.of_rank(rank):
