@@ -163,17 +163,17 @@ class HFModel:
         per_group = c.heads // groups
         span = (per_group + 2) * d
         tensors: list[TensorSpec] = []
-        links = MapBuilder()
+        weights = MapBuilder()
 
         def add(name: str, shape: tuple[int, ...], origin: str, **where: Any) -> None:
             """A tensor that is its Megatron tensor whole."""
             tensors.append(TensorSpec(name, shape, dtype, **where))
-            links.link(name, whole(shape), origin, whole(source.tensor(origin).shape))
+            weights.link(name, whole(shape), origin, whole(source.tensor(origin).shape))
 
         vocab = self.vocab
         tensors.append(TensorSpec("model.embed_tokens.weight", (vocab, hidden), dtype, stage=("first",)))
-        links.link("model.embed_tokens.weight", rows((vocab, hidden), 0, vocab), "embedding.word_embeddings.weight",
-                   rows((c.vocab, hidden), 0, vocab))  # fmt: skip
+        weights.link("model.embed_tokens.weight", rows((vocab, hidden), 0, vocab), "embedding.word_embeddings.weight",
+                     rows((c.vocab, hidden), 0, vocab))  # fmt: skip
         for layer in range(c.layers):
             m, h = f"decoder.layers.{layer}.", f"model.layers.{layer}."
             at: dict[str, Any] = {"layer": layer}
@@ -188,7 +188,7 @@ class HFModel:
                     name = f"{h}self_attn.{part}_proj.{kind}"
                     shape = (groups * heads * d, *tail)
                     tensors.append(TensorSpec(name, shape, dtype, **at))
-                    links.fill(
+                    weights.fill(
                         name,
                         (fused,),
                         ("qkv", shape, full, heads, skip, d),
@@ -202,20 +202,20 @@ class HFModel:
             add(f"{h}post_attention_layernorm.weight", (hidden,), f"{m}pre_mlp_layernorm.weight", **at)
             if c.experts and layer >= c.dense_layers:
                 add(f"{h}mlp.gate.weight", (c.experts, hidden), f"{m}mlp.router.weight", **at)
-                self._experts(tensors, links, layer, stacked)
+                self._experts(tensors, weights, layer, stacked)
                 if c.shared_experts:
                     shared = c.shared_experts * (c.moe_ffn or 0)
-                    self._mlp(tensors, links, f"{m}mlp.shared_experts.", f"{h}mlp.shared_experts.", shared, at)
+                    self._mlp(tensors, weights, f"{m}mlp.shared_experts.", f"{h}mlp.shared_experts.", shared, at)
             else:
-                self._mlp(tensors, links, f"{m}mlp.", f"{h}mlp.", c.ffn, at)
+                self._mlp(tensors, weights, f"{m}mlp.", f"{h}mlp.", c.ffn, at)
         add("model.norm.weight", (hidden,), "decoder.final_layernorm.weight", stage=("last",))
         if not c.tied_embeddings:
             tensors.append(TensorSpec("lm_head.weight", (vocab, hidden), dtype, stage=("last",)))
-            links.link("lm_head.weight", rows((vocab, hidden), 0, vocab), "output_layer.weight",
-                       rows((c.vocab, hidden), 0, vocab))  # fmt: skip
+            weights.link("lm_head.weight", rows((vocab, hidden), 0, vocab), "output_layer.weight",
+                         rows((c.vocab, hidden), 0, vocab))  # fmt: skip
         kind = "hf-stacked" if stacked else "hf"
         targets = Manifest(tuple(tensors), layers=c.layers, name=f"{self.name} ({kind})")
-        return targets, WeightMap.filled(source, targets, links.fills, name=f"megatron -> {kind}")
+        return targets, WeightMap.filled(source, targets, weights.fills, name=f"megatron -> {kind}")
 
     def _mla(self, add: Any, m: str, h: str, at: dict[str, Any]) -> None:
         """DeepSeek's multi-latent attention: each Megatron projection is one HF tensor whole (both put a head's
@@ -238,7 +238,7 @@ class HFModel:
     def _mlp(
         self,
         tensors: list[TensorSpec],
-        links: MapBuilder,
+        weights: MapBuilder,
         m: str,
         h: str,
         ffn: int,
@@ -252,11 +252,11 @@ class HFModel:
         for block, part in enumerate(("gate", "up")):
             name = f"{h}{part}_proj.weight"
             tensors.append(TensorSpec(name, (ffn, hidden), dtype, **at))
-            links.fill(name, (fc1,), ("fc1", block, ffn, hidden), partial(_fc1_block, block, ffn, hidden))
+            weights.fill(name, (fc1,), ("fc1", block, ffn, hidden), partial(_fc1_block, block, ffn, hidden))
         tensors.append(TensorSpec(f"{h}down_proj.weight", (hidden, ffn), dtype, **at))
-        links.fill(f"{h}down_proj.weight", (fc2,), ("fc2", ffn, hidden), partial(_fc2, ffn, hidden))
+        weights.fill(f"{h}down_proj.weight", (fc2,), ("fc2", ffn, hidden), partial(_fc2, ffn, hidden))
 
-    def _experts(self, tensors: list[TensorSpec], links: MapBuilder, layer: int, stacked: bool) -> None:
+    def _experts(self, tensors: list[TensorSpec], weights: MapBuilder, layer: int, stacked: bool) -> None:
         """A MoE layer's routed experts: one MLP per expert, or transformers 5's two stacked tensors, in which
         expert e's ``gate_up_proj[e]`` is its ``linear_fc1`` whole ([gate; up]), ``down_proj[e]`` its ``linear_fc2``."""
         c = self.config
@@ -265,7 +265,7 @@ class HFModel:
         at: dict[str, Any] = {"layer": layer}
         if not stacked:
             for e in range(experts):
-                self._mlp(tensors, links, m, f"{h}{e}.", ffn, at, suffix=str(e))
+                self._mlp(tensors, weights, m, f"{h}{e}.", ffn, at, suffix=str(e))
             return
         for name, shape, origin in (
             ("gate_up_proj", (experts, 2 * ffn, hidden), "linear_fc1.weight"),
@@ -273,7 +273,7 @@ class HFModel:
         ):
             tensors.append(TensorSpec(f"{h}{name}", shape, c.dtype, **at))
             sources = tuple(f"{m}{origin}{e}" for e in range(experts))
-            links.fill(f"{h}{name}", sources, ("stacked", shape), partial(_stacked, shape))
+            weights.fill(f"{h}{name}", sources, ("stacked", shape), partial(_stacked, shape))
 
     # -- Hugging Face -> vLLM ------------------------------------------------------------------------
 

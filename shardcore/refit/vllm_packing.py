@@ -62,7 +62,7 @@ class _VllmPacking:
     tp: int
     expt_tp: int
     tensors: list[TensorSpec] = field(default_factory=list)
-    links: MapBuilder = field(default_factory=MapBuilder)
+    weights: MapBuilder = field(default_factory=MapBuilder)
     padding: dict[str, tuple[tuple[tuple[int, int], ...], ...]] = field(default_factory=dict)
 
     def _check(self, what: str, size: int, parts: int, axis: str = "tp") -> int:
@@ -77,7 +77,7 @@ class _VllmPacking:
         """A tensor vLLM holds as the HF model does (whole or split by plain tiling)."""
         shape = self.hf.tensor(name).shape
         self.tensors.append(TensorSpec(name, shape, self.config.dtype, **at))
-        self.links.link(name, whole(shape), name, whole(shape))
+        self.weights.link(name, whole(shape), name, whole(shape))
 
     def build(self) -> tuple[Manifest, WeightMap]:
         c, tp, hf = self.config, self.tp, self.hf
@@ -113,7 +113,7 @@ class _VllmPacking:
             self._vocab("lm_head.weight", "last")
         targets = Manifest(tuple(self.tensors), layers=c.layers, name=f"{self.model_name} (vllm tp={tp})")
         name = f"hf -> vllm tp={tp}"
-        return targets, WeightMap.filled(hf, targets, self.links.fills, self.padding, name=name, zeroed=True)
+        return targets, WeightMap.filled(hf, targets, self.weights.fills, self.padding, name=name, zeroed=True)
 
     def _vocab(self, name: str, stage: str) -> None:
         """``VocabParallelEmbedding`` / ``ParallelLMHead``: the vocabulary padded to a multiple of 64, split over tp."""
@@ -126,7 +126,7 @@ class _VllmPacking:
             )
         shape = (padded, hidden)
         self.tensors.append(TensorSpec(name, shape, self.config.dtype, stage=(stage,)))
-        self.links.link(name, rows(shape, 0, vocab), name, whole((vocab, hidden)))
+        self.weights.link(name, rows(shape, 0, vocab), name, whole((vocab, hidden)))
         if padded > vocab:
             self.padding[name] = (rows(shape, vocab, padded),)
 
@@ -151,7 +151,7 @@ class _VllmPacking:
                     start += size[0]
 
             sources = (f"{a}q_a_proj.weight", f"{a}kv_a_proj_with_mqa.weight")
-            self.links.fill(f"{a}fused_qkv_a_proj.weight", sources, ("fused_qkv_a", *parts), fused)
+            self.weights.fill(f"{a}fused_qkv_a_proj.weight", sources, ("fused_qkv_a", *parts), fused)
             self.same(f"{a}q_a_layernorm.weight", **at)
             self.same(f"{a}q_b_proj.weight", **at)
         self.same(f"{a}kv_a_layernorm.weight", **at)
@@ -187,13 +187,15 @@ class _VllmPacking:
                     yield rows(shape, start, start + heads * d), rows(fulls[part], first * d, (first + heads) * d), part
                     start += heads * d
 
-        self.links.fill(name, sources, ("qkv", shape, fulls, tp, q_heads, kv_heads, replicas, d), packed)
+        self.weights.fill(name, sources, ("qkv", shape, fulls, tp, q_heads, kv_heads, replicas, d), packed)
 
     def _gate_up(self, m: str, h: str, name: str, ffn: int, **at: Any) -> None:
         """``MergedColumnParallelLinear``: tp rank r holds [its gate rows; its up rows]."""
         share, hidden, tp = self._check("ffn", ffn, self.tp), self.config.hidden, self.tp
         sources = (f"{m}gate_proj.weight", f"{m}up_proj.weight")
-        self.links.fill(f"{h}{name}", sources, ("gate_up", ffn, hidden, tp), lambda: _gate_up(ffn, hidden, tp, share))
+        self.weights.fill(
+            f"{h}{name}", sources, ("gate_up", ffn, hidden, tp), lambda: _packed_gate_up(ffn, hidden, tp, share)
+        )
         self.tensors.append(TensorSpec(f"{h}{name}", (2 * ffn, hidden), self.config.dtype, **at))
 
     def _experts(self, h: str, **at: Any) -> None:
@@ -209,14 +211,14 @@ class _VllmPacking:
         gate_up = tuple(f"{m}{e}.{part}_proj.weight" for e in range(experts) for part in ("gate", "up"))
 
         def w13() -> Iterator[tuple[Box, Box, int]]:
-            links = _gate_up(ffn, hidden, parts, share)
+            links = _packed_gate_up(ffn, hidden, parts, share)
             for e in range(experts):
                 for box, origin, part in links:
                     yield ((e, e + 1), *box), origin, 2 * e + part
 
-        self.links.fill(f"{h}{FUSED_MOE}w13_weight", gate_up, ("w13", experts, ffn, hidden, parts), w13)
+        self.weights.fill(f"{h}{FUSED_MOE}w13_weight", gate_up, ("w13", experts, ffn, hidden, parts), w13)
         down = tuple(f"{m}{e}.down_proj.weight" for e in range(experts))
-        self.links.fill(
+        self.weights.fill(
             f"{h}{FUSED_MOE}w2_weight",
             down,
             ("w2", experts, hidden, ffn),
@@ -224,7 +226,7 @@ class _VllmPacking:
         )
 
 
-def _gate_up(ffn: int, hidden: int, parts: int, share: int) -> list[tuple[Box, Box, int]]:
+def _packed_gate_up(ffn: int, hidden: int, parts: int, share: int) -> list[tuple[Box, Box, int]]:
     """A gate and up projection ([ffn, hidden] each) packed over ``parts`` ranks, each holding [its ``share`` of gate
     rows; its share of up rows]: (box of the packed tensor, box of the projection, 0 for gate or 1 for up) per link."""
     return [
