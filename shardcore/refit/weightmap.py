@@ -28,6 +28,7 @@ tensor, held by the ranks that hold its image, at an offset in their local *dest
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping
 from typing import NamedTuple
 
@@ -395,6 +396,19 @@ class WeightMap:
                 links.append(from_fields(Link, (target, box, source, origin)))
         return tuple(links)
 
+    def __eq__(self, other: object) -> bool:
+        """Maps are equal when they read and fill the same tensors with the same links, in the same order, and pad
+        alike."""
+        if not isinstance(other, WeightMap):
+            return NotImplemented
+        return self is other or (
+            (self.name, self.zeroed, dict(self.padding), self.sources, self.targets)
+            == (other.name, other.zeroed, dict(other.padding), other.sources, other.targets)
+            and self.links == other.links
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # equal maps may be made apart: compared by value, not hashed
+
     def fed_by(self, source: str) -> tuple[str, ...]:
         """The destination tensors ``source`` feeds, in ``out_of``'s order, each once."""
         return tuple([target for target, _ in self._reads.get(source, ())])
@@ -408,6 +422,15 @@ class WeightMap:
             for target, slot in self._reads.get(source, ())
             for link in self._numbers(self._fills[target][0])[slot]
         )
+
+    def numbers(self, source: str) -> tuple[int, ...]:
+        """Deprecated, goes in the next release: ``read_by`` gives each number with its destination tensor."""
+        warnings.warn(
+            "WeightMap.numbers is deprecated and goes in the next release: use WeightMap.read_by",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return tuple(number for _, number in self.read_by(source))
 
     @property
     def links(self) -> tuple[Link, ...]:

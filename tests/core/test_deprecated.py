@@ -40,3 +40,15 @@ def test_refit_execute_is_resolved_without_refit_importing_the_engine() -> None:
 def test_other_missing_names_are_attribute_errors() -> None:
     with pytest.raises(AttributeError, match=r"module 'shardcore\.refit' has no attribute 'executes'"):
         shardcore.refit.executes  # noqa: B018
+
+
+def test_weight_map_numbers_warns_and_gives_read_bys_numbers() -> None:
+    from shardcore.refit.families import manifest_from_hf_config
+
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100}  # fmt: skip
+    weights = manifest_from_hf_config(config).vllm(2, 1)[1]
+    source = "model.layers.0.self_attn.k_proj.weight"
+    with pytest.warns(DeprecationWarning, match="WeightMap.numbers is deprecated .* use WeightMap.read_by"):
+        numbers = weights.numbers(source)
+    assert numbers == tuple(number for _, number in weights.read_by(source)) and len(numbers) == 2

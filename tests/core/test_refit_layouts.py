@@ -221,7 +221,8 @@ def test_a_composed_map_reads_each_element_where_its_two_maps_do(family: str) ->
                 via, middle = element_source(second, target.name, point)
                 assert element_source(composed, target.name, point) == element_source(first, via, middle)
     again = WeightMap(composed.sources, composed.targets, composed.links, composed.padding, composed.name, True)
-    assert again.digest() == composed.digest()
+    assert again.digest() == composed.digest() and again == composed
+    assert WeightMap(composed.sources, composed.targets, composed.links, composed.padding, "other", True) != composed
     for tensor in composed.sources:
         assert (again.out_of(tensor.name), again.read_by(tensor.name)) == (
             composed.out_of(tensor.name),
