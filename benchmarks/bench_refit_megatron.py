@@ -419,7 +419,7 @@ def main() -> None:
         "| layers | ranks | layouts | Megatron first s | Megatron kept s | shardcore first s | shardcore one-call s | "
         "shardcore replanning s | Megatron kept / shardcore one-call | first / first | Megatron plan ms/rank | "
         "shardcore plan ms/rank | Megatron metadata KiB/rank | shardcore metadata KiB/rank | Megatron wire GB | "
-        "shardcore wire GB | Megatron peak RSS MiB | shardcore peak RSS MiB | bitwise equal |"
+        "shardcore wire GB | Megatron RSS growth MiB | shardcore RSS growth MiB | bitwise equal |"
     )
     print("|---:|---|---|" + "---:|" * 15 + "---|")
     results = run_world(WORLD, bench_rank, args.layers, args.repeat, args.hidden, timeout=3600, pg_timeout=1200)
