@@ -288,6 +288,11 @@ class WeightMap:
             ManifestError: naming the link, as the class says.
         """
         fill = self._kinds[self._fills[target][0]]
+        if len(fill.slots) != len(fill.links) or set(fill.slots) != set(range(len(names))):
+            raise ManifestError(
+                f"{self.name}: {tensor_label(target)}: its fill must give each link one of its {len(names)} source "
+                "tensors and read each of them (Fill.slots)"
+            )
         alike: set[tuple[Box, Box, tuple[int, ...]]] = set()
         for (box, origin), slot in zip(fill.links, fill.slots):
             source_shape = source_shapes[slot]
@@ -851,4 +856,4 @@ class MappedPlacement(Placement):
         return MappedPlacement(self.engine.restrict(renumber), self.weights, self.landing)
 
 
-__all__ = ["Link", "MappedPlacement", "WeightMap", "rows", "translate", "whole"]
+__all__ = ["Fill", "Filling", "Link", "MapBuilder", "MappedPlacement", "WeightMap", "rows", "translate", "whole"]

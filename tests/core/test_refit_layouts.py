@@ -25,7 +25,7 @@ from shardcore.refit.holdings import holdings
 from shardcore.refit.manifest import Manifest, TensorSpec
 from shardcore.refit.plan import RefitPlan
 from shardcore.refit.planner import plan_refit, plan_refit_from
-from shardcore.refit.weightmap import Link, WeightMap, rows, translate, whole
+from shardcore.refit.weightmap import Fill, Link, WeightMap, rows, translate, whole
 
 BASE = {
     "hidden_size": 64,
@@ -352,6 +352,11 @@ def test_weight_map_checks_name_both_tensors() -> None:
         (Link("x", rows((6, 2), 0, 4), "a", whole((4, 2))), Link("x", rows((6, 2), 4, 6), "b", whole((2, 2)))),
     )
     assert fine.reversed().reversed().links == fine.links
+    boxes = ((rows((6, 2), 0, 4), whole((4, 2))), (rows((6, 2), 4, 6), whole((2, 2))))
+    assert WeightMap.filled(source, target, {"x": (Fill(boxes, (0, 1)), ("a", "b"))}) == fine
+    for slots, names in (((0, 2), ("a", "b")), ((0, 0), ("a", "b")), ((0,), ("a", "b"))):
+        with pytest.raises(ManifestError, match=r"x: its fill must give each link one of its 2 source tensors"):
+            WeightMap.filled(source, target, {"x": (Fill(boxes, slots), names)})
 
 
 def test_cli_plans_into_a_layout_from_an_hf_config(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
