@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from .placement import Placement
 from .plan import RefitPlan
-from .worklines import Piece, Tile, TileRun, relay
+from .worklines import Piece, Run, Tile, TileRun, relay
 
 DEFAULT_INTRA_GBPS = 200.0
 """Default intra-node bandwidth per rank and direction, GB/s (NVLink-class)."""
@@ -152,7 +152,7 @@ class _Tally:
         shards = len(plan.destination_placements)
         return cls(
             per_node=plan.ranks_per_node,
-            scales={position for position, tensor in enumerate(plan.manifest) if tensor.scale_of is not None},
+            scales=set(plan.scale_positions),
             shard_loads=[_new_loads() for _ in range(shards)],
             shard_relayed=[_new_loads() for _ in range(shards)],
             shard_bytes=[0] * shards,
@@ -173,36 +173,30 @@ class _Tally:
                 self._add_moved(tile.shard, tile.sources.key, size * (tile.position in self.scales), size, hop)
                 self._add_transfer(tile.shard, src, dst, size, hop)
 
-    def add_run(self, run: TileRun) -> None:
+    def add_run(self, run: Run) -> None:
         """Add every piece of a route's run at once: each fixed line's segments by arithmetic
-        (``TileRun.shares``), each local copy as a whole run; with fan-out, the relays' line and the forwards
+        (``Run.shares``), each local copy as a whole run; with fan-out, the relays' line and the forwards
         (``_add_relayed``). A needer's bytes count for its own destination (with fan-out a route's needers
         are those of several destinations)."""
-        first = run.tiles[0]
-        key, width, routes = first.sources.key, run.starts[-1], run.routes
-        shard_of = {rank: shard for shard, piece in first.group for rank in piece.holders.ranks}
-        shard = first.shard
-        self.holder_sets[key] = first.sources.members
-        self.count += len(routes.local) * len(run.tiles)
+        key, width, routes = run.sources.key, run.starts[-1], run.routes
+        shard_of = {rank: shard for shard, piece in run.group for rank in piece.holders.ranks}
+        shard = run.shard
+        self.holder_sets[key] = run.sources.members
+        self.count += len(routes.local) * (len(run.starts) - 1)
         for needer in routes.local:
             self.local += width
             self.shard_local[shard_of.get(needer, shard)] += width
-        scaled = sum(
-            stop - start
-            for tile, start, stop in zip(run.tiles, run.starts, run.starts[1:])
-            if tile.position in self.scales
-        )
         for line in run.lines[: len(routes.lines)]:
             self.count += run.piece_count(line)
             self.must_move[key] += line.copies * width
-            self.scale_bytes += line.copies * scaled
+            self.scale_bytes += line.copies * run.scaled
             for needer in line.needers:
                 self.shard_bytes[shard_of.get(needer, shard)] += width
             for src, copy, size in run.shares(line):
                 needer = line.needers[copy]
                 self._add_transfer(shard_of.get(needer, shard), src, needer, size, 0)
-        if routes.far:
-            self._add_relayed(run, shard_of)
+        if routes.far:  # fan-out's runs keep their tiles: each tile's relay is its own (``RefitPlan.runs``)
+            self._add_relayed(cast(TileRun, run), shard_of)
 
     def _add_relayed(self, run: TileRun, shard_of: Mapping[int, int]) -> None:
         """Fan-out: the relays' line (copy i to each tile's relay on the i-th node without holders) and each

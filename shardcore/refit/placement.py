@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from math import prod
 from typing import Any, NamedTuple
 
@@ -118,6 +118,15 @@ class Placement(ABC):
     def overlapping(self, position: int, box: Box) -> Iterator[Slice]:
         """The slices of tensor ``position`` that share an element with ``box``, in a fixed order."""
         return (piece for piece in self.slices(position) if meets(piece.box, box))
+
+    def kind_of(self, position: int) -> tuple[Hashable, tuple[HolderSet, ...]]:
+        """What tensors whose slices lie alike share (their boxes, blocks and parts: the planner finds the tiles of
+        such tensors once), and each slice's holders, in ``slices``' order. Two positions of one placement with equal
+        kinds have slices of the same boxes, blocks and parts."""
+        slices = self.slices(position)
+        return tuple([(piece.box, piece.block, piece.part) for piece in slices]), tuple(
+            [piece.holders for piece in slices]
+        )
 
     @abstractmethod
     def held(self, rank: int) -> Iterator[HeldTensor]:

@@ -51,19 +51,19 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import accumulate, pairwise
-from operator import attrgetter
-from typing import Any, Self, cast
+from operator import attrgetter, itemgetter
+from typing import Any, NamedTuple, Self, cast
 
 from ..errors import LayoutError, ManifestError, RefitError
 from ..plan.arguments import shown
 from ..plan.layout import Layout, ShardPlan
-from .boxes import from_fields, moved, overlap
+from .boxes import Box, from_fields, moved, overlap
 from .collector import gc_paused
 from .manifest import Manifest, TensorSpec, scale_shape
 from .part import PartBuilder, RankRefit, Transfer
-from .placement import Placement, ShardPlacement, Slice
+from .placement import HolderSet, Placement, ShardPlacement, Slice
 from .weightmap import MappedPlacement
-from .worklines import Line, Piece, Routes, Tile, TileRun, WorkLine, line_cuts, relay
+from .worklines import Line, Piece, Routes, Run, Tile, TileRun, WorkLine, line_cuts, relay
 
 DEFAULT_MIN_PIECE_BYTES = 1 << 20
 """The floor on piece size: below it a message costs more than the balance it buys."""
@@ -71,6 +71,18 @@ DEFAULT_MIN_PIECE_BYTES = 1 << 20
 
 _place = attrgetter("position", "box")
 """Where a tile lies: its tensor and box (a run's order)."""
+
+
+class _RouteRows(NamedTuple):
+    """One tensor's rows on one route (``RefitPlan._kind_runs``), in the order of their boxes."""
+
+    route: tuple[Any, ...]
+    sources: HolderSet
+    needers: HolderSet
+    shard: int
+    seed: int  # the first row's seed, less its tensor's position
+    sizes: list[int]
+    steps: list[int]
 
 
 @dataclass(frozen=True)
@@ -360,11 +372,17 @@ class RefitPlan:
         found = self._routes.get(key)
         if found is not None:
             return found
-        sources = tile.sources
         if tile.group:
-            needers = sorted(rank for _, piece in tile.group for rank in piece.holders.ranks)
-        else:
-            needers = list(tile.needers.ranks)
+            return self._routes_for(
+                key, tile.sources, sorted(r for _, piece in tile.group for r in piece.holders.ranks)
+            )
+        return self._routes_for(key, tile.sources, tile.needers.ranks)
+
+    def _routes_for(self, key: tuple[Any, ...], sources: HolderSet, needers: Sequence[int]) -> Routes:
+        """``_routes_of``'s routes of route ``key``: its holders ``sources`` and its needers, made once per route."""
+        found = self._routes.get(key)
+        if found is not None:
+            return found
         members = sources.members
         local = tuple(d for d in needers if d in members)
         remote = tuple(d for d in needers if d not in members)
@@ -413,10 +431,20 @@ class RefitPlan:
 
     def _run(self, tiles: Sequence[Tile]) -> TileRun:
         """One route's run of ``tiles`` (in order) and its lines, cut (``line_cuts``)."""
-        routes, floor = self._routes_of(tiles[0]), self.min_piece_bytes
+        first, scales = tiles[0], self.scale_positions
+        routes = self._routes_of(first)
         steps = [tile.row_bytes for tile in tiles]
         starts = [0, *accumulate([tile.rows * step for tile, step in zip(tiles, steps)])]
-        seed = tiles[0].seed
+        scaled = sum(starts[j + 1] - starts[j] for j, tile in enumerate(tiles) if tile.position in scales)
+        lines = self._lines(routes, starts, steps, first.seed, first.sources.ranks)
+        return TileRun(routes, tuple(starts), lines, first.sources, first.shard, first.group, scaled, tuple(tiles))
+
+    def _lines(
+        self, routes: Routes, starts: Sequence[int], steps: Sequence[int], seed: int, holders: tuple[int, ...]
+    ) -> tuple[WorkLine, ...]:
+        """A route's work lines over its run: tile j takes bytes [starts[j], starts[j + 1]) of each copy and may be
+        cut every ``steps[j]``; ``seed`` is the run's first tile's, ``holders`` the route's (``line_cuts``)."""
+        floor = self.min_piece_bytes
         lines = [
             WorkLine(
                 needers,
@@ -428,9 +456,80 @@ class RefitPlan:
             for needers, sources, offset in routes.lines
         ]
         if routes.far:
-            holders, nodes = tiles[0].sources.ranks, len(routes.far)
+            nodes = len(routes.far)
             lines.append(WorkLine((), nodes, holders, seed, line_cuts(starts, steps, nodes, len(holders), floor)))
-        return TileRun(routes, tuple(tiles), tuple(starts), tuple(lines))
+        return tuple(lines)
+
+    def _kind_runs(self) -> list[Run]:
+        """Every route's run, without fan-out, made without the tiles: a tensor's tiles are found once per kind of
+        slices on both sides (``Placement.kind_of``), split by route once per kind and holders, and each tensor adds
+        its rows' sizes to its routes'. The runs are ``_cut_runs``' of every tile (``_all_tiles``), in the same
+        order: a route's tensors come in the order of their positions, a tensor's rows in the order of their boxes."""
+        parts: dict[tuple[Any, ...], list[tuple[int, _RouteRows]]] = {}
+        tensors, scales = self.manifest.tensors, self.scale_positions
+        held = [(position, self.source_placement.slices(position)) for position in self._positions()]
+        for shard, placement in enumerate(self.destination_placements):
+            rows_of: dict[tuple[Any, ...], list[tuple[int, int, Tile]]] = {}
+            split_of: dict[tuple[Any, ...], list[_RouteRows]] = {}
+            for position, sources in held:
+                kind, needers = placement.kind_of(position)
+                key = (kind, tuple([(source.box, source.offset, source.part) for source in sources]))
+                made = rows_of.get(key)
+                if made is None:
+                    targets = placement.slices(position)
+                    made = rows_of[key] = self._tiles_into(position, shard, targets, sources, [()] * len(targets))
+                itemsize = tensors[position].wire_itemsize
+                holders = (tuple([h.key for h in needers]), tuple([source.holders.key for source in sources]))
+                split = split_of.get((id(made), *holders, itemsize))
+                if split is None:
+                    split = split_of[(id(made), *holders, itemsize)] = self._route_rows(
+                        shard, made, sources, needers, itemsize
+                    )
+                for rows in split:
+                    found = parts.get(rows.route)
+                    if found is None:
+                        parts[rows.route] = [(position, rows)]
+                    else:
+                        found.append((position, rows))
+        runs = []
+        for route, found in parts.items():
+            position, first = found[0]
+            sizes = [size for _, rows in found for size in rows.sizes]
+            steps = [step for _, rows in found for step in rows.steps]
+            starts = [0, *accumulate(sizes)]
+            scaled = sum(sum(rows.sizes) for position, rows in found if position in scales)
+            routes = self._routes_for(route, first.sources, first.needers.ranks)
+            lines = self._lines(routes, starts, steps, position + first.seed, first.sources.ranks)
+            runs.append(Run(routes, tuple(starts), lines, first.sources, first.shard, (), scaled))
+        return runs
+
+    def _route_rows(
+        self,
+        shard: int,
+        made: list[tuple[int, int, Tile]],
+        sources: Sequence[Slice],
+        needers: Sequence[HolderSet],
+        itemsize: int,
+    ) -> list[_RouteRows]:
+        """The tiles ``made`` for a tensor of one kind (``_kind_runs``), as the rows of another tensor of the kind on
+        each of its routes (with its holders ``sources`` and ``needers`` and its ``itemsize``): per route, the rows'
+        sizes and steps in the order of their boxes, each box once (as ``_cut_runs`` keeps them), and the first row's
+        seed less its tensor's position."""
+        by_route: dict[tuple[Any, ...], list[tuple[Box, int, int, int, int, int]]] = {}
+        kind_itemsize = self.manifest.tensors[made[0][2].position].wire_itemsize if made else itemsize
+        for j, i, tile in made:
+            row_bytes = tile.row_bytes // kind_itemsize * itemsize
+            route = (sources[i].holders.key, shard, needers[j].key)
+            row = (tile.box, j, i, tile.seed - tile.position, tile.rows * row_bytes, row_bytes)
+            by_route.setdefault(route, []).append(row)
+        found = []
+        for route, rows in by_route.items():
+            rows.sort(key=itemgetter(0))  # stable: a box's first tile stays first
+            kept = rows[:1] + [row for before, row in pairwise(rows) if row[0] != before[0]]
+            _, j, i, seed, _, _ = kept[0]
+            sizes, steps = [row[4] for row in kept], [row[5] for row in kept]
+            found.append(_RouteRows(route, sources[i].holders, needers[j], shard, seed, sizes, steps))
+        return found
 
     def _spread(self, tile: Tile, run: TileRun, line: WorkLine, needers: Sequence[int], dst: int | None) -> list[Piece]:
         """The tile's pieces on one work line: each of its copies (one per needer) cut where the line's segments end.
@@ -570,10 +669,18 @@ class RefitPlan:
         for tile in every:
             yield tile, self._pieces(tile)
 
-    def runs(self) -> list[TileRun]:
-        """Every route's run of tiles, cut (for cost accounting: a run's lines give its pieces by arithmetic)."""
+    def runs(self) -> list[Run]:
+        """Every route's run, cut (for cost accounting: a run's lines give its pieces by arithmetic); with fan-out
+        with its tiles (each tile's relay is its own), else made without them (``_kind_runs``)."""
         with gc_paused():
-            return self._cut_runs(self._all_tiles())
+            if self.fan_out:
+                return list(self._cut_runs(self._all_tiles()))
+            return self._kind_runs()
+
+    @cached_property
+    def scale_positions(self) -> frozenset[int]:
+        """The positions of the manifest's fp8 scale tensors (``TensorSpec.scale_of``)."""
+        return frozenset(position for position, tensor in enumerate(self.manifest) if tensor.scale_of is not None)
 
     def fingerprint(self) -> dict[str, str]:
         """What every rank executing this plan must agree on, part by part, as short readable texts:

@@ -239,7 +239,7 @@ class WeightMap:
         patterns: dict[tuple[tuple[Box, Box], ...], int] = {}
         self._patterns = [patterns.setdefault(fill.links, len(patterns)) for fill in self._kinds]
         self._pattern_boxes = tuple(patterns)
-        self._slot_links: dict[int, list[list[int]]] = {}
+        self._slot_links: dict[int, tuple[tuple[int, ...], ...]] = {}
         self._feeds: dict[str, tuple[int, ...]] = {}
         self._links: tuple[Link, ...] | None = None
         self._digest = ""
@@ -380,14 +380,16 @@ class WeightMap:
         layer; in another layer, the links read other tensors), so that what depends on boxes alone is found once."""
         return self._patterns[self._fills[target][0]]
 
-    def _numbers(self, number: int) -> list[list[int]]:
-        """Per slot of fill ``number``, the numbers of its links reading that slot's source."""
+    def _numbers(self, number: int) -> tuple[tuple[int, ...], ...]:
+        """Per slot of fill ``number``, the numbers of its links reading that slot's source (made once per fill, so
+        the same weight of every layer shares them)."""
         found = self._slot_links.get(number)
         if found is None:
             fill = self._kinds[number]
-            found = self._slot_links[number] = [[] for _ in range(max(fill.slots, default=-1) + 1)]
+            slots: list[list[int]] = [[] for _ in range(max(fill.slots, default=-1) + 1)]
             for link, slot in enumerate(fill.slots):
-                found[slot].append(link)
+                slots[slot].append(link)
+            found = self._slot_links[number] = tuple(map(tuple, slots))
         return found
 
     def out_of(self, source: str) -> tuple[Link, ...]:
@@ -418,15 +420,18 @@ class WeightMap:
         """The destination tensors ``source`` feeds, in ``out_of``'s order, each once."""
         return tuple([target for target, _ in self._reads.get(source, ())])
 
-    def read_by(self, source: str) -> tuple[tuple[str, int], ...]:
-        """(destination tensor, number among the links filling it: ``into``'s numbering) of each link that reads
-        ``source``, in ``out_of``'s order: a source tensor's part of a destination's image is found without the rest,
+    def reads_of(self, source: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """(destination tensor, the numbers among the links filling it of those that read ``source``: ``into``'s
+        numbering) per destination tensor ``source`` feeds, in ``out_of``'s order. The numbers are one object for
+        the same weight of every layer: what a source tensor reads of a destination's image, found without the rest
         and without making its links."""
         return tuple(
-            (target, link)
-            for target, slot in self._reads.get(source, ())
-            for link in self._numbers(self._fills[target][0])[slot]
+            [(target, self._numbers(self._fills[target][0])[slot]) for target, slot in self._reads.get(source, ())]
         )
+
+    def read_by(self, source: str) -> tuple[tuple[str, int], ...]:
+        """(destination tensor, number) of each link that reads ``source`` (``reads_of``, link by link)."""
+        return tuple((target, link) for target, numbers in self.reads_of(source) for link in numbers)
 
     def numbers(self, source: str) -> tuple[int, ...]:
         """Deprecated, goes in the next release: ``read_by`` gives each number with its destination tensor."""
@@ -700,6 +705,7 @@ class MappedPlacement(Placement):
         self._image_of: dict[int, _Image] = {}
         self._reads: dict[int, tuple[list[int], list[_Image], tuple[tuple[int, int], ...]]] = {}
         self._met: dict[tuple[object, ...], list[tuple[int, int, Entry]]] = {}
+        self._kinds: dict[tuple[tuple[int, int], ...], tuple[HolderSet, ...]] = {}
 
     @property
     def ranks(self) -> Collection[int]:
@@ -773,18 +779,7 @@ class MappedPlacement(Placement):
         """``overlapping``'s slices, read off the images of the destination tensors ``position`` feeds: per
         (destination tensor, link number) in ``slices``' order, the link's slices (``_Image.link``) that meet. Which
         meet is found once per (images, link numbers, box): the same weight of every layer reads the same."""
-        reads = self._reads.get(position)
-        if reads is None:
-            name = self.manifest.tensors[position].name
-            index = self.weights.targets.index
-            pairs = sorted((index(target), number) for target, number in self.weights.read_by(name))
-            images = [self._image(target) for target, _ in pairs]
-            reads = self._reads[position] = (
-                [target for target, _ in pairs],
-                images,
-                tuple((id(image), number) for image, (_, number) in zip(images, pairs)),  # kept alive in _images
-            )
-        targets, images, signature = reads
+        targets, images, signature = self._read_of(position)
         key = (signature, box)
         met = self._met.get(key)
         if met is None:
@@ -802,6 +797,45 @@ class MappedPlacement(Placement):
                 yield made[order][1]
             else:
                 yield from_fields(Slice, (piece_box, offset, holders, block, order, names[target].name))
+
+    def _read_of(self, position: int) -> tuple[list[int], list[_Image], tuple[tuple[int, int], ...]]:
+        """Source tensor ``position``'s reads of the destination's images: per (destination tensor, link number) in
+        ``slices``' order, the destination tensor, its image, and (the image's id, the link number): slices alike in
+        every tensor with the same (a stacked tensor's expert in every layer). Found once per position."""
+        reads = self._reads.get(position)
+        if reads is None:
+            targets, images, signature = [], [], []
+            for target, numbers in self._reads_by_target(position):
+                image = self._image(target)
+                targets += [target] * len(numbers)
+                images += [image] * len(numbers)
+                signature += [(id(image), number) for number in numbers]  # the image is kept alive in _images
+            reads = self._reads[position] = (targets, images, tuple(signature))
+        return reads
+
+    def _reads_by_target(self, position: int) -> list[tuple[int, tuple[int, ...]]]:
+        """(destination tensor's position, the numbers of its links that read source tensor ``position``), by
+        destination tensor (``WeightMap.reads_of``) in ``slices``' order."""
+        index = self.weights.targets.index
+        return sorted(
+            (index(target), numbers) for target, numbers in self.weights.reads_of(self.manifest.tensors[position].name)
+        )
+
+    def kind_of(self, position: int) -> tuple[Hashable, tuple[HolderSet, ...]]:
+        """``Placement.kind_of``, read off the images without making the slices: a source tensor's kind is which links
+        of which images it reads (one image and one numbers object for the same weight of every layer, so a stacked
+        tensor's expert is of one kind in every layer), and its holders are found once per kind."""
+        reads = self._reads_by_target(position)
+        kind = tuple([(id(self._image(target)), id(numbers)) for target, numbers in reads])  # both kept alive
+        holders = self._kinds.get(kind)
+        if holders is None:
+            holders = self._kinds[kind] = tuple(
+                entry[3]
+                for target, numbers in reads
+                for number in numbers
+                for entry in self._image(target).link(number)
+            )
+        return kind, holders
 
     def held(self, rank: int) -> Iterator[HeldTensor]:
         """The rank's tensors, each as the slices of its image the rank holds: made for this rank only (an

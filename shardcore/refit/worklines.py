@@ -117,20 +117,54 @@ def relay(group: Sequence[int], seed: int) -> int:
 
 
 @dataclass(frozen=True)
-class TileRun:
-    """Every tile of one route, in a fixed order (tensor, box), and the route's work lines cut over them.
+class Run:
+    """One route's run: its tiles laid end to end in a fixed order (tensor, box), and the route's work lines cut over
+    them. What the stats add up (``cost.py``); the planner's runs keep their tiles too (``TileRun``).
 
     Attributes:
         routes: The route's local copies and lines.
-        tiles: Its tiles (with fan-out, each box once, whichever destination of its group found it).
         starts: Where each tile starts in one copy of the run, in bytes; the run's bytes last.
         lines: One per line of ``routes``, then the relays' line (fan-out).
+        sources: The route's holders.
+        shard: The destination of the run's first tile (a route's needers are one destination's, but with fan-out).
+        group: With fan-out, the first tile's group (``Tile.group``), whose members name each needer's destination.
+        scaled: Bytes of one copy of the run that are fp8 scale tensors.
     """
 
     routes: Routes
-    tiles: tuple[Tile, ...]
     starts: tuple[int, ...]
     lines: tuple[WorkLine, ...]
+    sources: HolderSet
+    shard: int
+    group: tuple[tuple[int, Slice], ...]
+    scaled: int
+
+    def shares(self, line: WorkLine) -> Iterator[tuple[int, int, int]]:
+        """(sender, copy, bytes) of every segment's part in each copy of ``line``: what each pair moves."""
+        width, cuts = self.starts[-1], line.cuts
+        for k in range(len(cuts) - 1):
+            start, stop = cuts[k], cuts[k + 1]
+            while start < stop:
+                copy = start // width
+                end = min(stop, (copy + 1) * width)
+                yield line.sender(k), copy, end - start
+                start = end
+
+    def piece_count(self, line: WorkLine) -> int:
+        """How many pieces ``line`` sends: one per tile's copy, and one more per cut inside a tile's copy."""
+        width, edges = self.starts[-1], set(self.starts)
+        return line.copies * (len(self.starts) - 1) + sum(cut % width not in edges for cut in set(line.cuts[1:-1]))
+
+
+@dataclass(frozen=True)
+class TileRun(Run):
+    """A route's run with its tiles (``Run``'s order): what a rank's part reads its pieces off.
+
+    Attributes:
+        tiles: The run's tiles (with fan-out, each box once, whichever destination of its group found it).
+    """
+
+    tiles: tuple[Tile, ...]
     _at: dict[int, dict[int, int]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def at(self, ranks: tuple[int, ...], rank: int) -> int:
@@ -150,21 +184,5 @@ class TileRun:
         """Where each tile (by tensor and box) lies in the run."""
         return {(tile.position, tile.box): j for j, tile in enumerate(self.tiles)}
 
-    def shares(self, line: WorkLine) -> Iterator[tuple[int, int, int]]:
-        """(sender, copy, bytes) of every segment's part in each copy of ``line``: what each pair moves."""
-        width, cuts = self.starts[-1], line.cuts
-        for k in range(len(cuts) - 1):
-            start, stop = cuts[k], cuts[k + 1]
-            while start < stop:
-                copy = start // width
-                end = min(stop, (copy + 1) * width)
-                yield line.sender(k), copy, end - start
-                start = end
 
-    def piece_count(self, line: WorkLine) -> int:
-        """How many pieces ``line`` sends: one per tile's copy, and one more per cut inside a tile's copy."""
-        width, edges = self.starts[-1], set(self.starts)
-        return line.copies * len(self.tiles) + sum(cut % width not in edges for cut in set(line.cuts[1:-1]))
-
-
-__all__ = ["Line", "Piece", "Routes", "Tile", "TileRun", "WorkLine", "line_cuts", "relay"]
+__all__ = ["Line", "Piece", "Routes", "Run", "Tile", "TileRun", "WorkLine", "line_cuts", "relay"]

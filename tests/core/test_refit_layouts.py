@@ -858,3 +858,43 @@ def test_the_vllm_vocabulary_padding_is_zeroed_and_megatrons_left_alone(family: 
     back = plan_layout(1 + 2, "dp=1 + tp=2,role=train")
     (megatron,) = plan_refit(back, 0, [1], model.manifest, layouts={0: model.layout("hf")}).destination_placements
     assert megatron.weights.padding and all(megatron.zeroed(rank) == {} for rank in (1, 2))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stats_made_by_kind_are_the_stats_of_every_tile(family: str) -> None:
+    """``RefitStats.of`` adds up routes' runs made without their tiles, once per kind of tensor (``_kind_runs``):
+    the same figures as adding every tile's pieces, into every layout, fp8 with its scale tensors included."""
+    from tests.core.test_refit_plan import stats_tile_by_tile
+
+    model = model_of(family, num_hidden_layers=3)
+    layout = plan_layout(4 + 2 + 2, "tp=2,dp=2,role=train + tp=2 + dp=2")
+    for kind in ("megatron", "hf", "hf-stacked"):
+        layouts = {1: model.layout("vllm"), 2: model.layout(kind)}
+        plan = plan_refit(layout, 0, [1, 2], model.manifest, 4, layouts=layouts)
+        assert RefitStats.of(plan) == stats_tile_by_tile(plan), kind
+    from tests.core.test_refit_convert import _blocky
+
+    for fp8 in (model.manifest.converted("float8_e4m3fn", "tensor"), _blocky(scale="block")):
+        plan = plan_refit(plan_layout(8, "tp=2,dp=2,role=train + tp=1,dp=4"), 0, [1], fp8, 4, min_piece_bytes=0)
+        stats = RefitStats.of(plan)
+        assert stats == stats_tile_by_tile(plan) and stats.scale_bytes > 0
+
+
+def test_stats_by_kind_order_a_routes_rows_by_their_boxes() -> None:
+    """A map whose links read their source out of order (its last row first) gives a route its rows in link order;
+    the stats made by kind lay the run out in box order, as every tile's run is, so the line's cuts fall where
+    they fall for every tile (three holders: a cut inside a tile costs a piece more)."""
+    from shardcore.refit.placement import ExplicitPlacement, HeldBox
+    from shardcore.refit.weightmap import MappedPlacement
+    from tests.core.test_refit_plan import stats_tile_by_tile
+
+    source = Manifest(tuple(TensorSpec(name, (4, 2), stage="all") for name in ("a", "b")))
+    target = Manifest(tuple(TensorSpec(name, (4, 2), stage="all") for name in ("x", "y")))
+    links = [Link(t, rows((4, 2), 0, 1), s, rows((4, 2), 3, 4)) for t, s in (("x", "a"), ("y", "b"))]
+    links += [Link(t, rows((4, 2), 1, 4), s, rows((4, 2), 0, 3)) for t, s in (("x", "a"), ("y", "b"))]
+    weights = WeightMap(source, target, links)
+    held = ExplicitPlacement(source, [HeldBox(name, rank, ((0, 4), (0, 2))) for name in "ab" for rank in (0, 3, 4)])
+    engine = ExplicitPlacement(target, [HeldBox(name, rank, ((0, 4), (0, 2))) for name in "xy" for rank in (1, 2)])
+    plan = plan_refit_from(held, MappedPlacement(engine, weights), min_piece_bytes=0, world_size=5)
+    assert [link.origin for link in weights.into("x")] == [rows((4, 2), 3, 4), rows((4, 2), 0, 3)]
+    assert RefitStats.of(plan) == stats_tile_by_tile(plan)
