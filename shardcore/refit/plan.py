@@ -479,12 +479,10 @@ class RefitPlan:
                     targets = placement.slices(position)
                     made = rows_of[key] = self._tiles_into(position, shard, targets, sources, [()] * len(targets))
                 itemsize = tensors[position].wire_itemsize
-                holders = (tuple([h.key for h in needers]), tuple([source.holders.key for source in sources]))
-                split = split_of.get((id(made), *holders, itemsize))
+                alike = (id(made), tuple([h.key for h in needers]), tuple([s.holders.key for s in sources]), itemsize)
+                split = split_of.get(alike)
                 if split is None:
-                    split = split_of[(id(made), *holders, itemsize)] = self._route_rows(
-                        shard, made, sources, needers, itemsize
-                    )
+                    split = split_of[alike] = self._route_rows(shard, made, sources, needers, itemsize)
                 for rows in split:
                     found = parts.get(rows.route)
                     if found is None:
@@ -497,7 +495,7 @@ class RefitPlan:
             sizes = [size for _, rows in found for size in rows.sizes]
             steps = [step for _, rows in found for step in rows.steps]
             starts = [0, *accumulate(sizes)]
-            scaled = sum(sum(rows.sizes) for position, rows in found if position in scales)
+            scaled = sum(sum(rows.sizes) for at, rows in found if at in scales)
             routes = self._routes_for(route, first.sources, first.needers.ranks)
             lines = self._lines(routes, starts, steps, position + first.seed, first.sources.ranks)
             runs.append(Run(routes, tuple(starts), lines, first.sources, first.shard, (), scaled))
