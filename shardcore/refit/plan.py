@@ -435,7 +435,9 @@ class RefitPlan:
         routes = self._routes_of(first)
         steps = [tile.row_bytes for tile in tiles]
         starts = [0, *accumulate([tile.rows * step for tile, step in zip(tiles, steps)])]
-        scaled = sum(starts[j + 1] - starts[j] for j, tile in enumerate(tiles) if tile.position in scales)
+        scaled = (
+            sum(starts[j + 1] - starts[j] for j, tile in enumerate(tiles) if tile.position in scales) if scales else 0
+        )
         lines = self._lines(routes, starts, steps, first.seed, first.sources.ranks)
         return TileRun(routes, tuple(starts), lines, first.sources, first.shard, first.group, scaled, tuple(tiles))
 
