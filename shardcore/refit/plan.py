@@ -680,7 +680,9 @@ class RefitPlan:
     @cached_property
     def scale_positions(self) -> frozenset[int]:
         """The positions of the manifest's fp8 scale tensors (``TensorSpec.scale_of``)."""
-        return frozenset(position for position, tensor in enumerate(self.manifest) if tensor.scale_of is not None)
+        return frozenset(
+            position for position, tensor in enumerate(self.manifest.tensors) if tensor.scale_of is not None
+        )
 
     def fingerprint(self) -> dict[str, str]:
         """What every rank executing this plan must agree on, part by part, as short readable texts:
