@@ -77,6 +77,17 @@ class Slice(NamedTuple):
     target: str = ""
 
 
+def destination_kind(slices: Sequence[Slice]) -> tuple[tuple[Box, int, int], ...]:
+    """What a tensor's destination slices share with another tensor's when the planner's tiles of one are the other's
+    moved: their boxes, and the blocks and parts that seed the choice of sender."""
+    return tuple([(piece.box, piece.block, piece.part) for piece in slices])
+
+
+def source_kind(slices: Sequence[Slice]) -> tuple[tuple[Box, tuple[int, ...], int], ...]:
+    """``destination_kind`` for a tensor's source slices: their boxes, offsets (a tile's source offset) and parts."""
+    return tuple([(piece.box, piece.offset, piece.part) for piece in slices])
+
+
 class HeldTensor(NamedTuple):
     """A tensor one rank holds: its position in the manifest, its local shape, and the rank's slices of it.
 
@@ -124,9 +135,7 @@ class Placement(ABC):
         such tensors once), and each slice's holders, in ``slices``' order. Two positions of one placement with equal
         kinds have slices of the same boxes, blocks and parts."""
         slices = self.slices(position)
-        return tuple([(piece.box, piece.block, piece.part) for piece in slices]), tuple(
-            [piece.holders for piece in slices]
-        )
+        return destination_kind(slices), tuple([piece.holders for piece in slices])
 
     @abstractmethod
     def held(self, rank: int) -> Iterator[HeldTensor]:

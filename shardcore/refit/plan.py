@@ -61,7 +61,7 @@ from .boxes import Box, from_fields, moved, overlap
 from .collector import gc_paused
 from .manifest import Manifest, TensorSpec, scale_shape
 from .part import PartBuilder, RankRefit, Transfer
-from .placement import HolderSet, Placement, ShardPlacement, Slice
+from .placement import HolderSet, Placement, ShardPlacement, Slice, destination_kind, source_kind
 from .weightmap import MappedPlacement
 from .worklines import Line, Piece, Routes, Run, Tile, TileRun, WorkLine, line_cuts, relay
 
@@ -308,8 +308,8 @@ class RefitPlan:
         else:
             key = (
                 key,
-                tuple([(target.box, target.block, target.part) for target in targets]),
-                tuple([(source.box, source.offset, source.part) for source in sources]),
+                destination_kind(targets),
+                source_kind(sources),
             )
         itemsize = self.manifest.tensors[position].wire_itemsize
         known = found.get(key)
@@ -475,7 +475,7 @@ class RefitPlan:
             split_of: dict[tuple[Any, ...], list[_RouteRows]] = {}
             for position, sources in held:
                 kind, needers = placement.kind_of(position)
-                key = (kind, tuple([(source.box, source.offset, source.part) for source in sources]))
+                key = (kind, source_kind(sources))
                 made = rows_of.get(key)
                 if made is None:
                     targets = placement.slices(position)

@@ -395,12 +395,9 @@ class WeightMap:
     def out_of(self, source: str) -> tuple[Link, ...]:
         """The links that read source tensor ``source``, destination tensor by destination tensor."""
         links = []
-        for target, slot in self._reads.get(source, ()):
-            number = self._fills[target][0]
-            pairs = self._kinds[number].links
-            for link in self._numbers(number)[slot]:
-                box, origin = pairs[link]
-                links.append(from_fields(Link, (target, box, source, origin)))
+        for target, numbers in self.reads_of(source):
+            pairs = self.boxes(target)
+            links += [from_fields(Link, (target, pairs[n][0], source, pairs[n][1])) for n in numbers]
         return tuple(links)
 
     def __eq__(self, other: object) -> bool:
