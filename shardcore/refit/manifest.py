@@ -536,6 +536,19 @@ class Manifest:
             raise ManifestError(f"no tensor named {shown(name)} in manifest {shown(self.name)}")
         return position
 
+    def positions(self, names: Iterable[str]) -> tuple[int, ...]:
+        """The position of each of ``names`` (``index``), at a dict lookup each: a weight map finds a quarter
+        million.
+
+        Raises:
+            ManifestError: a name that is not a tensor's (naming the first).
+        """
+        index = self._index
+        try:
+            return tuple([index[name] for name in names])
+        except (KeyError, TypeError):
+            return tuple(map(self.index, names))
+
     @property
     def nbytes(self) -> int:
         """Bytes of the whole model (each tensor once, in its source dtype; scale tensors are derived, not counted)."""

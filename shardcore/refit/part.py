@@ -178,6 +178,25 @@ class PartBuilder:
             )
         )
 
+    def receive(
+        self,
+        position: int,
+        rank: int,
+        holders: Sequence[int],
+        rows: Iterable[tuple[int, Box, tuple[int, ...], tuple[int, ...], int]],
+        target: str,
+    ) -> None:
+        """Boxes of tensor ``position`` that ``rank`` receives whole into its local tensor ``target`` (empty: the
+        tensor itself), each as (source slice, box, source offset, destination offset, bytes), from the one holder of
+        its source slice (``holders``, by slice)."""
+        name, world, tensors = self.specs[position].name, self.world_size, self.tensors
+        for i, box, src_offset, dst_offset, nbytes in rows:
+            src = holders[i]
+            self.pairs.append((src * world + rank) * tensors + position)
+            self.transfers.append(
+                from_fields(Transfer, (name, src, rank, box, src_offset, dst_offset, nbytes, 0, target))
+            )
+
     def extend(self, position: int, transfers: Iterable[Transfer]) -> None:
         """Transfers of tensor ``position``."""
         for t in transfers:

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 from ..errors import ManifestError, RefitError
 from ..plan.arguments import MAX_WORLD_SIZE, check_count, shown
 from ..plan.layout import ShardPlan
-from .boxes import Box, Holding, meets, subtract, volume
+from .boxes import Box, Holding, from_fields, meets, subtract, volume
 from .holdings import (
     ep_owner,
     expert_range,
@@ -100,6 +100,28 @@ class HeldTensor(NamedTuple):
     name: str = ""
 
 
+class HeldAlike(NamedTuple):
+    """A tensor one rank holds (``HeldTensor``), with what it shares with others held alike.
+
+    Tensors of one ``kind`` have slices of the same boxes, offsets, holders, blocks and parts (the same weight of
+    every layer, on one rank); ``slices`` may then be one object they share, and its slices name no local tensor:
+    ``name`` does (empty: the manifest's tensor).
+
+    Attributes:
+        position: The tensor's position in the manifest.
+        shape: Its local shape (through a weight map, the local tensor's, ``name``).
+        slices: The rank's slices of it.
+        name: The local tensor the slices lie in, when a weight map puts them in another one.
+        kind: Equal for tensors whose ``slices`` are alike (as above); None: unknown, compare the slices.
+    """
+
+    position: int
+    shape: tuple[int, ...]
+    slices: tuple[Slice, ...]
+    name: str
+    kind: Hashable
+
+
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -140,6 +162,12 @@ class Placement(ABC):
     @abstractmethod
     def held(self, rank: int) -> Iterator[HeldTensor]:
         """The tensors ``rank`` holds, by ascending position; none for a rank outside this side."""
+
+    def held_alike(self, rank: int) -> Iterator[HeldAlike]:
+        """``held``'s tensors, each with its kind (``HeldAlike``): what lets a rank's part of a refit find the
+        transfers of alike tensors once. None here: a placement that knows which of its tensors lie alike says so."""
+        for held in self.held(rank):
+            yield from_fields(HeldAlike, (held.position, held.shape, held.slices, held.name, None))
 
     @abstractmethod
     def describe(self) -> str:
@@ -332,6 +360,12 @@ class ShardPlacement(Placement):
             tensor = manifest.tensors[position]
             tp_rank = 0 if tensor.tp_dim is None else expert["expt_tp"] if tensor.expert is not None else dense["tp"]
             yield HeldTensor(position, local_shape_on(tensor, plan), self._slices_of(tensor, tp_rank))
+
+    def held_alike(self, rank: int) -> Iterator[HeldAlike]:
+        """``held``'s tensors, of one kind when they share their slices' object (``_slices_of``, kept per what the
+        slices depend on: the same weight of every layer of a stage)."""
+        for held in self.held(rank):
+            yield from_fields(HeldAlike, (held.position, held.shape, held.slices, "", id(held.slices)))
 
 
 # -- explicit holdings, from records ---------------------------------------------------------------
@@ -651,6 +685,7 @@ class UnionPlacement(Placement):
 __all__ = [
     "ExplicitPlacement",
     "HeldBox",
+    "HeldAlike",
     "HeldTensor",
     "HolderSet",
     "Placement",

@@ -61,7 +61,7 @@ from .boxes import Box, from_fields, moved, overlap
 from .collector import gc_paused
 from .manifest import Manifest, TensorSpec, scale_shape
 from .part import PartBuilder, RankRefit, Transfer
-from .placement import HolderSet, Placement, ShardPlacement, Slice, destination_kind, source_kind
+from .placement import HeldAlike, HolderSet, Placement, ShardPlacement, Slice, destination_kind, source_kind
 from .weightmap import MappedPlacement
 from .worklines import Line, Piece, Routes, Run, Tile, TileRun, WorkLine, line_cuts, relay
 
@@ -306,11 +306,7 @@ class RefitPlan:
             members = (piece for group in groups for _, piece in group)
             key = (*key, *map(id, targets), -1, *map(id, sources), -2, *map(id, members))
         else:
-            key = (
-                key,
-                destination_kind(targets),
-                source_kind(sources),
-            )
+            key = (key, destination_kind(targets), source_kind(sources))
         itemsize = self.manifest.tensors[position].wire_itemsize
         known = found.get(key)
         if known is None:
@@ -797,10 +793,14 @@ class RefitPlan:
         chosen = self.tensors
         found: dict[tuple[int, ...], Any] = {}  # tiles of tensors with the same slices (``_alike``): received,
         sent: dict[tuple[int, ...], Any] = {}  # and sent
+        part = PartBuilder(self.world_size, tensors)
+        direct = _Direct(self, rank, part, found)
         for shard, placement in enumerate(self.destination_placements):
             landing = placement.landing if isinstance(placement, MappedPlacement) else None
             local = placement.local_tensors()
-            for held in placement.held(rank):
+            # with fan-out a tile's group is keyed by its slices' identity: the slices as ``held`` makes them
+            holdings = Placement.held_alike(placement, rank) if self.fan_out else placement.held_alike(rank)
+            for held in holdings:
                 position = held.position
                 if chosen is not None and position not in chosen:
                     continue
@@ -813,9 +813,14 @@ class RefitPlan:
                         scales = f"{name}_scale_inv"
                         destination_shapes[scales] = scale_shape(held.shape)
                         destination_dtypes[scales] = local.tensor(scales).destination_dtype
-                receiving += self._tiles_alike(
-                    found, position, shard, held.slices, self.source_placement.slices(position)
-                )
+                sources = self.source_placement.slices(position)
+                if held.kind is None:
+                    targets = held.slices
+                elif direct.received(shard, held, sources):
+                    continue
+                else:  # slices shared by a kind name no local tensor
+                    targets = tuple([piece._replace(target=held.name) for piece in held.slices]) if held.name else held.slices
+                receiving += self._tiles_alike(found, position, shard, targets, sources)
         source_shapes: dict[str, tuple[int, ...]] = {}
         source_dtypes: dict[str, str] = {}
         shards = range(len(self.destination_placements))
@@ -831,7 +836,6 @@ class RefitPlan:
                     sending += self._tiles_out(sent, position, shard, source)
         keys = [self._route_key(tile) for tile in receiving]
         self._cut_runs(receiving + sending, keys + [self._route_key(tile) for tile in sending])
-        part = PartBuilder(self.world_size, tensors)
         whole: dict[tuple[Any, ...], tuple[int, ...]] = {}  # each run's ``_whole`` senders for this rank
         for tile, key in zip(receiving, keys):
             if tile.group:  # fan-out: the pieces of the tile's group
@@ -883,6 +887,65 @@ class RefitPlan:
                     return ()
                 senders.append(line.sender(k))
         return tuple(senders)
+
+
+class _Direct:
+    """One rank's receives of tensors of a kind (``HeldAlike``) whose every source slice has one holder, not the
+    rank: each tile then comes whole from its holder (a work line of one holder is one segment), so no run is cut
+    for it, and the receives of a kind against a kind of source slices are found once and given each such tensor."""
+
+    def __init__(self, plan: RefitPlan, rank: int, part: PartBuilder, found: dict[tuple[Any, ...], Any]) -> None:
+        self.plan, self.rank, self.part, self.found = plan, rank, part, found
+        self.specs = plan.manifest.tensors
+        self.sources: dict[int, tuple[Sequence[Slice], Any, tuple[int, ...] | None]] = {}
+        """By the id of a tensor's source slices: them (kept, so no other takes the id), their kind
+        (``source_kind``), and each slice's one holder (None when a slice has more)."""
+        self.rows: dict[tuple[Any, ...], list[tuple[int, Box, tuple[int, ...], tuple[int, ...], int]]] = {}
+        """By (destination, kind, source kind, dtypes): each receive as (source slice, box, source offset,
+        destination offset, bytes)."""
+
+    def received(self, shard: int, held: HeldAlike, sources: Sequence[Slice]) -> bool:
+        """Whether ``held``'s receives (in destination ``shard``) were added to the part: only when every source
+        slice has one holder, not this rank (a local copy or a send cuts runs: the plan's general way)."""
+        known = self.sources.get(id(sources))
+        if known is None or known[0] is not sources:
+            ones = None
+            if all(len(piece.holders.ranks) == 1 for piece in sources):
+                ones = tuple([piece.holders.ranks[0] for piece in sources])
+            known = self.sources[id(sources)] = (sources, source_kind(sources), ones)
+        _, kind, holders = known
+        if holders is None or self.rank in holders:
+            return False
+        position = held.position
+        spec = self.specs[position]
+        key = (shard, held.kind, kind, spec.dtype, spec.to_dtype)  # the dtypes set the bytes of an element
+        rows = self.rows.get(key)
+        if rows is None:
+            rows = self.rows[key] = self._rows(shard, held, sources)
+        self.part.receive(position, self.rank, holders, rows, held.name)
+        return True
+
+    def _rows(
+        self, shard: int, held: HeldAlike, sources: Sequence[Slice]
+    ) -> list[tuple[int, Box, tuple[int, ...], tuple[int, ...], int]]:
+        """``received``'s rows of a kind: the plan's tiles of ``held`` (``RefitPlan._alike``, found once per kind of
+        slices on both sides), each as (its source slice's number, box, source offset, destination offset, bytes)."""
+        plan, position, targets = self.plan, held.position, held.slices
+        groups: list[tuple[tuple[int, Slice], ...]] = [()] * len(targets)
+        tiles = plan._alike(
+            self.found,
+            (shard, -1),
+            targets,
+            sources,
+            groups,
+            position,
+            lambda: plan._tiles_into(position, shard, targets, sources, groups),
+        )
+        kept = self.found[((shard, -1), destination_kind(targets), source_kind(sources))][1]
+        return [
+            (entry[1], tile.box, tile.src_offset, tile.dst_offset, tile.rows * tile.row_bytes)
+            for tile, entry in zip(tiles, kept)
+        ]
 
 
 def _scale_partners(manifest: Manifest, kept: set[int], chosen: set[int]) -> set[int]:

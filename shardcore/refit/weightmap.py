@@ -30,12 +30,13 @@ from __future__ import annotations
 import hashlib
 import warnings
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping
+from operator import itemgetter
 from typing import NamedTuple
 
 from ..errors import ManifestError
 from .boxes import Box, fitted, from_fields, meets, moved, overlap, subtract, volume
 from .manifest import Manifest, tensor_label
-from .placement import HeldTensor, HolderSet, Placement, Slice
+from .placement import HeldAlike, HeldTensor, HolderSet, Placement, Slice
 
 
 class Link(NamedTuple):
@@ -241,6 +242,7 @@ class WeightMap:
         self._pattern_boxes = tuple(patterns)
         self._slot_links: dict[int, tuple[tuple[int, ...], ...]] = {}
         self._feeds: dict[str, tuple[int, ...]] = {}
+        self._slot_positions: dict[str, tuple[int, ...]] = {}
         self._links: tuple[Link, ...] | None = None
         self._digest = ""
         if not checked:
@@ -366,14 +368,24 @@ class WeightMap:
         """The position among the sources of each link that fills ``target`` (``into``'s order)."""
         found = self._feeds.get(target)
         if found is None:
-            filling = self._fills.get(target)
-            if filling is None:
+            filled = self.filling(target)
+            if filled is None:
                 return ()
-            number, names = filling
-            index = self.sources.index
-            positions = [index(name) for name in names]
-            found = self._feeds[target] = tuple([positions[slot] for slot in self._kinds[number].slots])
+            fill, positions = filled
+            found = self._feeds[target] = tuple([positions[slot] for slot in fill.slots])
         return found
+
+    def filling(self, target: str) -> tuple[Fill, tuple[int, ...]] | None:
+        """How ``target`` is filled: its fill (one object for the same weight of every layer) and the positions
+        among the sources of the tensors its slots read; None when nothing fills it."""
+        filling = self._fills.get(target)
+        if filling is None:
+            return None
+        number, names = filling
+        found = self._slot_positions.get(target)
+        if found is None:
+            found = self._slot_positions[target] = self.sources.positions(names)
+        return self._kinds[number], found
 
     def pattern(self, target: str) -> int:
         """A number that destination tensors share when their links have the same boxes (the same weight of every
@@ -606,7 +618,7 @@ class _Image:
         starts: Where each link's slices start among the image's (by link number; one more at the end).
     """
 
-    __slots__ = ("_by_holders", "_entries", "_links", "_made", "_matches", "ranks", "starts")
+    __slots__ = ("_entries", "_links", "_made", "_matches", "ranks", "starts")
 
     def __init__(self, links: tuple[tuple[Box, Box], ...], engine: Placement, position: int) -> None:
         pieces = engine.slices(position)
@@ -629,21 +641,21 @@ class _Image:
         self._links = links
         self._made: dict[int, list[Entry]] = {}
         self._entries: list[Entry] | None = None
-        self._by_holders: list[tuple[frozenset[int], list[int]]] | None = None
         self.ranks: dict[int, list[tuple[int, Entry]]] = {}
 
     def link(self, number: int) -> list[Entry]:
         """The slices of link ``number``, in order (the first is the image's ``starts[number]``-th)."""
         made = self._made.get(number)
         if made is None:
-            link, origin = self._links[number]
-            made = self._made[number] = []
-            for piece in self._matches[number]:
-                shared = overlap(piece.box, link)
-                box = translate(shared, link, origin)
-                offset = tuple(o + lo - a for o, (lo, _), (a, _) in zip(piece.offset, shared, piece.box))
-                made.append((number, box, offset, piece.holders, piece.block))
+            made = self._made[number] = [self._entry(number, piece) for piece in self._matches[number]]
         return made
+
+    def _entry(self, number: int, piece: Slice) -> Entry:
+        """The slice of link ``number`` that engine slice ``piece`` holds."""
+        link, origin = self._links[number]
+        shared = overlap(piece.box, link)
+        offset = tuple([o + lo - a for o, (lo, _), (a, _) in zip(piece.offset, shared, piece.box)])
+        return (number, translate(shared, link, origin), offset, piece.holders, piece.block)
 
     @property
     def entries(self) -> list[Entry]:
@@ -654,18 +666,17 @@ class _Image:
 
     def of_rank(self, rank: int) -> list[tuple[int, Entry]]:
         """The (order, entry) of each slice ``rank`` holds, in order: found once per image and rank (a layer's
-        tensor has the same as every other layer's)."""
+        tensor has the same as every other layer's), made for that rank alone (an engine rank holds an eighth of a
+        tp=8 engine's slices)."""
         found = self.ranks.get(rank)
         if found is None:
-            if self._by_holders is None:
-                by_holders: dict[int, tuple[frozenset[int], list[int]]] = {}
-                for order, entry in enumerate(self.entries):
-                    by_holders.setdefault(entry[3].key, (entry[3].members, []))[1].append(order)
-                self._by_holders = list(by_holders.values())
-            mine = [orders for members, orders in self._by_holders if rank in members]
-            orders = mine[0] if len(mine) == 1 else sorted(order for group in mine for order in group)
-            entries = self.entries
-            found = self.ranks[rank] = [(order, entries[order]) for order in orders]
+            found = self.ranks[rank] = []
+            made = self._made
+            for number, (start, matches) in enumerate(zip(self.starts, self._matches)):
+                entries = made.get(number)
+                for k, piece in enumerate(matches):
+                    if rank in piece.holders.members:
+                        found.append((start + k, self._entry(number, piece) if entries is None else entries[k]))
         return found
 
 
@@ -703,6 +714,7 @@ class MappedPlacement(Placement):
         self._reads: dict[int, tuple[list[int], list[_Image], tuple[tuple[int, int], ...]]] = {}
         self._met: dict[tuple[object, ...], list[tuple[int, int, Entry]]] = {}
         self._kinds: dict[tuple[tuple[int, int], ...], tuple[HolderSet, ...]] = {}
+        self._slots: dict[tuple[int, int, int], list[tuple[int, tuple[Slice, ...]]]] = {}
 
     @property
     def ranks(self) -> Collection[int]:
@@ -838,21 +850,52 @@ class MappedPlacement(Placement):
         """The rank's tensors, each as the slices of its image the rank holds: made for this rank only (an
         engine rank holds an eighth of a tp=8 engine's), unless every slice is made already."""
         for held in self.engine.held(rank):
+            yield from self._held_one(rank, held)
+
+    def _held_one(self, rank: int, held: HeldTensor) -> Iterator[HeldTensor]:
+        """``held``'s tensors of one engine tensor the rank holds (``held``), by ascending source position."""
+        position = held.position
+        name = self.weights.targets.tensors[position].name
+        image, feeds = self._image(position), self.weights.feeds(name)
+        made = self._mapped.get(position)
+        by_source: dict[int, list[Slice]] = {}
+        for order, (number, box, offset, holders, block) in image.of_rank(rank):
+            piece = made[order][1] if made is not None else from_fields(Slice, (box, offset, holders, block, order, name))
+            by_source.setdefault(feeds[number], []).append(piece)
+        shape = held.shape
+        for source, pieces in sorted(by_source.items()):
+            yield from_fields(HeldTensor, (source, shape, tuple(pieces), name))
+
+    def held_alike(self, rank: int) -> Iterator[HeldAlike]:
+        """``held``'s tensors with their kinds: a source tensor's slices of a destination tensor are a slot of its
+        fill (``WeightMap.filling``), and the rank's slices of one slot of one image are alike in every layer, so
+        they are made once per (image, fill, rank), named by no local tensor, and shared. A destination tensor whose
+        fill reads one source in two slots has its slices made as ``held`` makes them, of no kind."""
+        names = self.weights.targets.tensors
+        for held in self.engine.held(rank):
             position = held.position
-            name = self.weights.targets.tensors[position].name
-            image, feeds = self._image(position), self.weights.feeds(name)
-            made = self._mapped.get(position)
-            by_source: dict[int, list[Slice]] = {}
-            for order, (number, box, offset, holders, block) in image.of_rank(rank):
-                piece = (
-                    made[order][1]
-                    if made is not None
-                    else from_fields(Slice, (box, offset, holders, block, order, name))
-                )
-                by_source.setdefault(feeds[number], []).append(piece)
+            name = names[position].name
+            filled = self.weights.filling(name)
+            if filled is None:
+                continue
+            fill, positions = filled
+            image = self._image(position)
+            key = (id(image), id(fill), rank)  # both kept alive (``_images``, the map's fills)
+            slots = self._slots.get(key)
+            if slots is None:
+                by_slot: dict[int, list[Slice]] = {}
+                for order, (number, box, offset, holders, block) in image.of_rank(rank):
+                    piece = from_fields(Slice, (box, offset, holders, block, order, ""))
+                    by_slot.setdefault(fill.slots[number], []).append(piece)
+                slots = self._slots[key] = [(slot, tuple(pieces)) for slot, pieces in by_slot.items()]
+            members = sorted([(positions[slot], pieces) for slot, pieces in slots], key=itemgetter(0))
+            if len({source for source, _ in members}) < len(members):  # one source in two slots
+                for alone in self._held_one(rank, held):
+                    yield from_fields(HeldAlike, (alone.position, alone.shape, alone.slices, name, None))
+                continue
             shape = held.shape
-            for source, pieces in sorted(by_source.items()):
-                yield from_fields(HeldTensor, (source, shape, tuple(pieces), name))
+            for source, pieces in members:
+                yield from_fields(HeldAlike, (source, shape, pieces, name, id(pieces)))
 
     def zeroed(self, rank: int) -> dict[str, tuple[Box, ...]]:
         """The boxes of ``rank``'s local tensors that a refit writes as zeros, in local coordinates, by tensor name:

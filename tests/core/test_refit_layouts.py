@@ -23,6 +23,7 @@ from shardcore.refit.families import HFModel, manifest_from_hf_config
 from shardcore.refit.hf_config import FAMILIES
 from shardcore.refit.holdings import holdings
 from shardcore.refit.manifest import Manifest, TensorSpec
+from shardcore.refit.part import transfer_order
 from shardcore.refit.plan import RefitPlan
 from shardcore.refit.planner import plan_refit, plan_refit_from
 from shardcore.refit.weightmap import Fill, Link, WeightMap, rows, translate, whole
@@ -898,3 +899,45 @@ def test_stats_by_kind_order_a_routes_rows_by_their_boxes() -> None:
     plan = plan_refit_from(held, MappedPlacement(engine, weights), min_piece_bytes=0, world_size=5)
     assert [link.origin for link in weights.into("x")] == [rows((4, 2), 3, 4), rows((4, 2), 0, 3)]
     assert RefitStats.of(plan) == stats_tile_by_tile(plan)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parts_received_by_kind_are_the_plans(family: str) -> None:
+    """A source slice with one holder (no dp replicas): each of its tiles comes whole from that holder, so a rank's
+    receives of tensors held alike are found once per kind (``HeldAlike``) without cutting runs; a slice held by
+    both tp ranks (a norm) goes the general way. Both are the plan's, in the part's one order, into an engine, into
+    Hugging Face's stacked layout and into Megatron's own shards."""
+    model = model_of(family)
+    moe = family in ("qwen3_moe", "deepseek_v3")
+    source = "tp=2,ep=2,expt_tp=1,role=train" if moe else "tp=2,role=train"
+    engine = "tp=4,ep=2,expt_tp=2" if moe else "tp=4"
+    megatron = "tp=2,dp=2,ep=2,expt_tp=1" if moe else "tp=2,dp=2"
+    layout = plan_layout(2 + 4 + 4 + 1, f"{source} + {engine} + {megatron} + dp=1")
+    layouts = {1: model.layout("vllm"), 3: model.layout("hf-stacked")}
+    plan = plan_refit(layout, 0, [1, 2, 3], model.manifest, layouts=layouts, min_piece_bytes=0)
+    sources = plan.source_placement
+    holders = {len(piece.holders.ranks) for p in range(len(model.manifest)) for piece in sources.slices(p)}
+    assert holders == {1, 2}
+    every = list(plan.transfers())
+    order = transfer_order(model.manifest)
+    for rank in range(2, layout.world_size):
+        received = [t for t in every if t.dst == rank and t.src != rank]
+        assert received and list(plan.for_rank(rank).recvs) == sorted(received, key=order), rank
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3"])
+def test_held_alike_is_held(family: str) -> None:
+    """An engine's tensors held alike (``held_alike``) are those ``held`` gives, their slices named by ``name``, and
+    tensors of one kind have equal slices."""
+    model = model_of(family)
+    layout = plan_layout(2 + 4, "tp=2,role=train + tp=4,ep=2,expt_tp=2")
+    plan = plan_refit(layout, 0, [1], model.manifest, layouts={1: model.layout("vllm")})
+    engine = plan.destination_placements[0]
+    for rank in range(2, 6):
+        alike = list(engine.held_alike(rank))
+        named = [(h.position, h.shape, tuple(s._replace(target=h.name) for s in h.slices), h.name) for h in alike]
+        assert named == [tuple(h) for h in engine.held(rank)]
+        kinds: dict[Any, tuple[Any, ...]] = {}
+        for h in alike:
+            assert h.kind is not None and kinds.setdefault(h.kind, h.slices) == h.slices
+        assert len(kinds) < len(alike)  # the same weight of every layer is of one kind
