@@ -9,13 +9,15 @@ that helps; ``PartBuilder`` puts them in the part's order once they are all foun
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from operator import attrgetter
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 from .boxes import Box, fitted, from_fields
+from .collector import gc_paused
 from .manifest import Manifest, TensorSpec
 from .worklines import Tile
 
@@ -91,13 +93,140 @@ class Transfer(NamedTuple):
         }
 
 
+Row = tuple[Box, tuple[int, ...], tuple[int, ...], tuple[int, ...], int]
+"""One box a rank receives whole (``Received``): the box, its shape, where it starts in the source's and in the
+destination's local tensor, and its bytes."""
+
+
+class KindBoxes(NamedTuple):
+    """The boxes a rank receives whole of each tensor of a kind (``PartBuilder.receive``), found once per kind."""
+
+    rows: tuple[Row, ...]
+    """In box order."""
+    of_slice: tuple[int, ...]
+    """Per row, the number of the source slice it comes from."""
+    slices: tuple[int, ...]
+    """Those numbers, each once."""
+
+
+class Received(NamedTuple):
+    """Boxes of one tensor that a rank receives whole from one holder, in box order: what a part holds for the
+    receives of a tensor of a kind (``PartBuilder.receive``), found once per kind, instead of a ``Transfer`` each.
+
+    Attributes:
+        tensor: The tensor's name in the manifest.
+        src: The holder that sends them.
+        rows: The boxes (``Row``), in box order.
+        target: The destination's local tensor, as ``Transfer.target``.
+    """
+
+    tensor: str
+    src: int
+    rows: tuple[Row, ...]
+    target: str
+
+    @property
+    def hop(self) -> int:
+        """Sent from the holder's source tensor, as a ``Transfer`` of hop 0."""
+        return 0
+
+    def transfers(self, dst: int) -> list[Transfer]:
+        """The boxes as ``Transfer``s to ``dst``."""
+        tensor, src, target = self.tensor, self.src, self.target
+        return [
+            from_fields(Transfer, (tensor, src, dst, box, src_offset, dst_offset, nbytes, 0, target))
+            for box, _, src_offset, dst_offset, nbytes in self.rows
+        ]
+
+
+class Rows(Sequence[Transfer]):
+    """One direction of a rank's part (``RankRefit``) in the one order, as ``Transfer``s: its ``items`` hold the
+    receives of tensors of a kind as ``Received`` boxes, made into Transfers only when the rows are read one by one
+    (a user, the CLI). The executor's schedule reads ``items`` as they are (``schedule.pair_messages``). Compares
+    equal to any sequence of the same transfers.
+
+    Args:
+        items: ``Transfer``s and ``Received`` boxes, in order.
+        dst: The rank receiving the ``Received`` boxes.
+    """
+
+    __slots__ = ("_count", "_made", "dst", "items")
+
+    def __init__(self, items: Sequence[Transfer | Received], dst: int) -> None:
+        self.items, self.dst = tuple(items), dst
+        self._made: tuple[Transfer, ...] | None = None
+        self._count: int | None = None
+
+    def _transfers(self) -> tuple[Transfer, ...]:
+        if self._made is None:
+            made: list[Transfer] = []
+            with gc_paused():  # tens of thousands of tuples, no cycle among them
+                for item in self.items:
+                    if isinstance(item, Received):
+                        made += item.transfers(self.dst)
+                    else:
+                        made.append(item)
+            self._made = tuple(made)
+        return self._made
+
+    def tensors(self) -> set[str]:
+        """The names of the tensors moved, without making the transfers."""
+        return {item.tensor for item in self.items}
+
+    @property
+    def nbytes(self) -> int:
+        """The transfers' bytes, without making them."""
+        return sum(
+            sum(row[4] for row in item.rows) if isinstance(item, Received) else item.bytes for item in self.items
+        )
+
+    def __len__(self) -> int:
+        if self._count is None:
+            self._count = sum(len(item.rows) if isinstance(item, Received) else 1 for item in self.items)
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> Transfer: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Transfer, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> Transfer | tuple[Transfer, ...]:
+        return self._transfers()[index]
+
+    def __iter__(self) -> Iterator[Transfer]:
+        return iter(self._transfers())
+
+    def __add__(self, other: Sequence[Transfer]) -> tuple[Transfer, ...]:
+        return (*self._transfers(), *other)
+
+    def __radd__(self, other: Sequence[Transfer]) -> tuple[Transfer, ...]:
+        return (*other, *self._transfers())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Rows):
+            return self._transfers() == other._transfers()
+        if isinstance(other, Sequence) and not isinstance(other, str):
+            return self._transfers() == tuple(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to a tuple of the same transfers, which hashes otherwise
+
+    def __repr__(self) -> str:
+        return repr(self._transfers())
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return Rows, (self._transfers(), self.dst)
+
+
 @dataclass(frozen=True)
 class RankRefit:
     """One rank's part of a refit plan.
 
     Each of ``sends``, ``recvs`` and ``copies`` is in the one order of a part (``transfer_order``: src, dst, tensor
     position in the manifest, box, hop, target), so a sender's sends to a peer and that peer's receives from it come
-    in the same order.
+    in the same order. Each is a ``Rows``: a sequence of transfers (a tuple given is made one), which holds the
+    receives of tensors of a kind without a ``Transfer`` each until they are read one by one.
 
     Attributes:
         rank: The global rank.
@@ -114,21 +243,27 @@ class RankRefit:
     """
 
     rank: int
-    sends: tuple[Transfer, ...]
-    recvs: tuple[Transfer, ...]
-    copies: tuple[Transfer, ...]
+    sends: Rows
+    recvs: Rows
+    copies: Rows
     source_shapes: dict[str, tuple[int, ...]]
     destination_shapes: dict[str, tuple[int, ...]]
     source_dtypes: dict[str, str] = field(default_factory=dict)
     destination_dtypes: dict[str, str] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        for direction in ("sends", "recvs", "copies"):
+            given = getattr(self, direction)
+            if not isinstance(given, Rows):
+                object.__setattr__(self, direction, Rows(given, self.rank))
+
     @property
     def bytes_sent(self) -> int:
-        return sum(t.bytes for t in self.sends)
+        return self.sends.nbytes
 
     @property
     def bytes_received(self) -> int:
-        return sum(t.bytes for t in self.recvs)
+        return self.recvs.nbytes
 
     @property
     def sources_read(self) -> set[str]:
@@ -155,6 +290,7 @@ class PartBuilder:
     def __init__(self, world_size: int, tensors: Sequence[TensorSpec]) -> None:
         self.transfers: list[Transfer] = []
         self.pairs: list[int] = []  # (src, dst, position) of each transfer, as one number
+        self.received: list[tuple[int, Received]] = []  # boxes received of one tensor from one holder, with that number
         self.world_size, self.specs, self.tensors = world_size, tensors, len(tensors)
 
     def add(self, tile: Tile, src: int, dst: int) -> None:
@@ -178,21 +314,19 @@ class PartBuilder:
             )
         )
 
-    def receive(
-        self,
-        position: int,
-        rank: int,
-        holders: Sequence[int],
-        rows: Iterable[tuple[int, Box, tuple[int, ...], tuple[int, ...], int]],
-        target: str,
-    ) -> None:
+    def receive(self, position: int, rank: int, holders: Sequence[int], boxes: KindBoxes, target: str) -> None:
         """Boxes of tensor ``position`` that ``rank`` receives whole into its local tensor ``target`` (empty: the
-        tensor itself), each as (source slice, box, source offset, destination offset, bytes), from the one holder of
-        its source slice (``holders``, by slice)."""
-        name, world, tensors = self.specs[position].name, self.world_size, self.tensors
-        for i, box, src_offset, dst_offset, nbytes in rows:
+        tensor itself), each from the one holder of its source slice (``holders``, by slice). From one holder, as
+        most are, they are held as one ``Received``."""
+        name, slices = self.specs[position].name, boxes.slices
+        src = holders[slices[0]]
+        if len(slices) == 1 or all(holders[i] == src for i in slices):
+            pair = (src * self.world_size + rank) * self.tensors + position
+            self.received.append((pair, from_fields(Received, (name, src, boxes.rows, target))))
+            return
+        for (box, _, src_offset, dst_offset, nbytes), i in zip(boxes.rows, boxes.of_slice):
             src = holders[i]
-            self.pairs.append((src * world + rank) * tensors + position)
+            self.pairs.append((src * self.world_size + rank) * self.tensors + position)
             self.transfers.append(
                 from_fields(Transfer, (name, src, rank, box, src_offset, dst_offset, nbytes, 0, target))
             )
@@ -203,17 +337,34 @@ class PartBuilder:
             self.pairs.append((t.src * self.world_size + t.dst) * self.tensors + position)
             self.transfers.append(t)
 
-    def split(self, rank: int) -> tuple[tuple[Transfer, ...], tuple[Transfer, ...], tuple[Transfer, ...]]:
+    def split(self, rank: int) -> tuple[Rows, Rows, Rows]:
         """The part's sends, receives and local copies, each in order. Every transfer of a rank's part has the rank
         at one end, so those from it (sends and copies) lie together in the order, its copies together among them,
-        and every other one is a receive."""
-        transfers = self.transfers
-        firsts = [t.box[0][0] for t in transfers]
+        and every other one is a receive. A ``Received`` shares its (src, dst, position) with nothing else (else its
+        boxes are made transfers, and ordered with the others), so it is ordered by that number alone."""
+        received = self.received
+        if received:
+            numbers = [pair for pair, _ in received]
+            unique = set(numbers)
+            clash = unique.intersection(self.pairs)
+            if len(unique) < len(numbers):
+                clash |= {pair for pair, count in Counter(numbers).items() if count > 1}
+            if clash:
+                for pair, boxes in received:
+                    if pair in clash:
+                        made = boxes.transfers(rank)
+                        self.pairs += [pair] * len(made)
+                        self.transfers += made
+                received = [entry for entry in received if entry[0] not in clash]
+        items: list[Transfer | Received] = [*self.transfers, *(boxes for _, boxes in received)]
+        firsts = [t.box[0][0] for t in self.transfers]
+        firsts += [boxes.rows[0][0][0][0] for _, boxes in received]
         rows = max(firsts, default=0) + 1
-        keys = [pair * rows + first for pair, first in zip(self.pairs, firsts)]
+        pairs = [*self.pairs, *(pair for pair, _ in received)]
+        keys = [pair * rows + first for pair, first in zip(pairs, firsts)]
         order = sorted(range(len(keys)), key=keys.__getitem__)
         ranked = [keys[i] for i in order]
-        ordered = [transfers[i] for i in order]
+        ordered = [items[i] for i in order]
         ties = [n for n, (a, b) in enumerate(pairwise(ranked), 1) if a == b]
         n = 0
         while n < len(ties):  # each stretch of transfers sharing their number, by (box, hop, target)
@@ -221,14 +372,14 @@ class PartBuilder:
             n += 1
             while n < len(ties) and ties[n] == stop:
                 stop, n = stop + 1, n + 1
-            ordered[start:stop] = sorted(ordered[start:stop], key=_after_peers)
+            ordered[start:stop] = sorted(ordered[start:stop], key=_after_peers)  # transfers only: see the doc
         span, pair = self.world_size * self.tensors, (rank * self.world_size + rank) * self.tensors
         first, last = bisect_left(ranked, rank * span * rows), bisect_left(ranked, (rank + 1) * span * rows)
         low, high = bisect_left(ranked, pair * rows), bisect_left(ranked, (pair + self.tensors) * rows)
         return (
-            (*ordered[first:low], *ordered[high:last]),
-            (*ordered[:first], *ordered[last:]),
-            tuple(ordered[low:high]),
+            Rows((*ordered[first:low], *ordered[high:last]), rank),
+            Rows((*ordered[:first], *ordered[last:]), rank),
+            Rows(ordered[low:high], rank),
         )
 
 
@@ -236,4 +387,4 @@ _after_peers = attrgetter("box", "hop", "target")
 """The order of one tensor's transfers between one pair of ranks (the end of ``transfer_order``'s key)."""
 
 
-__all__ = ["PartBuilder", "RankRefit", "Transfer", "transfer_order"]
+__all__ = ["KindBoxes", "PartBuilder", "RankRefit", "Received", "Row", "Rows", "Transfer", "transfer_order"]

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 from ..errors import ManifestError, RefitError
 from ..plan.arguments import MAX_WORLD_SIZE, check_count, shown
 from ..plan.layout import ShardPlan
-from .boxes import Box, Holding, from_fields, meets, subtract, volume
+from .boxes import Box, Holding, meets, subtract, volume
 from .holdings import (
     ep_owner,
     expert_range,
@@ -100,26 +100,27 @@ class HeldTensor(NamedTuple):
     name: str = ""
 
 
-class HeldAlike(NamedTuple):
-    """A tensor one rank holds (``HeldTensor``), with what it shares with others held alike.
+Member = tuple[int, tuple[Slice, ...], Hashable]
+"""A manifest tensor held in a local tensor (``HeldAlike``): its position, the rank's slices of it, its kind."""
 
-    Tensors of one ``kind`` have slices of the same boxes, offsets, holders, blocks and parts (the same weight of
-    every layer, on one rank); ``slices`` may then be one object they share, and its slices name no local tensor:
-    ``name`` does (empty: the manifest's tensor).
+
+class HeldAlike(NamedTuple):
+    """A local tensor one rank holds, and the manifest's tensors whose slices lie in it, each with its kind.
+
+    Tensors of one kind have slices of the same boxes, offsets, holders, blocks and parts (the same weight of every
+    layer, on one rank); their slices may then be one object they share, which names no local tensor (``name``
+    does). A kind of None is unknown: compare the slices.
 
     Attributes:
-        position: The tensor's position in the manifest.
-        shape: Its local shape (through a weight map, the local tensor's, ``name``).
-        slices: The rank's slices of it.
-        name: The local tensor the slices lie in, when a weight map puts them in another one.
-        kind: Equal for tensors whose ``slices`` are alike (as above); None: unknown, compare the slices.
+        name: The local tensor, when a weight map puts the manifest's tensors in another one (an engine's
+            ``w13_weight``); empty: the one member's own tensor.
+        shape: Its local shape.
+        members: (position, slices, kind) of each manifest tensor held in it, by ascending position.
     """
 
-    position: int
-    shape: tuple[int, ...]
-    slices: tuple[Slice, ...]
     name: str
-    kind: Hashable
+    shape: tuple[int, ...]
+    members: list[Member]
 
 
 def _digest(text: str) -> str:
@@ -164,10 +165,11 @@ class Placement(ABC):
         """The tensors ``rank`` holds, by ascending position; none for a rank outside this side."""
 
     def held_alike(self, rank: int) -> Iterator[HeldAlike]:
-        """``held``'s tensors, each with its kind (``HeldAlike``): what lets a rank's part of a refit find the
-        transfers of alike tensors once. None here: a placement that knows which of its tensors lie alike says so."""
+        """``held``'s tensors by local tensor, each with its kind (``HeldAlike``): what lets a rank's part of a refit
+        find the transfers of alike tensors once. Here each tensor alone, of no kind: a placement that knows which of
+        its tensors lie alike says so."""
         for held in self.held(rank):
-            yield from_fields(HeldAlike, (held.position, held.shape, held.slices, held.name, None))
+            yield HeldAlike(held.name, held.shape, [(held.position, held.slices, None)])
 
     @abstractmethod
     def describe(self) -> str:
@@ -365,7 +367,7 @@ class ShardPlacement(Placement):
         """``held``'s tensors, of one kind when they share their slices' object (``_slices_of``, kept per what the
         slices depend on: the same weight of every layer of a stage)."""
         for held in self.held(rank):
-            yield from_fields(HeldAlike, (held.position, held.shape, held.slices, "", id(held.slices)))
+            yield HeldAlike("", held.shape, [(held.position, held.slices, id(held.slices))])
 
 
 # -- explicit holdings, from records ---------------------------------------------------------------
@@ -684,10 +686,11 @@ class UnionPlacement(Placement):
 
 __all__ = [
     "ExplicitPlacement",
-    "HeldBox",
     "HeldAlike",
+    "HeldBox",
     "HeldTensor",
     "HolderSet",
+    "Member",
     "Placement",
     "Renumbered",
     "ShardPlacement",

@@ -60,8 +60,8 @@ from ..plan.layout import Layout, ShardPlan
 from .boxes import Box, from_fields, moved, overlap
 from .collector import gc_paused
 from .manifest import Manifest, TensorSpec, scale_shape
-from .part import PartBuilder, RankRefit, Transfer
-from .placement import HeldAlike, HolderSet, Placement, ShardPlacement, Slice, destination_kind, source_kind
+from .part import KindBoxes, PartBuilder, RankRefit, Transfer
+from .placement import HolderSet, Member, Placement, ShardPlacement, Slice, destination_kind, source_kind
 from .weightmap import MappedPlacement
 from .worklines import Line, Piece, Routes, Run, Tile, TileRun, WorkLine, line_cuts, relay
 
@@ -795,32 +795,31 @@ class RefitPlan:
         sent: dict[tuple[int, ...], Any] = {}  # and sent
         part = PartBuilder(self.world_size, tensors)
         direct = _Direct(self, rank, part, found)
+        source_slices = self.source_placement.slices
         for shard, placement in enumerate(self.destination_placements):
             landing = placement.landing if isinstance(placement, MappedPlacement) else None
             local = placement.local_tensors()
             # with fan-out a tile's group is keyed by its slices' identity: the slices as ``held`` makes them
             holdings = Placement.held_alike(placement, rank) if self.fan_out else placement.held_alike(rank)
-            for held in holdings:
-                position = held.position
-                if chosen is not None and position not in chosen:
-                    continue
-                name = held.name or tensors[position].name
-                if name not in destination_shapes:  # an engine's tensor comes once per source tensor feeding it
-                    destination_shapes[name] = held.shape
-                    spec = local.tensor(name) if held.name else tensors[position]
+            for local_tensor in holdings:
+                members = local_tensor.members
+                if chosen is not None:
+                    members = [member for member in members if member[0] in chosen]
+                    if not members:
+                        continue
+                name = local_tensor.name or tensors[members[0][0]].name
+                if name not in destination_shapes:  # without a kind, an engine's tensor comes once per source
+                    destination_shapes[name] = local_tensor.shape
+                    spec = local.tensor(name) if local_tensor.name else tensors[members[0][0]]
                     destination_dtypes[name] = spec.destination_dtype
                     if landing is not None and spec.scale is not None:  # quantized on landing
                         scales = f"{name}_scale_inv"
-                        destination_shapes[scales] = scale_shape(held.shape)
+                        destination_shapes[scales] = scale_shape(local_tensor.shape)
                         destination_dtypes[scales] = local.tensor(scales).destination_dtype
-                sources = self.source_placement.slices(position)
-                if held.kind is None:
-                    targets = held.slices
-                elif direct.received(shard, held, sources):
-                    continue
-                else:  # slices shared by a kind name no local tensor
-                    targets = tuple([piece._replace(target=held.name) for piece in held.slices]) if held.name else held.slices
-                receiving += self._tiles_alike(found, position, shard, targets, sources)
+                for position, targets, kind in direct.receive(shard, local_tensor.name, members):
+                    if kind is not None and local_tensor.name:  # slices shared by a kind name no local tensor
+                        targets = tuple([piece._replace(target=local_tensor.name) for piece in targets])
+                    receiving += self._tiles_alike(found, position, shard, targets, source_slices(position))
         source_shapes: dict[str, tuple[int, ...]] = {}
         source_dtypes: dict[str, str] = {}
         shards = range(len(self.destination_placements))
@@ -896,41 +895,54 @@ class _Direct:
 
     def __init__(self, plan: RefitPlan, rank: int, part: PartBuilder, found: dict[tuple[Any, ...], Any]) -> None:
         self.plan, self.rank, self.part, self.found = plan, rank, part, found
-        self.specs = plan.manifest.tensors
-        self.sources: dict[int, tuple[Sequence[Slice], Any, tuple[int, ...] | None]] = {}
-        """By the id of a tensor's source slices: them (kept, so no other takes the id), their kind
-        (``source_kind``), and each slice's one holder (None when a slice has more)."""
-        self.rows: dict[tuple[Any, ...], list[tuple[int, Box, tuple[int, ...], tuple[int, ...], int]]] = {}
-        """By (destination, kind, source kind, dtypes): each receive as (source slice, box, source offset,
-        destination offset, bytes)."""
+        self.sources: dict[int, tuple[Sequence[Slice], int, tuple[int, ...] | None]] = {}
+        """By the id of a tensor's source slices: them (kept, so no other takes the id), the number of their kind
+        (``source_kind``, numbered in ``kinds``), and each slice's one holder (None when a slice has more)."""
+        self.kinds: dict[tuple[Any, ...], int] = {}
+        self.rows: dict[tuple[Any, ...], KindBoxes] = {}
+        """By (destination, kind, source kind, dtypes): the boxes received (``PartBuilder.receive``)."""
 
-    def received(self, shard: int, held: HeldAlike, sources: Sequence[Slice]) -> bool:
-        """Whether ``held``'s receives (in destination ``shard``) were added to the part: only when every source
-        slice has one holder, not this rank (a local copy or a send cuts runs: the plan's general way)."""
-        known = self.sources.get(id(sources))
-        if known is None or known[0] is not sources:
-            ones = None
-            if all(len(piece.holders.ranks) == 1 for piece in sources):
-                ones = tuple([piece.holders.ranks[0] for piece in sources])
-            known = self.sources[id(sources)] = (sources, source_kind(sources), ones)
-        _, kind, holders = known
-        if holders is None or self.rank in holders:
-            return False
-        position = held.position
-        spec = self.specs[position]
-        key = (shard, held.kind, kind, spec.dtype, spec.to_dtype)  # the dtypes set the bytes of an element
-        rows = self.rows.get(key)
-        if rows is None:
-            rows = self.rows[key] = self._rows(shard, held, sources)
-        self.part.receive(position, self.rank, holders, rows, held.name)
-        return True
+    def receive(self, shard: int, name: str, members: Sequence[Member]) -> list[Member]:
+        """Adds to the part the receives of ``members`` (of destination ``shard``, in local tensor ``name``) whose
+        kind is known and whose every source slice has one holder, not this rank; returns the others, for the plan's
+        general way (a local copy or a send cuts runs)."""
+        slices_of, specs, rank = self.plan.source_placement.slices, self.plan.manifest.tensors, self.rank
+        sources_known, rows_known, receive = self.sources, self.rows, self.part.receive
+        left: list[Member] = []
+        for member in members:
+            position, targets, kind = member
+            if kind is None:
+                left.append(member)
+                continue
+            sources = slices_of(position)
+            known = sources_known.get(id(sources))
+            if known is None or known[0] is not sources:
+                known = self._source(sources)
+            holders = known[2]
+            if holders is None or rank in holders:
+                left.append(member)
+                continue
+            spec = specs[position]
+            key = (shard, kind, known[1], spec.dtype, spec.to_dtype)  # the dtypes set the bytes of an element
+            rows = rows_known.get(key)
+            if rows is None:
+                rows = rows_known[key] = self._rows(shard, position, targets, sources)
+            receive(position, rank, holders, rows, name)
+        return left
 
-    def _rows(
-        self, shard: int, held: HeldAlike, sources: Sequence[Slice]
-    ) -> list[tuple[int, Box, tuple[int, ...], tuple[int, ...], int]]:
-        """``received``'s rows of a kind: the plan's tiles of ``held`` (``RefitPlan._alike``, found once per kind of
-        slices on both sides), each as (its source slice's number, box, source offset, destination offset, bytes)."""
-        plan, position, targets = self.plan, held.position, held.slices
+    def _source(self, sources: Sequence[Slice]) -> tuple[Sequence[Slice], int, tuple[int, ...] | None]:
+        """``sources``' entry in ``self.sources``, made."""
+        ones = None
+        if all(len(piece.holders.ranks) == 1 for piece in sources):
+            ones = tuple([piece.holders.ranks[0] for piece in sources])
+        number = self.kinds.setdefault(source_kind(sources), len(self.kinds))
+        found = self.sources[id(sources)] = (sources, number, ones)
+        return found
+
+    def _rows(self, shard: int, position: int, targets: tuple[Slice, ...], sources: Sequence[Slice]) -> KindBoxes:
+        """``receive``'s boxes of a kind: the plan's tiles of tensor ``position`` (``RefitPlan._alike``, found once per
+        kind of slices on both sides)."""
+        plan = self.plan
         groups: list[tuple[tuple[int, Slice], ...]] = [()] * len(targets)
         tiles = plan._alike(
             self.found,
@@ -942,10 +954,13 @@ class _Direct:
             lambda: plan._tiles_into(position, shard, targets, sources, groups),
         )
         kept = self.found[((shard, -1), destination_kind(targets), source_kind(sources))][1]
-        return [
-            (entry[1], tile.box, tile.src_offset, tile.dst_offset, tile.rows * tile.row_bytes)
-            for tile, entry in zip(tiles, kept)
-        ]
+        rows = []
+        for tile, entry in zip(tiles, kept):
+            shape = tuple([stop - start for start, stop in tile.box])
+            rows.append(((tile.box, shape, tile.src_offset, tile.dst_offset, tile.rows * tile.row_bytes), entry[1]))
+        rows.sort()
+        of_slice = tuple([i for _, i in rows])
+        return KindBoxes(tuple([row for row, _ in rows]), of_slice, tuple(sorted(set(of_slice))))
 
 
 def _scale_partners(manifest: Manifest, kept: set[int], chosen: set[int]) -> set[int]:

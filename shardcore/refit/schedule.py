@@ -74,7 +74,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from .boxes import moved
+from .boxes import from_fields, moved
+from .part import Received, Rows
 
 ALIGN = 16
 """Byte offset of each piece in a packed message: any dtype's view of it is aligned."""
@@ -183,15 +184,30 @@ def pieces_of(transfer: Any, cap: int) -> list[Piece]:
     return pieces
 
 
-def pair_messages(transfers: Sequence[Any], cap: int) -> list[tuple[tuple[tuple[Piece, int], ...], int]]:
+def _pieces(item: Any, cap: int, dst: int) -> list[Piece]:
+    """``pieces_of`` a transfer, or of each box of a ``Received`` (to ``dst``): a box within ``cap`` is one piece,
+    made from the box's row as ``pieces_of`` makes it from its transfer."""
+    if not isinstance(item, Received):
+        return pieces_of(item, cap)
+    tensor, target = item.tensor, item.target
+    if all(row[4] <= cap for row in item.rows):
+        return [
+            from_fields(Piece, (tensor, shape, src_offset, dst_offset, nbytes, target))
+            for _, shape, src_offset, dst_offset, nbytes in item.rows
+        ]
+    return [piece for transfer in item.transfers(dst) for piece in pieces_of(transfer, cap)]
+
+
+def pair_messages(transfers: Sequence[Any], cap: int, dst: int = -1) -> list[tuple[tuple[tuple[Piece, int], ...], int]]:
     """The messages of one direction of one pair, as both ends derive them: (pieces with their byte offsets,
     message bytes). ``transfers`` come in the part's one order (``part.transfer_order``), which both ends share, so
-    they are cut as they come, never re-sorted. The cut depends on sizes alone, never on either side's strides."""
+    they are cut as they come, never re-sorted; ``Received`` boxes among them (a ``Rows``' items, received by
+    ``dst``) are cut as their transfers would be. The cut depends on sizes alone, never on either side's strides."""
     out: list[tuple[tuple[tuple[Piece, int], ...], int]] = []
     packed: list[tuple[Piece, int]] = []
     size = 0
     for transfer in transfers:
-        for piece in pieces_of(transfer, cap):
+        for piece in _pieces(transfer, cap, dst):
             if piece.nbytes >= SOLO_BYTES:
                 out.append((((piece, 0),), piece.nbytes))
                 continue
@@ -276,9 +292,10 @@ def rank_batches(
     pair_ops = max(2, max_ops // rounds)
     lists: dict[tuple[int, int], list[Message]] = {}
     for send, transfers in ((True, mine.sends), (False, mine.recvs)):
-        for (peer, hop), pair in _by_peer(transfers, "dst" if send else "src").items():
+        items = transfers.items if isinstance(transfers, Rows) else transfers
+        for (peer, hop), pair in _by_peer(items, "dst" if send else "src").items():
             src, dst = (rank, peer) if send else (peer, rank)
-            found = pair_messages(pair, pair_bytes)
+            found = pair_messages(pair, pair_bytes, dst)
             messages = lists.setdefault((peer, hop), [])
             messages += [
                 Message((index, src, dst, hop), peer, send, pieces, size) for index, (pieces, size) in enumerate(found)

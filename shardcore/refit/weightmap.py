@@ -36,7 +36,7 @@ from typing import NamedTuple
 from ..errors import ManifestError
 from .boxes import Box, fitted, from_fields, meets, moved, overlap, subtract, volume
 from .manifest import Manifest, tensor_label
-from .placement import HeldAlike, HeldTensor, HolderSet, Placement, Slice
+from .placement import HeldAlike, HeldTensor, HolderSet, Member, Placement, Slice
 
 
 class Link(NamedTuple):
@@ -860,17 +860,19 @@ class MappedPlacement(Placement):
         made = self._mapped.get(position)
         by_source: dict[int, list[Slice]] = {}
         for order, (number, box, offset, holders, block) in image.of_rank(rank):
-            piece = made[order][1] if made is not None else from_fields(Slice, (box, offset, holders, block, order, name))
+            piece = (
+                made[order][1] if made is not None else from_fields(Slice, (box, offset, holders, block, order, name))
+            )
             by_source.setdefault(feeds[number], []).append(piece)
         shape = held.shape
         for source, pieces in sorted(by_source.items()):
             yield from_fields(HeldTensor, (source, shape, tuple(pieces), name))
 
     def held_alike(self, rank: int) -> Iterator[HeldAlike]:
-        """``held``'s tensors with their kinds: a source tensor's slices of a destination tensor are a slot of its
-        fill (``WeightMap.filling``), and the rank's slices of one slot of one image are alike in every layer, so
-        they are made once per (image, fill, rank), named by no local tensor, and shared. A destination tensor whose
-        fill reads one source in two slots has its slices made as ``held`` makes them, of no kind."""
+        """``held``'s tensors by engine tensor, with their kinds: a source tensor's slices of an engine tensor are a
+        slot of its fill (``WeightMap.filling``), and the rank's slices of one slot of one image are alike in every
+        layer, so they are made once per (image, fill, rank), named by no local tensor, and shared. An engine tensor
+        whose fill reads one source in two slots has its slices made as ``held`` makes them, of no kind."""
         names = self.weights.targets.tensors
         for held in self.engine.held(rank):
             position = held.position
@@ -888,14 +890,12 @@ class MappedPlacement(Placement):
                     piece = from_fields(Slice, (box, offset, holders, block, order, ""))
                     by_slot.setdefault(fill.slots[number], []).append(piece)
                 slots = self._slots[key] = [(slot, tuple(pieces)) for slot, pieces in by_slot.items()]
-            members = sorted([(positions[slot], pieces) for slot, pieces in slots], key=itemgetter(0))
-            if len({source for source, _ in members}) < len(members):  # one source in two slots
-                for alone in self._held_one(rank, held):
-                    yield from_fields(HeldAlike, (alone.position, alone.shape, alone.slices, name, None))
-                continue
-            shape = held.shape
-            for source, pieces in members:
-                yield from_fields(HeldAlike, (source, shape, pieces, name, id(pieces)))
+            members: list[Member] = [(positions[slot], pieces, id(pieces)) for slot, pieces in slots]
+            members.sort(key=itemgetter(0))
+            if len({member[0] for member in members}) < len(members):  # one source in two slots
+                members = [(alone.position, alone.slices, None) for alone in self._held_one(rank, held)]
+            if members:  # as ``held``: an engine tensor no source feeds on this rank is not among them
+                yield HeldAlike(name, held.shape, members)
 
     def zeroed(self, rank: int) -> dict[str, tuple[Box, ...]]:
         """The boxes of ``rank``'s local tensors that a refit writes as zeros, in local coordinates, by tensor name:

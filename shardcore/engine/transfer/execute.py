@@ -358,7 +358,7 @@ def _write_zeros(destinations: Mapping[str, torch.Tensor], zeros: Mapping[str, t
 
 def _global_shapes(manifest: Manifest, mine: RankRefit) -> dict[str, tuple[int, ...]]:
     """The global shape of every tensor this rank moves (what ``schedule.may_stage`` reads)."""
-    names = {t.tensor for t in (*mine.sends, *mine.recvs)}
+    names = mine.sends.tensors() | mine.recvs.tensors()
     return {tensor.name: tensor.shape for tensor in manifest if tensor.name in names}
 
 
