@@ -49,9 +49,10 @@ from .holdings import holdings, local_shape
 from .manifest import Manifest, TensorSpec
 from .models import PRESETS, TransformerConfig, manifest_from_config, preset
 from .options import ExecuteOptions
-from .part import RankRefit, Transfer
+from .part import RankRefit, Received, Rows, Transfer
 from .placement import (
     ExplicitPlacement,
+    HeldAlike,
     HeldBox,
     HeldTensor,
     HolderSet,
@@ -81,6 +82,7 @@ __all__ = [
     "ExplicitPlacement",
     "Footprint",
     "HFModel",
+    "HeldAlike",
     "HeldBox",
     "HeldTensor",
     "HolderSet",
@@ -90,10 +92,12 @@ __all__ = [
     "ModelLayout",
     "Placement",
     "RankRefit",
+    "Received",
     "RefitEstimate",
     "RefitPlan",
     "RefitRequest",
     "RefitStats",
+    "Rows",
     "SearchResult",
     "ShardCost",
     "ShardPlacement",
