@@ -314,22 +314,28 @@ class PartBuilder:
             )
         )
 
-    def receive(self, position: int, rank: int, holders: Sequence[int], boxes: KindBoxes, target: str) -> None:
-        """Boxes of tensor ``position`` that ``rank`` receives whole into its local tensor ``target`` (empty: the
-        tensor itself), each from the one holder of its source slice (``holders``, by slice). From one holder, as
-        most are, they are held as one ``Received``."""
-        name, slices = self.specs[position].name, boxes.slices
-        src = holders[slices[0]]
-        if len(slices) == 1 or all(holders[i] == src for i in slices):
-            pair = (src * self.world_size + rank) * self.tensors + position
-            self.received.append((pair, from_fields(Received, (name, src, boxes.rows, target))))
-            return
-        for (box, _, src_offset, dst_offset, nbytes), i in zip(boxes.rows, boxes.of_slice):
-            src = holders[i]
-            self.pairs.append((src * self.world_size + rank) * self.tensors + position)
-            self.transfers.append(
-                from_fields(Transfer, (name, src, rank, box, src_offset, dst_offset, nbytes, 0, target))
-            )
+    def receive(self, rank: int, target: str, received: Iterable[tuple[int, Sequence[int], KindBoxes]]) -> None:
+        """Boxes that ``rank`` receives whole into its local tensor ``target`` (empty: each tensor itself), of each
+        tensor of ``received``: (its position, the one holder of each of its source slices, its kind's boxes), each box
+        from its source slice's holder. A tensor's boxes from one holder, as most are, are held as one ``Received``."""
+        world, count, specs, append = self.world_size, self.tensors, self.specs, self.received.append
+        for position, holders, boxes in received:
+            slices = boxes.slices
+            src = holders[slices[0]]
+            if len(slices) == 1 or all(holders[i] == src for i in slices):
+                name = specs[position].name
+                append(
+                    ((src * world + rank) * count + position, from_fields(Received, (name, src, boxes.rows, target)))
+                )
+                continue
+            for (box, _, src_offset, dst_offset, nbytes), i in zip(boxes.rows, boxes.of_slice):
+                src = holders[i]
+                self.pairs.append((src * world + rank) * count + position)
+                self.transfers.append(
+                    from_fields(
+                        Transfer, (specs[position].name, src, rank, box, src_offset, dst_offset, nbytes, 0, target)
+                    )
+                )
 
     def extend(self, position: int, transfers: Iterable[Transfer]) -> None:
         """Transfers of tensor ``position``."""

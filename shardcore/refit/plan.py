@@ -293,8 +293,22 @@ class RefitPlan:
         position: int,
         make: Callable[[], list[tuple[int, int, Tile]]],
     ) -> list[Tile]:
+        """``_numbered``'s tiles, without their source slices' numbers."""
+        return [tile for _, tile in self._numbered(found, key, targets, sources, groups, position, make)]
+
+    def _numbered(
+        self,
+        found: dict[tuple[Any, ...], Any],
+        key: tuple[Any, ...],
+        targets: Sequence[Slice],
+        sources: Sequence[Slice],
+        groups: Sequence[tuple[tuple[int, Slice], ...]],
+        position: int,
+        make: Callable[[], list[tuple[int, int, Tile]]],
+    ) -> list[tuple[int, Tile]]:
         """``make()``'s tiles for tensor ``position`` (each with the numbers of its slices in ``targets`` and
-        ``sources``), or those found before for another tensor whose slices have the same boxes, moved to it.
+        ``sources``), or those found before for another tensor whose slices have the same boxes, moved to it; each
+        with the number of its source slice.
 
         A tile depends on its two slices' boxes, the source's offset, and the numbers that seed it (``_tile``):
         those make the key. The destination's offset, both holder sets and the local tensor's name are read off
@@ -326,25 +340,28 @@ class RefitPlan:
                 for j, i, tile in made
             ]
             found[key] = ((targets, sources, groups), kept)
-            return [tile for _, _, tile in made]
+            return [(i, tile) for _, i, tile in made]
         # another tensor's tiles, moved here: the same boxes; the seed (which starts from the position, ``_tile``),
         # the bytes of a row, the destination's offset, the holders and the local tensor are this tensor's
         return [
-            from_fields(
-                Tile,
-                (
-                    position,
-                    shard,
-                    box,
-                    src_offset,
-                    target.offset if target.box == box else moved(target.offset, target.box, box),
-                    sources[i].holders,
-                    target.holders,
-                    seed + position,
-                    rows,
-                    per_row * itemsize,
-                    group,
-                    target.target,
+            (
+                i,
+                from_fields(
+                    Tile,
+                    (
+                        position,
+                        shard,
+                        box,
+                        src_offset,
+                        target.offset if target.box == box else moved(target.offset, target.box, box),
+                        sources[i].holders,
+                        target.holders,
+                        seed + position,
+                        rows,
+                        per_row * itemsize,
+                        group,
+                        target.target,
+                    ),
                 ),
             )
             for j, i, shard, box, src_offset, seed, rows, per_row, group in known[1]
@@ -907,8 +924,9 @@ class _Direct:
         kind is known and whose every source slice has one holder, not this rank; returns the others, for the plan's
         general way (a local copy or a send cuts runs)."""
         slices_of, specs, rank = self.plan.source_placement.slices, self.plan.manifest.tensors, self.rank
-        sources_known, rows_known, receive = self.sources, self.rows, self.part.receive
+        sources_known, rows_known = self.sources, self.rows
         left: list[Member] = []
+        received: list[tuple[int, tuple[int, ...], KindBoxes]] = []
         for member in members:
             position, targets, kind = member
             if kind is None:
@@ -927,7 +945,8 @@ class _Direct:
             rows = rows_known.get(key)
             if rows is None:
                 rows = rows_known[key] = self._rows(shard, position, targets, sources)
-            receive(position, rank, holders, rows, name)
+            received.append((position, holders, rows))
+        self.part.receive(rank, name, received)
         return left
 
     def _source(self, sources: Sequence[Slice]) -> tuple[Sequence[Slice], int, tuple[int, ...] | None]:
@@ -944,7 +963,7 @@ class _Direct:
         kind of slices on both sides)."""
         plan = self.plan
         groups: list[tuple[tuple[int, Slice], ...]] = [()] * len(targets)
-        tiles = plan._alike(
+        tiles = plan._numbered(
             self.found,
             (shard, -1),
             targets,
@@ -953,11 +972,10 @@ class _Direct:
             position,
             lambda: plan._tiles_into(position, shard, targets, sources, groups),
         )
-        kept = self.found[((shard, -1), destination_kind(targets), source_kind(sources))][1]
         rows = []
-        for tile, entry in zip(tiles, kept):
+        for i, tile in tiles:
             shape = tuple([stop - start for start, stop in tile.box])
-            rows.append(((tile.box, shape, tile.src_offset, tile.dst_offset, tile.rows * tile.row_bytes), entry[1]))
+            rows.append(((tile.box, shape, tile.src_offset, tile.dst_offset, tile.rows * tile.row_bytes), i))
         rows.sort()
         of_slice = tuple([i for _, i in rows])
         return KindBoxes(tuple([row for row, _ in rows]), of_slice, tuple(sorted(set(of_slice))))
