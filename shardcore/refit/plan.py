@@ -255,7 +255,7 @@ class RefitPlan:
         to it (``_alike``); so most tiles are not found again. With fan-out each target's group (``_groups``) is
         found first: the tiles are made of it, and keyed by it."""
         groups = self._groups(position, shard, targets)
-        return self._alike(
+        made = self._alike(
             found,
             (shard, -1),
             targets,
@@ -264,6 +264,7 @@ class RefitPlan:
             position,
             lambda: self._tiles_into(position, shard, targets, sources, groups),
         )
+        return [tile for _, tile in made]
 
     def _tiles_out(self, found: dict[tuple[Any, ...], Any], position: int, shard: int, source: Slice) -> list[Tile]:
         """The tiles of source slice ``source`` toward destination ``shard`` (``_tiles_from``), found once per
@@ -273,7 +274,7 @@ class RefitPlan:
         keys the tiles (``_alike``)."""
         targets = tuple(self.destination_placements[shard].overlapping(position, source.box))
         groups = self._groups(position, shard, targets)
-        return self._alike(
+        made = self._alike(
             found,
             (shard, -2),
             targets,
@@ -282,21 +283,9 @@ class RefitPlan:
             position,
             lambda: self._tiles_from(position, shard, source, targets, groups),
         )
+        return [tile for _, tile in made]
 
     def _alike(
-        self,
-        found: dict[tuple[Any, ...], Any],
-        key: tuple[Any, ...],
-        targets: Sequence[Slice],
-        sources: Sequence[Slice],
-        groups: Sequence[tuple[tuple[int, Slice], ...]],
-        position: int,
-        make: Callable[[], list[tuple[int, int, Tile]]],
-    ) -> list[Tile]:
-        """``_numbered``'s tiles, without their source slices' numbers."""
-        return [tile for _, tile in self._numbered(found, key, targets, sources, groups, position, make)]
-
-    def _numbered(
         self,
         found: dict[tuple[Any, ...], Any],
         key: tuple[Any, ...],
@@ -963,7 +952,7 @@ class _Direct:
         kind of slices on both sides)."""
         plan = self.plan
         groups: list[tuple[tuple[int, Slice], ...]] = [()] * len(targets)
-        tiles = plan._numbered(
+        tiles = plan._alike(
             self.found,
             (shard, -1),
             targets,
