@@ -239,7 +239,8 @@ class RefitPlan:
         for shard, placement in enumerate(self.destination_placements):
             found: dict[tuple[int, ...], Any] = {}
             for position, sources in held:
-                yield from self._tiles_alike(found, position, shard, placement.slices(position), sources)
+                for _, tile in self._tiles_alike(found, position, shard, placement.slices(position), sources):
+                    yield tile
 
     def _tiles_alike(
         self,
@@ -248,14 +249,14 @@ class RefitPlan:
         shard: int,
         targets: Sequence[Slice],
         sources: Sequence[Slice],
-    ) -> list[Tile]:
+    ) -> list[tuple[int, Tile]]:
         """The tiles into ``targets`` (slices of tensor ``position`` in destination ``shard``; ``sources`` are
-        the tensor's source slices). A tensor whose slices have the boxes of an earlier one's (a shard placement's,
-        for the same weight of every layer; an engine's, for every expert of a layer) has that tensor's tiles, moved
-        to it (``_alike``); so most tiles are not found again. With fan-out each target's group (``_groups``) is
-        found first: the tiles are made of it, and keyed by it."""
+        the tensor's source slices), each with the number of its source slice. A tensor whose slices have the boxes
+        of an earlier one's (a shard placement's, for the same weight of every layer; an engine's, for every expert
+        of a layer) has that tensor's tiles, moved to it (``_alike``); so most tiles are not found again. With
+        fan-out each target's group (``_groups``) is found first: the tiles are made of it, and keyed by it."""
         groups = self._groups(position, shard, targets)
-        made = self._alike(
+        return self._alike(
             found,
             (shard, -1),
             targets,
@@ -264,7 +265,6 @@ class RefitPlan:
             position,
             lambda: self._tiles_into(position, shard, targets, sources, groups),
         )
-        return [tile for _, tile in made]
 
     def _tiles_out(self, found: dict[tuple[Any, ...], Any], position: int, shard: int, source: Slice) -> list[Tile]:
         """The tiles of source slice ``source`` toward destination ``shard`` (``_tiles_from``), found once per
@@ -825,7 +825,8 @@ class RefitPlan:
                 for position, targets, kind in direct.receive(shard, local_tensor.name, members):
                     if kind is not None and local_tensor.name:  # slices shared by a kind name no local tensor
                         targets = tuple([piece._replace(target=local_tensor.name) for piece in targets])
-                    receiving += self._tiles_alike(found, position, shard, targets, source_slices(position))
+                    made = self._tiles_alike(found, position, shard, targets, source_slices(position))
+                    receiving += [tile for _, tile in made]
         source_shapes: dict[str, tuple[int, ...]] = {}
         source_dtypes: dict[str, str] = {}
         shards = range(len(self.destination_placements))
@@ -948,21 +949,10 @@ class _Direct:
         return found
 
     def _rows(self, shard: int, position: int, targets: tuple[Slice, ...], sources: Sequence[Slice]) -> KindBoxes:
-        """``receive``'s boxes of a kind: the plan's tiles of tensor ``position`` (``RefitPlan._alike``, found once per
-        kind of slices on both sides)."""
-        plan = self.plan
-        groups: list[tuple[tuple[int, Slice], ...]] = [()] * len(targets)
-        tiles = plan._alike(
-            self.found,
-            (shard, -1),
-            targets,
-            sources,
-            groups,
-            position,
-            lambda: plan._tiles_into(position, shard, targets, sources, groups),
-        )
+        """``receive``'s boxes of a kind: the plan's tiles of tensor ``position`` (``RefitPlan._tiles_alike``, found
+        once per kind of slices on both sides)."""
         rows = []
-        for i, tile in tiles:
+        for i, tile in self.plan._tiles_alike(self.found, position, shard, targets, sources):
             shape = tuple([stop - start for start, stop in tile.box])
             rows.append(((tile.box, shape, tile.src_offset, tile.dst_offset, tile.rows * tile.row_bytes), i))
         rows.sort()
