@@ -184,16 +184,21 @@ def pieces_of(transfer: Any, cap: int) -> list[Piece]:
     return pieces
 
 
-def _pieces(item: Any, cap: int, dst: int) -> list[Piece]:
+def _pieces(item: Any, cap: int, dst: int, biggest: dict[int, int]) -> list[Piece]:
     """``pieces_of`` a transfer, or of each box of a ``Received`` (to ``dst``): a box within ``cap`` is one piece,
-    made from the box's row as ``pieces_of`` makes it from its transfer."""
-    if not isinstance(item, Received):
+    made from the box's row as ``pieces_of`` makes it from its transfer. ``biggest`` keeps the largest box of each
+    kind's rows (shared by the ``Received`` of every tensor of the kind), by the rows' id."""
+    if type(item) is not Received:
         return pieces_of(item, cap)
-    tensor, target = item.tensor, item.target
-    if all(row[4] <= cap for row in item.rows):
+    rows = item.rows
+    most = biggest.get(id(rows))
+    if most is None:
+        most = biggest[id(rows)] = max(row[4] for row in rows)
+    if most <= cap:
+        tensor, target = item.tensor, item.target
         return [
             from_fields(Piece, (tensor, shape, src_offset, dst_offset, nbytes, target))
-            for _, shape, src_offset, dst_offset, nbytes in item.rows
+            for _, shape, src_offset, dst_offset, nbytes in rows
         ]
     return [piece for transfer in item.transfers(dst) for piece in pieces_of(transfer, cap)]
 
@@ -206,17 +211,19 @@ def pair_messages(transfers: Sequence[Any], cap: int, dst: int = -1) -> list[tup
     out: list[tuple[tuple[tuple[Piece, int], ...], int]] = []
     packed: list[tuple[Piece, int]] = []
     size = 0
+    biggest: dict[int, int] = {}
     for transfer in transfers:
-        for piece in _pieces(transfer, cap, dst):
-            if piece.nbytes >= SOLO_BYTES:
-                out.append((((piece, 0),), piece.nbytes))
+        for piece in _pieces(transfer, cap, dst, biggest):
+            nbytes = piece.nbytes
+            if nbytes >= SOLO_BYTES:
+                out.append((((piece, 0),), nbytes))
                 continue
-            offset = aligned(size)
-            if packed and offset + piece.nbytes > cap:
+            offset = -(-size // ALIGN) * ALIGN  # aligned(size), inline: once per piece
+            if packed and offset + nbytes > cap:
                 out.append((tuple(packed), size))
                 packed, offset = [], 0
             packed.append((piece, offset))
-            size = offset + piece.nbytes
+            size = offset + nbytes
     if packed:
         out.append((tuple(packed), size))
     return out

@@ -43,16 +43,11 @@ def _piece_by_piece(made, wire: torch.Tensor, tensors: dict[str, torch.Tensor]) 
 
 
 def _where(tensors: dict[str, torch.Tensor]):
-    return lambda piece: (
-        piece.destination,
-        piece.dst_offset,
-        tuple(tensors[piece.destination].shape),
-        tensors[piece.destination].dtype,
-    )
+    return lambda piece: (piece.destination, tuple(tensors[piece.destination].shape), tensors[piece.destination].dtype)
 
 
 def _by_runs(made, wire: torch.Tensor, tensors: dict[str, torch.Tensor]) -> tuple[int, int]:
-    together, single = runs(made, _where(tensors))
+    together, single = runs(made, _where(tensors), sending=False)
     for run in together:
         target, source = run_views(run, tensors[run.name], wire)
         target.copy_(source)
@@ -63,7 +58,7 @@ def _by_runs(made, wire: torch.Tensor, tensors: dict[str, torch.Tensor]) -> tupl
 def _packed_by_runs(made, size: int, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """The message's bytes packed from ``tensors`` as a sender packs them with runs (the rest piece by piece)."""
     wire = torch.zeros(size, dtype=torch.uint8)
-    together, single = runs(made, _where(tensors))
+    together, single = runs(made, _where(tensors), sending=False)
     for run in together:
         source, target = run_views(run, tensors[run.name], wire)
         target.copy_(source)

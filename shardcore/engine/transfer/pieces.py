@@ -192,30 +192,28 @@ class Plain:
         ``kept_runs`` when given."""
         found = None if self.kept_runs is None else self.kept_runs.get(message.key)
         if found is None:
-            found = runs(message.pieces, self._where(message))
+            found = runs(message.pieces, self._where(message), message.send)
             if self.kept_runs is not None:
                 self.kept_runs[message.key] = found
         return found
 
     def _where(self, message: Message) -> Where:
-        """Where ``message``'s pieces lie on this rank (``runs.Where``): a send's in its source tensors (a relay's
-        forward in its destinations), a receive's in its destinations; a piece ``outgoing`` changes goes alone.
-        What depends on a piece's tensors alone (the local tensor, its shape, the dtype) is found once per tensor."""
+        """Where ``message``'s pieces' tensors lie on this rank (``runs.Where``): a send's in its source tensors (a
+        relay's forward in its destinations), a receive's in its destinations; a piece ``outgoing`` changes goes
+        alone. Asked once per tensor of the message, tens of thousands in an engine's, so what depends on the local
+        tensor alone (its shape, its dtype) is found once per local tensor (a weight map's ``w13_weight`` holds
+        hundreds of them)."""
         reads_source = self.reads_source(message)
-        tensors: dict[tuple[str, str], tuple[str, tuple[int, ...], torch.dtype] | None] = {}
+        tensors = self.sources if reads_source else self.destinations
+        local: dict[str, tuple[tuple[int, ...], torch.dtype] | None] = {}
 
-        def where(piece: Piece) -> tuple[str, tuple[int, ...], tuple[int, ...], torch.dtype] | None:
-            key = (piece.tensor, piece.target)
-            if key not in tensors:
-                name = self.name_of(message, piece)
-                local = self.sources[name] if reads_source else self.destinations[name]
+        def where(piece: Piece) -> tuple[str, tuple[int, ...], torch.dtype] | None:
+            name = piece.tensor if reads_source else piece.destination  # name_of
+            if name not in local:
                 quantized = reads_source and self.quantizes(name)
-                tensors[key] = None if quantized else (name, tuple(local.shape), self.piece_dtype(message, piece))
-            found = tensors[key]
-            if found is None:
-                return None
-            name, shape, dtype = found
-            return name, piece.src_offset if message.send else piece.dst_offset, shape, dtype
+                local[name] = None if quantized else (tuple(tensors[name].shape), self._local_dtype(message, name))
+            found = local[name]
+            return None if found is None else (name, found[0], self.wire_dtype(piece.tensor, found[1]))
 
         return where
 
@@ -223,9 +221,11 @@ class Plain:
         """The dtype a piece of ``message`` travels in: its local tensor's (``name_of``: a source's, else the dtype
         its destination is written in, ``written_dtype``, so no staging copy is made for it), or a converting
         refit's wire dtype. What the runs, packing, landing and a delta refit's encoding all read a piece as."""
-        name = self.name_of(message, piece)
-        local = self.sources[name].dtype if self.reads_source(message) else self.written_dtype(name)
-        return self.wire_dtype(piece.tensor, local)
+        return self.wire_dtype(piece.tensor, self._local_dtype(message, self.name_of(message, piece)))
+
+    def _local_dtype(self, message: Message, name: str) -> torch.dtype:
+        """The dtype of the local tensor ``name`` that ``message``'s pieces are read from or written in."""
+        return self.sources[name].dtype if self.reads_source(message) else self.written_dtype(name)
 
     def target_of(self, piece: Piece) -> torch.Tensor:
         """The box of this rank's destination tensor a received piece lands in."""

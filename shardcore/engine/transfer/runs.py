@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from operator import mul
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ...refit.boxes import fitted
 from ...refit.schedule import Piece
@@ -47,42 +47,59 @@ class Run(NamedTuple):
     wire_step: int
 
 
-Where = Callable[[Piece], "tuple[str, tuple[int, ...], tuple[int, ...], torch.dtype] | None"]
-"""Where a piece lies on this rank: (its local tensor, its offset there, the tensor's shape, the dtype it travels
-in), or None when it must be copied alone (quantized on its way out)."""
+Where = Callable[[Piece], "tuple[str, tuple[int, ...], torch.dtype] | None"]
+"""Where a piece's tensor lies on this rank: (its local tensor, that tensor's shape, the dtype the piece travels
+in), or None when each of its pieces must be copied alone (quantized on its way out). Asked once per (tensor,
+target) of a message: it depends on them alone."""
 
 
-def runs(pieces: Sequence[tuple[Piece, int]], where: Where) -> tuple[list[Run], list[tuple[Piece, int]]]:
+def runs(
+    pieces: Sequence[tuple[Piece, int]], where: Where, sending: bool
+) -> tuple[list[Run], list[tuple[Piece, int]]]:
     """A message's ``pieces`` (with their byte offsets) as runs, and the pieces that join none (not one stretch of
     their tensor, a block of columns; or copied alone), in their order. The local tensors are contiguous
     (``execute_refit`` checks them; a staging copy is made so), so the runs depend on the plan's part alone, and a
-    schedule keeps them for its next refits (``Schedule.runs``).
+    schedule keeps them for its next refits (``Schedule.runs``). A message can hold tens of thousands of pieces, so
+    what depends on a piece's tensor (``where``) or on its shape in that tensor is found once per message.
 
     Args:
         pieces: The message's pieces and their offsets.
-        where: Where each piece lies in this rank's tensors (``Where``).
+        where: Where each piece's tensor lies on this rank (``Where``).
+        sending: Whether the pieces are read from this rank's tensors at their ``src_offset`` (a send), or
+            written at their ``dst_offset`` (a receive).
     """
     builders: dict[tuple[str, torch.dtype], _Builder] = {}
+    of_tensor: dict[tuple[str, str], _Builder | None] = {}
     single: list[tuple[Piece, int]] = []
     for item in pieces:
         piece, offset = item
-        found = where(piece)
-        if found is None:
+        key = (piece.tensor, piece.target)
+        builder = of_tensor.get(key, _UNSEEN)
+        if builder is _UNSEEN:
+            builder = of_tensor[key] = _builder(builders, where(piece))
+        if builder is None or not builder.stretch(piece.shape):  # copied alone, or a block of columns
             single.append(item)
             continue
-        name, at, shape, dtype = found
-        box = piece.shape if len(piece.shape) == len(shape) else fitted(piece.shape, len(shape))
-        lead = 0
-        while lead < len(box) - 1 and box[lead] == 1:
-            lead += 1
-        if box[lead + 1 :] != shape[lead + 1 :]:  # a block of columns: not one stretch of its tensor
-            single.append(item)
-            continue
-        builder = builders.get((name, dtype))
-        if builder is None:
-            builder = builders[name, dtype] = _Builder(name, dtype, _strides(shape))
-        builder.add(sum(map(mul, at, builder.strides)), offset, piece.nbytes // dtype.itemsize)
+        at = piece.src_offset if sending else piece.dst_offset
+        builder.add(sum(map(mul, at, builder.strides)), offset, piece.nbytes)
     return [run for builder in builders.values() for run in builder.done()], single
+
+
+def _builder(
+    builders: dict[tuple[str, torch.dtype], _Builder], found: tuple[str, tuple[int, ...], torch.dtype] | None
+) -> _Builder | None:
+    """The builder of the runs of a piece's tensor where it lies (``found``, a ``Where``'s answer; None: none)."""
+    if found is None:
+        return None
+    name, shape, dtype = found
+    builder = builders.get((name, dtype))
+    if builder is None:
+        builder = builders[name, dtype] = _Builder(name, dtype, shape)
+    return builder
+
+
+_UNSEEN: Any = object()
+"""``runs``' mark of a (tensor, target) not yet looked up (None is an answer: copied alone)."""
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -98,20 +115,36 @@ class _Builder:
     """The runs of one (tensor, dtype): segments merged while they continue each other on both sides, each
     finished segment appended to the run it steps on from, or starting a new one."""
 
-    def __init__(self, name: str, dtype: torch.dtype, strides: tuple[int, ...]) -> None:
-        self.name, self.dtype, self.itemsize, self.strides = name, dtype, dtype.itemsize, strides
+    def __init__(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self.name, self.dtype, self.itemsize, self.shape = name, dtype, dtype.itemsize, shape
+        self.strides = _strides(shape)
+        self.stretches: dict[tuple[int, ...], bool] = {}
         self.runs: list[Run] = []
         self.run: list[int] | None = None  # [start, wire, numel, segments, step, wire_step]
         self.segment: list[int] | None = None  # [start, wire, numel]
 
-    def add(self, start: int, wire: int, numel: int) -> None:
+    def stretch(self, box: tuple[int, ...]) -> bool:
+        """Whether a box of this extent is one stretch of the tensor: whole in every dim after its first that is
+        not 1 (a block of columns is not)."""
+        found = self.stretches.get(box)
+        if found is None:
+            shape = self.shape
+            fit = box if len(box) == len(shape) else fitted(box, len(shape))
+            lead = 0
+            while lead < len(fit) - 1 and fit[lead] == 1:
+                lead += 1
+            found = self.stretches[box] = fit[lead + 1 :] == shape[lead + 1 :]
+        return found
+
+    def add(self, start: int, wire: int, nbytes: int) -> None:
+        """A stretch of ``nbytes`` from element ``start`` of the tensor, at byte ``wire`` of the message."""
         segment = self.segment
         if segment is not None and start == segment[0] + segment[2] and wire == segment[1] + segment[2] * self.itemsize:
-            segment[2] += numel
+            segment[2] += nbytes // self.itemsize
             return
         if segment is not None:
             self._append(segment)
-        self.segment = [start, wire, numel]
+        self.segment = [start, wire, nbytes // self.itemsize]
 
     def _append(self, segment: list[int]) -> None:
         run, (start, wire, numel) = self.run, segment
