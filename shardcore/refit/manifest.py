@@ -95,10 +95,11 @@ memory, and small enough that every offset and byte count fits torch's int64."""
 _LONG_NAME = 100
 """Tensor names longer than this (Megatron's are under 80 characters) are shown shortened in messages."""
 
-_NORMALIZED = ("shape", "itemsize", "blocks", "stage", "to_dtype", "scale")
+_NORMALIZED = ("shape", "itemsize", "blocks", "unit", "stage", "to_dtype", "scale")
 """The fields of a TensorSpec that its checks set (normalized, or derived: itemsize)."""
-_DIGESTED = ("name", "shape", "dtype", "tp_dim", "blocks", "unit", "layer", "stage", "expert", "to_dtype", "scale")
-"""The fields of a tensor that a manifest's digest covers: those its file form writes (``TensorSpec.to_dict``)."""
+_SHARED_FIELDS = attrgetter("shape", "dtype", "tp_dim", "blocks", "unit", "stage", "to_dtype", "scale")
+"""The fields of a tensor that its file form writes (``TensorSpec.to_dict``) but its name, layer and expert: the
+same weight of every layer shares them, so a manifest's digest numbers their few distinct values."""
 _CHECKED: dict[tuple[object, ...], dict[str, Any]] = {}
 """The checked and normalized fields (``_NORMALIZED``) of a TensorSpec, by what its checks read but its name, layer
 and expert (``TensorSpec._alike_key``): DeepSeek-V3's manifests make some 76,000 specs per plan that differ only in
@@ -468,7 +469,7 @@ class Manifest:
     _by_layer: dict[int, tuple[int, ...]] = field(init=False, repr=False, compare=False)
     _by_expert: dict[tuple[int, int], tuple[int, ...]] = field(init=False, repr=False, compare=False)
     _by_stage: dict[str, tuple[int, ...]] = field(init=False, repr=False, compare=False)
-    _digest: list[str] = field(init=False, repr=False, compare=False, default_factory=list)
+    _digest: str = field(init=False, repr=False, compare=False, default="")
 
     def __post_init__(self) -> None:
         if isinstance(self.tensors, (str, bytes, Mapping)) or not isinstance(self.tensors, Iterable):
@@ -617,15 +618,19 @@ class Manifest:
 
     def digest(self) -> str:
         """A short digest that equal manifests share: ranks compare it before a refit moves a byte, in every rank's
-        first refit of a plan. Made once, of the fields ``to_dict`` writes, a column of each over the tensors (the
-        derived scale tensors left out): DeepSeek-V3's 90,000 tensors cost about as many list items, not a dict and
-        its JSON text each (0.1 s for a model of its structure)."""
+        first refit of a plan. Made once, of the fields ``to_dict`` writes (the derived scale tensors left out): the
+        names, layers and experts as columns, the other fields as a number per tensor and their few distinct values
+        (``_SHARED_FIELDS``), so DeepSeek-V3's 90,000 tensors cost about as many list items, not a dict and its JSON
+        text each (0.1 s for a model of its structure before)."""
         if not self._digest:
             given = [tensor for tensor in self.tensors if tensor.scale_of is None]
-            columns = [list(map(attrgetter(name), given)) for name in _DIGESTED]
+            shared: dict[tuple[Any, ...], int] = {}
+            numbers = [shared.setdefault(fields, len(shared)) for fields in map(_SHARED_FIELDS, given)]
+            columns = ([t.name for t in given], [t.layer for t in given], [t.expert for t in given], numbers)
             model = (self.name, self.layers, self.first_stage_layers, self.last_stage_layers, self.experts)
-            self._digest.append(hashlib.sha256(repr((model, columns)).encode()).hexdigest()[:16])
-        return self._digest[0]
+            text = repr((model, columns, list(shared)))
+            object.__setattr__(self, "_digest", hashlib.sha256(text.encode()).hexdigest()[:16])
+        return self._digest
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest-file form (see ``docs/refit.md``, "The manifest"); ``manifest_from_dict`` inverts it."""

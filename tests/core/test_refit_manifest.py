@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +148,40 @@ tensors:
         json.dumps({"name": "cfg", "config": {"layers": 2, "hidden": 64, "ffn": 128, "heads": 4, "vocab": 128}})
     )
     assert len(load_manifest(path)) == 1 + 2 * 6 + 2
+
+
+def test_the_digest_is_shared_by_equal_manifests_and_moved_by_any_field() -> None:
+    """Ranks compare the manifest's digest before a refit: a manifest read back from its file form has its
+    original's, and a change to any one field a file writes (of one tensor, or of the model) gives another."""
+    manifest = preset("tiny-moe")
+    assert manifest_from_dict(manifest.to_dict()).digest() == manifest.digest()
+    fc1 = manifest.index("decoder.layers.0.mlp.linear_fc1.weight")
+    expert = next(p for p, tensor in enumerate(manifest.tensors) if tensor.expert is not None)
+    changes: list[tuple[int, dict[str, Any]]] = [
+        (0, {"name": "renamed"}),
+        (0, {"dtype": "bfloat16"}),
+        (0, {"stage": ("first", "last")}),
+        (0, {"unit": 2}),
+        (0, {"tp_dim": 1, "blocks": (128,)}),
+        (fc1, {"blocks": (256, 768)}),
+        (fc1, {"shape": (2048, 128), "blocks": (1024, 1024)}),
+        (fc1, {"layer": 1}),
+        (fc1, {"to_dtype": "bfloat16"}),
+        (fc1, {"to_dtype": "float8_e4m3fn"}),
+        (fc1, {"to_dtype": "float8_e4m3fn", "scale": "tensor"}),
+        (expert, {"expert": manifest.tensors[expert].expert + 1}),
+    ]
+    digests = {manifest.digest()}
+    for position, change in changes:
+        tensors = [tensor for tensor in manifest.tensors if tensor.scale_of is None]
+        tensors[position] = replace(tensors[position], **change)
+        changed = replace(manifest, tensors=tuple(tensors))
+        assert changed.digest() not in digests, change
+        digests.add(changed.digest())
+    for model in ({"name": "other"}, {"layers": manifest.layers + 1}, {"experts": manifest.experts + 1}):
+        changed = replace(manifest, **model)
+        assert changed.digest() not in digests, model
+        digests.add(changed.digest())
 
 
 @pytest.mark.parametrize(
