@@ -53,9 +53,7 @@ in), or None when each of its pieces must be copied alone (quantized on its way 
 target) of a message: it depends on them alone."""
 
 
-def runs(
-    pieces: Sequence[tuple[Piece, int]], where: Where, sending: bool
-) -> tuple[list[Run], list[tuple[Piece, int]]]:
+def runs(pieces: Sequence[tuple[Piece, int]], where: Where, sending: bool) -> tuple[list[Run], list[tuple[Piece, int]]]:
     """A message's ``pieces`` (with their byte offsets) as runs, and the pieces that join none (not one stretch of
     their tensor, a block of columns; or copied alone), in their order. The local tensors are contiguous
     (``execute_refit`` checks them; a staging copy is made so), so the runs depend on the plan's part alone, and a
