@@ -19,7 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "shardcore"
-PLUGINS = sorted(ROOT.glob("plugins/*/shardcore_*"))
+PLUGINS = sorted(path for path in ROOT.glob("plugins/*/shardcore_*") if (path / "__init__.py").is_file())
+"""The plugins' packages (not the ``*.egg-info`` folders an editable install leaves beside them)."""
 TORCH_FREE = ("plan", "views", "refit", "replan")
 """Subpackages that must run without torch or numpy."""
 LEAVES = {"errors", "version"}
