@@ -218,7 +218,7 @@ def pair_messages(transfers: Sequence[Any], cap: int, dst: int = -1) -> list[tup
             if nbytes >= SOLO_BYTES:
                 out.append((((piece, 0),), nbytes))
                 continue
-            offset = -(-size // ALIGN) * ALIGN  # aligned(size), inline: once per piece
+            offset = aligned(size)
             if packed and offset + nbytes > cap:
                 out.append((tuple(packed), size))
                 packed, offset = [], 0
