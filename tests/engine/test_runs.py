@@ -13,9 +13,10 @@ import random
 import pytest
 import torch
 
+from shardcore.engine.transfer.pieces import Plain
 from shardcore.engine.transfer.runs import run_views, runs
 from shardcore.refit.boxes import fitted
-from shardcore.refit.schedule import Piece, aligned
+from shardcore.refit.schedule import Message, Piece, aligned
 
 
 def _message(pieces: list[tuple[str, tuple[int, ...], tuple[int, ...]]], tensors: dict[str, torch.Tensor]):
@@ -129,3 +130,43 @@ def test_drawn_pieces_land_as_piece_by_piece(seed: int) -> None:
     draw.shuffle(pieces)
     dtype = draw.choice([torch.bfloat16, torch.float32, torch.float16])
     _landed_alike(pieces, shapes, dtype)
+
+
+def _sent(pieces: list[tuple[str, tuple[int, ...], tuple[int, ...]]], sources: dict[str, torch.Tensor]) -> Message:
+    """A send of ``pieces`` ((tensor, box shape, offset) each), packed in order at aligned offsets."""
+    made, at = [], 0
+    for name, shape, offset in pieces:
+        nbytes = torch.Size(shape).numel() * sources[name].element_size()
+        made.append((Piece(name, shape, offset, offset, nbytes), at))
+        at = aligned(at + nbytes)
+    return Message((0, 0, 1, 0), 1, True, tuple(made), at)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_send_packs_its_runs_as_piece_by_piece(seed: int) -> None:
+    """A sender packs whole tensors, row blocks, strided runs of a stacked tensor and column blocks, of two dtypes,
+    with and without alignment gaps between them (``Plain.pack_pieces``: runs back to back in one call, the others
+    one by one): its bytes are those of each piece copied alone."""
+    draw = random.Random(seed)
+    dtypes = [torch.bfloat16, torch.float32]
+    sources = {
+        f"e{k}": torch.randn(draw.randint(1, 4), draw.choice([4, 8, 5]), dtype=draw.choice(dtypes)) for k in range(12)
+    }
+    sources["stack"] = torch.randn(4, 6, 8, dtype=torch.bfloat16)
+    sources["cols"] = torch.randn(6, 10, dtype=torch.float32)
+    pieces = [(name, tuple(sources[name].shape), (0, 0)) for name in sources if name.startswith("e")]
+    rows = sources["e0"].shape[0]
+    if rows > 1:  # a row block of a tensor: a stretch, not the whole
+        pieces[0] = ("e0", (rows - 1, sources["e0"].shape[1]), (1, 0))
+    pieces += [("stack", (1, 3, 8), (e, 0, 0)) for e in range(4)]  # one strided run of four segments
+    pieces += [("cols", (6, 4), (0, 3))]  # a block of columns: copied alone
+    draw.shuffle(pieces)
+    message = _sent(pieces, sources)
+    wire = torch.zeros(message.nbytes, dtype=torch.uint8)
+    Plain(sources=sources).pack_pieces(message, wire)
+    expected = torch.zeros(message.nbytes, dtype=torch.uint8)
+    for piece, offset in message.pieces:
+        source = sources[piece.tensor]
+        view = source[tuple(slice(o, o + n) for o, n in zip(piece.src_offset, piece.shape))]
+        expected[offset : offset + piece.nbytes].view(source.dtype).view(view.shape).copy_(view)
+    assert torch.equal(wire, expected)
