@@ -188,7 +188,7 @@ def _pieces(item: Any, cap: int, dst: int, biggest: dict[int, int]) -> list[Piec
     """``pieces_of`` a transfer, or of each box of a ``Received`` (to ``dst``): a box within ``cap`` is one piece,
     made from the box's row as ``pieces_of`` makes it from its transfer. ``biggest`` keeps the largest box of each
     kind's rows (shared by the ``Received`` of every tensor of the kind), by the rows' id."""
-    if type(item) is not Received:
+    if not isinstance(item, Received):
         return pieces_of(item, cap)
     rows = item.rows
     most = biggest.get(id(rows))

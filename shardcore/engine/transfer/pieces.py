@@ -180,11 +180,11 @@ class Plain:
         together, single = self.runs_of(message)
         if message.hop:
             for run in together:
-                source, target = run_views(run, self.written(run.name), wire)
+                source, target = run_views(run, self._read(message, run.name), wire)
                 target.copy_(source)
                 self.landed(run.name, run.segments * run.numel)  # a forward of a staging copy has read it
         else:
-            self._pack_runs(together, wire)
+            self._pack_runs(message, together, wire)
         for piece, offset in single:
             name = self.name_of(message, piece)
             view = view_of(self._read(message, name), piece.src_offset, piece.shape)
@@ -195,7 +195,7 @@ class Plain:
             if message.hop:
                 self.landed(name, view.numel())
 
-    def _pack_runs(self, together: list[Run], wire: torch.Tensor) -> None:
+    def _pack_runs(self, message: Message, together: list[Run], wire: torch.Tensor) -> None:
         """Copy a hop-0 send's runs from the source tensors into ``wire``. A sender holding each expert in its own
         tensor has a run per tensor, thousands per message, so the runs of one stretch each, in their tensor's own
         dtype and back to back in the wire, are copied by one ``torch.cat`` (a fraction of a copy's dispatch per
@@ -203,7 +203,7 @@ class Plain:
         group: list[torch.Tensor] = []
         start = end = 0
         for run in together:
-            source = self.sources[run.name]
+            source = self._read(message, run.name)
             if run.segments != 1 or run.dtype != source.dtype:
                 read, target = run_views(run, source, wire)
                 target.copy_(read)
@@ -246,7 +246,7 @@ class Plain:
         local: dict[str, tuple[tuple[int, ...], torch.dtype] | None] = {}
 
         def where(piece: Piece) -> tuple[str, tuple[int, ...], torch.dtype] | None:
-            name = piece.tensor if reads_source else piece.destination  # name_of
+            name = self.name_of(message, piece)
             if name not in local:
                 quantized = reads_source and self.quantizes(name)
                 local[name] = None if quantized else (tuple(tensors[name].shape), self._local_dtype(message, name))
