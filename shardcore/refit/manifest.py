@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from math import prod
 from operator import attrgetter
 from typing import Any, TypeGuard
@@ -533,6 +533,12 @@ class Manifest:
         """
         return self.tensors[self.index(name)]
 
+    @property
+    def shapes(self) -> Mapping[str, tuple[int, ...]]:
+        """Every tensor's global shape by name, looked up when asked: a schedule asks for a few of the tens of
+        thousands (``schedule.may_stage``), so none is copied out."""
+        return _Shapes(self)
+
     def index(self, name: str) -> int:
         """Position of tensor ``name`` in the manifest (the plan's tensor order)."""
         position = self._index.get(name) if isinstance(name, str) else None
@@ -558,10 +564,21 @@ class Manifest:
         """Bytes of the whole model (each tensor once, in its source dtype; scale tensors are derived, not counted)."""
         return sum(tensor.nbytes for tensor in self.tensors if tensor.scale_of is None)
 
+    @cached_property
+    def converting(self) -> frozenset[str]:
+        """The tensors whose dtype a refit converts on the way (``to_dtype`` set), found once: every refit asks
+        (what it stages, never lands in place), and a model can hold tens of thousands of tensors."""
+        return frozenset(tensor.name for tensor in self.tensors if tensor.to_dtype is not None)
+
+    @cached_property
+    def names(self) -> frozenset[str]:
+        """Every tensor's name, found once (a delta refit may stage a message of any of them)."""
+        return frozenset(self._index)
+
     @property
     def converts(self) -> bool:
         """Whether a refit of this model converts any tensor's dtype."""
-        return any(tensor.to_dtype is not None for tensor in self.tensors)
+        return bool(self.converting)
 
     def as_held(self) -> Manifest:
         """This model as its ranks hold it: every tensor in its own dtype, no conversion and no scale tensor
@@ -745,6 +762,27 @@ def split_layers(layers: int, pp: int, first: int | None = None, last: int | Non
         stages.append(range(start, start + count))
         start += count
     return tuple(stages)
+
+
+class _Shapes(Mapping[str, "tuple[int, ...]"]):
+    """``Manifest.shapes``: a manifest's global shapes by tensor name, read from its tensors."""
+
+    __slots__ = ("_manifest",)
+
+    def __init__(self, manifest: Manifest) -> None:
+        self._manifest = manifest
+
+    def __getitem__(self, name: str) -> tuple[int, ...]:
+        position = self._manifest._index.get(name)
+        if position is None:
+            raise KeyError(name)
+        return self._manifest.tensors[position].shape
+
+    def __iter__(self) -> Iterator[str]:
+        return (tensor.name for tensor in self._manifest.tensors)
+
+    def __len__(self) -> int:
+        return len(self._manifest.tensors)
 
 
 __all__ = [

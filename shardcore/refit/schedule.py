@@ -72,6 +72,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, NamedTuple
 
 from .boxes import from_fields, moved
@@ -135,9 +136,9 @@ class Message:
     nbytes: int
     ledger: bool = False
 
-    @property
+    @cached_property
     def payload(self) -> int:
-        """Bytes of tensor data the message carries."""
+        """Bytes of tensor data the message carries (counted once: every refit of a kept schedule reads it)."""
         return sum(piece.nbytes for piece, _ in self.pieces)
 
     @property

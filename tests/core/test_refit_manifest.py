@@ -126,6 +126,19 @@ def test_presets() -> None:
         preset("gpt5")
 
 
+def test_shapes_names_and_converting_tensors_read_the_manifests_own() -> None:
+    model = manifest_from_config(LLAMA)
+    assert dict(model.shapes) == {tensor.name: tensor.shape for tensor in model} and len(model.shapes) == len(model)
+    with pytest.raises(KeyError):
+        model.shapes["decoder.layers.9.mlp.linear_fc1.weight"]
+    assert model.names == {tensor.name for tensor in model}
+    assert model.converting == frozenset() and not model.converts
+    fp8 = model.converted("float8_e4m3fn", scale="tensor")
+    assert fp8.converting == {tensor.name for tensor in fp8 if tensor.to_dtype is not None} and fp8.converts
+    assert "decoder.layers.0.mlp.linear_fc1.weight" in fp8.converting
+    assert "decoder.final_layernorm.weight" not in fp8.converting  # a norm keeps its dtype
+
+
 def test_json_and_yaml_round_trip(tmp_path: Path) -> None:
     manifest = preset("tiny-moe")
     path = tmp_path / "m.json"

@@ -44,7 +44,10 @@ def test_bad_inputs_are_one_typed_error_everywhere_before_any_byte() -> None:
         assert "'decoder.layers.1.self_attention.linear_qkv.weight' is missing" in out["missing"]
         assert "expected local shape [192, 128]" in out["missing"] and "rank 3:" in out["missing"]
         assert "torch.float16, expected torch.float32" in out["dtype"]
-        assert all(out[f"{label} untouched"] == "True" for label in ("shape", "missing", "dtype", "many")), out
+        assert "rank 3: tensors are on several devices (cpu, meta)" in out["devices"], out["devices"]
+        assert "rank 3: tensors are on meta but the refit's group (gloo) moves tensors on cpu" in out["library"]
+        labels = ("shape", "missing", "dtype", "many", "devices", "library")
+        assert all(out[f"{label} untouched"] == "True" for label in labels), out
         many = out["many"]  # every destination of rank 3 misshapen: its own error in full, the others' shortened
         assert many.startswith(f"RefitInputError: rank {rank}:") and "\n" not in many, many
         if rank == 3:

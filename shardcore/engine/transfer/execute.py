@@ -64,7 +64,6 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed import ProcessGroup
 
-    from ...refit.manifest import Manifest
     from ...refit.part import RankRefit
     from ...refit.plan import RefitPlan
     from .group import RefitGroup
@@ -313,7 +312,8 @@ def _prepare(
             raise RefitInputError("delta=True needs version=: the versions decide which destinations get a delta")
         mine = plan.for_rank(rank)
         conversion = Conversion.of(plan, mine, rank)
-        held, wanted = _checked_tensors(rank, backend, mine, plan, sources, destinations, conversion)
+        with gc_paused():  # a detached view of each of its tensors, thousands, no cycle among them
+            held, wanted = _checked_tensors(rank, backend, mine, plan, sources, destinations, conversion)
         if conversion is not None:
             conversion = replace(conversion, sources=held, destinations=wanted)
         landing = Landing.of(plan, mine, held, wanted)
@@ -356,37 +356,20 @@ def _write_zeros(destinations: Mapping[str, torch.Tensor], zeros: Mapping[str, t
             destinations[name][tuple(slice(start, stop) for start, stop in box)].zero_()
 
 
-def _global_shapes(manifest: Manifest, mine: RankRefit) -> dict[str, tuple[int, ...]]:
-    """The global shape of every tensor this rank moves (what ``schedule.may_stage`` reads)."""
-    names = mine.sends.tensors() | mine.recvs.tensors()
-    return {tensor.name: tensor.shape for tensor in manifest if tensor.name in names}
-
-
 def _schedule(
     session: RefitSession, plan: RefitPlan, mine: RankRefit, checked: ExecuteOptions, rank: int, world: int
 ) -> Schedule:
     """This rank's schedule, made once per plan part and options and kept in ``session``: the part is the plan's
     own object, kept while the plan lives (``for_rank``), and a schedule costs milliseconds that need not be spent
     again."""
-    staged = _all_tensors(plan) if checked.delta else _converting(plan)
+    staged = plan.manifest.names if checked.delta else plan.manifest.converting  # staged, never in place
     options = (rank, world, checked.bucket_bytes, checked.max_ops, staged)
     last = session.schedule
     if last is None or last.mine is not mine or last.options != options:
-        shapes = _global_shapes(plan.manifest, mine)
         with gc_paused():  # tens of thousands of pieces and messages, no cycle among them
-            batches = rank_batches(mine, *options[:4], shapes, options[4])
+            batches = rank_batches(mine, *options[:4], plan.manifest.shapes, options[4])
         last = session.schedule = Schedule(mine, options, batches)
     return last
-
-
-def _converting(plan: RefitPlan) -> frozenset[str]:
-    """The tensors whose messages are cast on the way (at one end or the other): staged, never in place."""
-    return frozenset(tensor.name for tensor in plan.manifest if tensor.to_dtype is not None)
-
-
-def _all_tensors(plan: RefitPlan) -> frozenset[str]:
-    """Every tensor of the plan: a delta refit may stage any message (an encoded one cannot travel in place)."""
-    return frozenset(tensor.name for tensor in plan.manifest)
 
 
 def _delta_session(session: RefitSession, options: ExecuteOptions, dense: Plain) -> DeltaSession | None:
@@ -517,9 +500,14 @@ def _checked_tensors(
     """
     read = mine.sources_read
     needed = read if conversion is None else conversion.needed_sources(read)
-    problems = _side_problems("source", sources, mine.source_shapes, needed, plan.manifest.tensor)
+    problems = _side_problems("source", sources, mine.source_shapes, mine.source_dtypes, needed, plan.manifest.tensor)
     problems += _side_problems(
-        "destination", destinations, mine.destination_shapes, set(mine.destination_shapes), plan.destination_tensor
+        "destination",
+        destinations,
+        mine.destination_shapes,
+        mine.destination_dtypes,
+        set(mine.destination_shapes),
+        plan.destination_tensor,
     )
     problems += _device_problems({**sources, **destinations}, backend)
     if problems:
@@ -532,11 +520,18 @@ def _checked_tensors(
 
 
 def _side_problems(
-    kind: str, given: Any, shapes: Mapping[str, tuple[int, ...]], needed: set[str], spec_of: Callable[[str], Any]
+    kind: str,
+    given: Any,
+    shapes: Mapping[str, tuple[int, ...]],
+    dtypes: Mapping[str, str],
+    needed: set[str],
+    spec_of: Callable[[str], Any],
 ) -> list[str]:
     """Problems of one side's tensors: needed ones missing, any given one unknown, misshapen, of another dtype,
     or not contiguous (the schedule counts staging memory alike at both ends for contiguous tensors only).
-    ``spec_of`` gives a tensor's spec by the name the side holds it under (a destination's may be an engine's)."""
+    ``shapes`` and ``dtypes`` are the part's (``RankRefit``) for this side; ``spec_of`` gives a tensor's spec by the
+    name the side holds it under (a destination's may be an engine's), to tell a given tensor the part does not
+    hold from one the manifest does not know."""
     import torch
 
     if not isinstance(given, Mapping):
@@ -555,12 +550,11 @@ def _side_problems(
             what = type(tensor).__name__ if not isinstance(tensor, torch.Tensor) else f"{tensor.layout} tensor"
             problems.append(f"{kind} tensor {shown(name)} is a {what}, not a dense torch.Tensor")
             continue
-        if tuple(tensor.shape) != tuple(shapes[name]):
+        if tensor.shape != tuple(shapes[name]):
             problems.append(
                 f"{kind} tensor {shown(name)} has shape {list(tensor.shape)}, expected {list(shapes[name])}"
             )
-        spec = spec_of(name)
-        expected = getattr(torch, spec.destination_dtype if kind == "destination" else spec.dtype)
+        expected = getattr(torch, dtypes[name])
         if tensor.dtype != expected:
             problems.append(f"{kind} tensor {shown(name)} has dtype {tensor.dtype}, expected {expected}")
         if not tensor.is_contiguous():
@@ -581,7 +575,10 @@ def _known(spec_of: Callable[[str], Any], name: str) -> bool:
 
 def _device_problems(tensors: Mapping[str, Any], backend: str) -> list[str]:
     """Every tensor on one device, and one the refit's collective library (``backend``) moves."""
-    devices = {str(getattr(t, "device", "?")).split(":")[0] for t in tensors.values() if hasattr(t, "device")}
+    import torch
+
+    # each tensor's device, then their types: tens of thousands of tensors, almost always one device
+    devices = {device.type for device in {t.device for t in tensors.values() if isinstance(t, torch.Tensor)}}
     served = {device for name, device in COLLECTIVE_DEVICES.items() if name in backend}
     if len(devices) > 1:
         return [f"tensors are on several devices ({', '.join(sorted(devices))}): put sources and destinations on one"]
