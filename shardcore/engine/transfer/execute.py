@@ -362,7 +362,8 @@ def _schedule(
     """This rank's schedule, made once per plan part and options and kept in ``session``: the part is the plan's
     own object, kept while the plan lives (``for_rank``), and a schedule costs milliseconds that need not be spent
     again."""
-    staged = plan.manifest.names if checked.delta else plan.manifest.converting  # staged, never in place
+    # staged, never in place: a delta refit's every message (any may travel encoded), else those cast on the way
+    staged = plan.manifest.names if checked.delta else plan.manifest.converting
     options = (rank, world, checked.bucket_bytes, checked.max_ops, staged)
     last = session.schedule
     if last is None or last.mine is not mine or last.options != options:
