@@ -15,8 +15,11 @@ taken (control left it and came back from elsewhere). A module per concept, each
 makes few; modules that call each other both ways make many. Loops are counted once: each edge counts once
 however often it is taken.
 
-Run (any checkout; the numbers in BENCHMARKS.md compare two):
-    python benchmarks/walk_refit.py [--show] [-- <refit arguments>]
+It walks the shardcore of the checkout it lies in (``CHECKOUT``: put on ``PYTHONPATH`` after the hook, the CLI run
+with ``-P`` so that the folder it runs in, which ``-m`` would put first, cannot bring another checkout's).
+
+Run (from any folder; the numbers in BENCHMARKS.md compare two checkouts, each its own script):
+    python <checkout>/benchmarks/walk_refit.py [--show] [-- <refit arguments>]
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ DEFAULT_REFIT = [
     "--shards", "tp=2,role=train+tp=1,dp=2", "--from", "0", "--to", "1", "--model", "tiny-dense",
     "--check", "--nproc", "4", "-q",
 ]  # fmt: skip
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+"""The checkout whose shardcore is walked: the one this script lies in."""
 
 HOOK = """
 import json, os, sys, threading
@@ -115,8 +121,8 @@ def run(refit_args: list[str]) -> list[Walk]:
         out.mkdir()
         (hook / "sitecustomize.py").write_text(HOOK)
         env = dict(os.environ, SHARDCORE_WALK_DIR=str(out))
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hook), env.get("PYTHONPATH", "")]))
-        command = [sys.executable, "-m", "shardcore", "refit", *refit_args]
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(hook), str(CHECKOUT), env.get("PYTHONPATH", "")]))
+        command = [sys.executable, "-P", "-m", "shardcore", "refit", *refit_args]
         done = subprocess.run(command, env=env, stdout=sys.stderr, check=False)  # our report alone on stdout
         if done.returncode:
             raise SystemExit(f"shardcore refit exited with {done.returncode}")
