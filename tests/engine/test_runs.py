@@ -64,11 +64,17 @@ def _packed_by_runs(made, size: int, tensors: dict[str, torch.Tensor]) -> torch.
         source, target = run_views(run, tensors[run.name], wire)
         target.copy_(source)
     for piece, offset in single:
-        tensor = tensors[piece.destination]
-        box = fitted(piece.shape, tensor.dim())
-        view = tensor[tuple(slice(o, o + n) for o, n in zip(piece.dst_offset, box))]
-        wire[offset : offset + piece.nbytes].view(tensor.dtype).view(view.shape).copy_(view)
+        _pack_alone(piece, offset, tensors, wire)
     return wire
+
+
+def _pack_alone(piece: Piece, offset: int, tensors: dict[str, torch.Tensor], wire: torch.Tensor) -> None:
+    """Copy ``piece``'s box of its tensor (at its ``dst_offset``: the tests' pieces have equal offsets at both ends)
+    into ``wire`` at ``offset``, alone."""
+    tensor = tensors[piece.destination]
+    box = fitted(piece.shape, tensor.dim())
+    view = tensor[tuple(slice(o, o + n) for o, n in zip(piece.dst_offset, box))]
+    wire[offset : offset + piece.nbytes].view(tensor.dtype).view(view.shape).copy_(view)
 
 
 def _landed_alike(pieces, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
@@ -132,16 +138,6 @@ def test_drawn_pieces_land_as_piece_by_piece(seed: int) -> None:
     _landed_alike(pieces, shapes, dtype)
 
 
-def _sent(pieces: list[tuple[str, tuple[int, ...], tuple[int, ...]]], sources: dict[str, torch.Tensor]) -> Message:
-    """A send of ``pieces`` ((tensor, box shape, offset) each), packed in order at aligned offsets."""
-    made, at = [], 0
-    for name, shape, offset in pieces:
-        nbytes = torch.Size(shape).numel() * sources[name].element_size()
-        made.append((Piece(name, shape, offset, offset, nbytes), at))
-        at = aligned(at + nbytes)
-    return Message((0, 0, 1, 0), 1, True, tuple(made), at)
-
-
 @pytest.mark.parametrize("seed", range(10))
 def test_a_send_packs_its_runs_as_piece_by_piece(seed: int) -> None:
     """A sender packs whole tensors, row blocks, strided runs of a stacked tensor and column blocks, of two dtypes,
@@ -161,12 +157,12 @@ def test_a_send_packs_its_runs_as_piece_by_piece(seed: int) -> None:
     pieces += [("stack", (1, 3, 8), (e, 0, 0)) for e in range(4)]  # one strided run of four segments
     pieces += [("cols", (6, 4), (0, 3))]  # a block of columns: copied alone
     draw.shuffle(pieces)
-    message = _sent(pieces, sources)
-    wire = torch.zeros(message.nbytes, dtype=torch.uint8)
+    made, received = _message(pieces, sources)  # its pieces at aligned offsets (the bytes are not these)
+    size = received.numel()
+    message = Message((0, 0, 1, 0), 1, True, tuple(made), size)
+    wire = torch.zeros(size, dtype=torch.uint8)
     Plain(sources=sources).pack_pieces(message, wire)
-    expected = torch.zeros(message.nbytes, dtype=torch.uint8)
-    for piece, offset in message.pieces:
-        source = sources[piece.tensor]
-        view = source[tuple(slice(o, o + n) for o, n in zip(piece.src_offset, piece.shape))]
-        expected[offset : offset + piece.nbytes].view(source.dtype).view(view.shape).copy_(view)
+    expected = torch.zeros(size, dtype=torch.uint8)
+    for piece, offset in made:
+        _pack_alone(piece, offset, sources, expected)
     assert torch.equal(wire, expected)
