@@ -140,8 +140,8 @@ def partial_refits(rank: int, world: int) -> dict[str, Any]:
 
 def bad_inputs(rank: int, world: int) -> dict[str, str]:
     """Wrong tensors on one rank: every rank gets the same typed error, naming tensor and shapes, before any byte."""
-    plan = plan_refit(plan_layout(world, "tp=2 + tp=2"), 0, [1], preset("tiny-dense"))
-    mine = plan.for_rank(rank)
+    disjoint = plan_refit(plan_layout(world, "tp=2 + tp=2"), 0, [1], preset("tiny-dense"))
+    collocated = _plan(world, ("", "tiny-dense", "tp=2,dp=2", 0, "tp=4", [0]))  # one name on both sides of a rank
     import torch
 
     def tensors(shapes: dict) -> dict:
@@ -155,7 +155,10 @@ def bad_inputs(rank: int, world: int) -> dict[str, str]:
         ("many", lambda s, d: d.update({n: torch.zeros(t.shape[0] + 1, *t.shape[1:]) for n, t in d.items()})),
         ("devices", lambda s, d: d.update({"decoder.final_layernorm.weight": torch.zeros(128, device="meta")})),
         ("library", lambda s, d: [side.update({n: t.to("meta") for n, t in side.items()}) for side in (s, d)]),
+        ("source's device", lambda s, d: s.update({"decoder.final_layernorm.weight": torch.zeros(128, device="meta")})),
     ):
+        plan = collocated if label == "source's device" else disjoint
+        mine = plan.for_rank(rank)
         sources, destinations = tensors(mine.source_shapes), tensors(mine.destination_shapes)
         if rank == (0 if label == "shape" else 3):
             culprit_change(sources, destinations)

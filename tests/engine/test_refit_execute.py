@@ -46,7 +46,8 @@ def test_bad_inputs_are_one_typed_error_everywhere_before_any_byte() -> None:
         assert "torch.float16, expected torch.float32" in out["dtype"]
         assert "rank 3: tensors are on several devices (cpu, meta)" in out["devices"], out["devices"]
         assert "rank 3: tensors are on meta but the refit's group (gloo) moves tensors on cpu" in out["library"]
-        labels = ("shape", "missing", "dtype", "many", "devices", "library")
+        assert "rank 3: tensors are on several devices (cpu, meta)" in out["source's device"], out["source's device"]
+        labels = ("shape", "missing", "dtype", "many", "devices", "library", "source's device")
         assert all(out[f"{label} untouched"] == "True" for label in labels), out
         many = out["many"]  # every destination of rank 3 misshapen: its own error in full, the others' shortened
         assert many.startswith(f"RefitInputError: rank {rank}:") and "\n" not in many, many

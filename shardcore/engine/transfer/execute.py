@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -510,7 +510,9 @@ def _checked_tensors(
         set(mine.destination_shapes),
         plan.destination_tensor,
     )
-    problems += _device_problems({**sources, **destinations}, backend)
+    # both sides' tensors: a collocated rank holds a source and a destination under one name
+    sides = [side.values() for side in (sources, destinations) if isinstance(side, Mapping)]
+    problems += _device_problems([tensor for side in sides for tensor in side], backend)
     if problems:
         shown_problems = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise RefitInputError(f"rank {rank}: {shown_problems}", (rank,))
@@ -574,12 +576,12 @@ def _known(spec_of: Callable[[str], Any], name: str) -> bool:
     return True
 
 
-def _device_problems(tensors: Mapping[str, Any], backend: str) -> list[str]:
+def _device_problems(tensors: Iterable[Any], backend: str) -> list[str]:
     """Every tensor on one device, and one the refit's collective library (``backend``) moves."""
     import torch
 
     # each tensor's device, then their types: tens of thousands of tensors, almost always one device
-    devices = {device.type for device in {t.device for t in tensors.values() if isinstance(t, torch.Tensor)}}
+    devices = {device.type for device in {t.device for t in tensors if isinstance(t, torch.Tensor)}}
     served = {device for name, device in COLLECTIVE_DEVICES.items() if name in backend}
     if len(devices) > 1:
         return [f"tensors are on several devices ({', '.join(sorted(devices))}): put sources and destinations on one"]
