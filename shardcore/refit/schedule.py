@@ -73,10 +73,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, overload
 
 from .boxes import from_fields, moved
-from .part import Received, Rows
+from .part import Received, Row, Rows
 
 ALIGN = 16
 """Byte offset of each piece in a packed message: any dtype's view of it is aligned."""
@@ -123,6 +123,113 @@ class Piece(NamedTuple):
         return self.target or self.tensor
 
 
+class Layout(NamedTuple):
+    """How the boxes of a kind's ``Rows`` pack into a message one after another: found once per kind, and the same
+    wherever they start (at an aligned byte)."""
+
+    offsets: tuple[int, ...]
+    """Each box's byte offset from the first's."""
+    end: int
+    """Bytes from the first box's start to the last one's end."""
+    most: int
+    """The biggest box's bytes."""
+    total: int
+    """All the boxes' bytes."""
+
+
+def layout(rows: Sequence[Row]) -> Layout:
+    """``rows`` packed as ``pair_messages`` packs pieces, from an aligned byte: each box at the next aligned one."""
+    offsets, size = [], 0
+    for row in rows:
+        offset = aligned(size)
+        offsets.append(offset)
+        size = offset + row[4]
+    return Layout(tuple(offsets), size, max(row[4] for row in rows), sum(row[4] for row in rows))
+
+
+class Packed(NamedTuple):
+    """A ``Received``'s boxes, one piece each, packed whole into a message from byte ``base`` (at ``base`` plus their
+    ``layout.offsets``): what a message holds of them instead of a ``Piece`` each, which tens of thousands would
+    cost (``MessagePieces``)."""
+
+    boxes: Received
+    base: int
+    layout: Layout
+
+    def first(self) -> Piece:
+        """The first box as a piece."""
+        _, shape, src_offset, dst_offset, nbytes = self.boxes.rows[0]
+        return from_fields(Piece, (self.boxes.tensor, shape, src_offset, dst_offset, nbytes, self.boxes.target))
+
+    def pieces(self) -> list[tuple[Piece, int]]:
+        """The boxes as pieces, with their byte offsets in the message."""
+        tensor, target, base = self.boxes.tensor, self.boxes.target, self.base
+        return [
+            (from_fields(Piece, (tensor, shape, src_offset, dst_offset, nbytes, target)), base + offset)
+            for (_, shape, src_offset, dst_offset, nbytes), offset in zip(self.boxes.rows, self.layout.offsets)
+        ]
+
+
+class MessagePieces(Sequence[tuple[Piece, int]]):
+    """A message's pieces with their byte offsets, as ``pair_messages`` cuts them: its ``entries`` hold loose
+    ``(Piece, offset)`` items and ``Packed`` boxes, whose pieces are made only when read one by one. The runs
+    (``transfer.runs``) read the entries as they are. Compares equal to any sequence of the same pieces.
+
+    Args:
+        entries: ``(Piece, offset)`` items and ``Packed`` boxes, in the message's order.
+    """
+
+    __slots__ = ("_length", "_made", "entries", "payload")
+
+    def __init__(self, entries: Sequence[tuple[Piece, int] | Packed]) -> None:
+        self.entries = tuple(entries)
+        self._length = self.payload = 0
+        for entry in self.entries:
+            if isinstance(entry, Packed):
+                self._length += len(entry.layout.offsets)
+                self.payload += entry.layout.total
+            else:
+                self._length += 1
+                self.payload += entry[0].nbytes
+        self._made: tuple[tuple[Piece, int], ...] | None = None
+
+    def _pieces(self) -> tuple[tuple[Piece, int], ...]:
+        if self._made is None:
+            made: list[tuple[Piece, int]] = []
+            for entry in self.entries:
+                if isinstance(entry, Packed):
+                    made += entry.pieces()
+                else:
+                    made.append(entry)
+            self._made = tuple(made)
+        return self._made
+
+    def __len__(self) -> int:
+        return self._length
+
+    @overload
+    def __getitem__(self, index: int) -> tuple[Piece, int]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[tuple[Piece, int], ...]: ...
+
+    def __getitem__(self, index: int | slice) -> tuple[Piece, int] | tuple[tuple[Piece, int], ...]:
+        return self._pieces()[index]
+
+    def __iter__(self) -> Iterator[tuple[Piece, int]]:
+        return iter(self._pieces())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Sequence) and not isinstance(other, str):
+            return self._pieces() == tuple(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to a tuple of the same pieces, which hashes otherwise
+
+    def __repr__(self) -> str:
+        return repr(self._pieces())
+
+
 @dataclass
 class Message:
     """One message between this rank and ``peer``: its key (the order both ends agree on), its pieces with
@@ -132,14 +239,16 @@ class Message:
     """(index within its direction and hop of the pair, src, dst, hop)."""
     peer: int
     send: bool
-    pieces: tuple[tuple[Piece, int], ...]
+    pieces: Sequence[tuple[Piece, int]]
+    """A tuple, or a ``MessagePieces`` as ``pair_messages`` cuts them."""
     nbytes: int
     ledger: bool = False
 
     @cached_property
     def payload(self) -> int:
         """Bytes of tensor data the message carries (counted once: every refit of a kept schedule reads it)."""
-        return sum(piece.nbytes for piece, _ in self.pieces)
+        pieces = self.pieces
+        return pieces.payload if isinstance(pieces, MessagePieces) else sum(piece.nbytes for piece, _ in pieces)
 
     @property
     def hop(self) -> int:
@@ -185,48 +294,56 @@ def pieces_of(transfer: Any, cap: int) -> list[Piece]:
     return pieces
 
 
-def _pieces(item: Any, cap: int, dst: int, biggest: dict[int, int]) -> list[Piece]:
-    """``pieces_of`` a transfer, or of each box of a ``Received`` (to ``dst``): a box within ``cap`` is one piece,
-    made from the box's row as ``pieces_of`` makes it from its transfer. ``biggest`` keeps the largest box of each
-    kind's rows (shared by the ``Received`` of every tensor of the kind), by the rows' id."""
-    if not isinstance(item, Received):
-        return pieces_of(item, cap)
-    rows = item.rows
-    most = biggest.get(id(rows))
-    if most is None:
-        most = biggest[id(rows)] = max(row[4] for row in rows)
-    if most <= cap:
-        tensor, target = item.tensor, item.target
+def _pieces(boxes: Received, dst: int, cap: int) -> list[Piece]:
+    """The pieces of a ``Received``'s boxes (to ``dst``) as ``pieces_of`` cuts their transfers: a box within ``cap``
+    is one piece, made from its row as ``pieces_of`` makes it from its transfer."""
+    tensor, target = boxes.tensor, boxes.target
+    if max(row[4] for row in boxes.rows) <= cap:
         return [
             from_fields(Piece, (tensor, shape, src_offset, dst_offset, nbytes, target))
-            for _, shape, src_offset, dst_offset, nbytes in rows
+            for _, shape, src_offset, dst_offset, nbytes in boxes.rows
         ]
-    return [piece for transfer in item.transfers(dst) for piece in pieces_of(transfer, cap)]
+    return [piece for transfer in boxes.transfers(dst) for piece in pieces_of(transfer, cap)]
 
 
-def pair_messages(transfers: Sequence[Any], cap: int, dst: int = -1) -> list[tuple[tuple[tuple[Piece, int], ...], int]]:
+def pair_messages(transfers: Sequence[Any], cap: int, dst: int = -1) -> list[tuple[MessagePieces, int]]:
     """The messages of one direction of one pair, as both ends derive them: (pieces with their byte offsets,
     message bytes). ``transfers`` come in the part's one order (``part.transfer_order``), which both ends share, so
     they are cut as they come, never re-sorted; ``Received`` boxes among them (a ``Rows``' items, received by
-    ``dst``) are cut as their transfers would be. The cut depends on sizes alone, never on either side's strides."""
-    out: list[tuple[tuple[tuple[Piece, int], ...], int]] = []
-    packed: list[tuple[Piece, int]] = []
+    ``dst``) are cut as their transfers would be, and those that fit whole in the message being filled are held
+    as one ``Packed`` entry (their ``layout`` found once per kind). The cut depends on sizes alone, never on either
+    side's strides."""
+    out: list[tuple[MessagePieces, int]] = []
+    packed: list[tuple[Piece, int] | Packed] = []
     size = 0
-    biggest: dict[int, int] = {}
+    layouts: dict[int, Layout] = {}
     for transfer in transfers:
-        for piece in _pieces(transfer, cap, dst, biggest):
+        if isinstance(transfer, Received):
+            rows = transfer.rows
+            found = layouts.get(id(rows))
+            if found is None:
+                found = layouts[id(rows)] = layout(rows)
+            base = aligned(size)
+            if base + found.end <= cap and found.most < SOLO_BYTES:  # whole in this message: as its pieces would be
+                packed.append(from_fields(Packed, (transfer, base, found)))
+                size = base + found.end
+                continue
+            pieces = _pieces(transfer, dst, cap)
+        else:
+            pieces = pieces_of(transfer, cap)
+        for piece in pieces:
             nbytes = piece.nbytes
             if nbytes >= SOLO_BYTES:
-                out.append((((piece, 0),), nbytes))
+                out.append((MessagePieces(((piece, 0),)), nbytes))
                 continue
             offset = aligned(size)
             if packed and offset + nbytes > cap:
-                out.append((tuple(packed), size))
+                out.append((MessagePieces(packed), size))
                 packed, offset = [], 0
             packed.append((piece, offset))
             size = offset + nbytes
     if packed:
-        out.append((tuple(packed), size))
+        out.append((MessagePieces(packed), size))
     return out
 
 
@@ -380,12 +497,16 @@ __all__ = [
     "MAX_FAN",
     "SOLO_BYTES",
     "Batch",
+    "Layout",
     "Message",
+    "MessagePieces",
+    "Packed",
     "Piece",
     "Slot",
     "StagingLayout",
     "aligned",
     "fan",
+    "layout",
     "may_stage",
     "pair_messages",
     "pieces_of",

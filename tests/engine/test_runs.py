@@ -44,7 +44,11 @@ def _piece_by_piece(made, wire: torch.Tensor, tensors: dict[str, torch.Tensor]) 
 
 
 def _where(tensors: dict[str, torch.Tensor]):
-    return lambda piece: (piece.destination, tuple(tensors[piece.destination].shape), tensors[piece.destination].dtype)
+    return lambda tensor, target: (
+        target or tensor,
+        tuple(tensors[target or tensor].shape),
+        tensors[target or tensor].dtype,
+    )
 
 
 def _by_runs(made, wire: torch.Tensor, tensors: dict[str, torch.Tensor]) -> tuple[int, int]:

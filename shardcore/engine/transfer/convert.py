@@ -19,7 +19,7 @@ shares, so the schedule's deadlock-freedom argument holds for the two phases tog
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
@@ -180,6 +180,10 @@ class Conversion(Plain):
 
     def wire_dtype(self, name: str, default: torch.dtype) -> torch.dtype:
         return self.wire.get(name, default)
+
+    def casts(self) -> Container[str]:
+        """The tensors that travel in their wire dtype."""
+        return self.wire
 
     def quantizes(self, name: str) -> bool:
         """An fp8 weight's pieces are quantized with its scales on their way out."""

@@ -12,7 +12,7 @@ piece lands in and what happens once it has (``written``, ``landed``, ``finish``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
@@ -74,6 +74,10 @@ class Plain:
     def wire_dtype(self, name: str, default: torch.dtype) -> torch.dtype:
         """The dtype tensor ``name``'s pieces travel in, ``default`` being its tensor's."""
         return default
+
+    def casts(self) -> Container[str]:
+        """The tensors whose pieces ``wire_dtype`` may change: none, they travel as their tensors hold them."""
+        return ()
 
     def quantizes(self, name: str) -> bool:
         """Whether ``outgoing`` changes source ``name``'s pieces beyond a cast (then each is copied alone)."""
@@ -230,7 +234,7 @@ class Plain:
         ``kept_runs`` when given."""
         found = None if self.kept_runs is None else self.kept_runs.get(message.key)
         if found is None:
-            found = runs(message.pieces, self._where(message), message.send)
+            found = runs(message.pieces, self._where(message), message.send, self.casts())
             if self.kept_runs is not None:
                 self.kept_runs[message.key] = found
         return found
@@ -244,14 +248,18 @@ class Plain:
         reads_source = self.reads_source(message)
         tensors = self.sources if reads_source else self.destinations
         local: dict[str, tuple[tuple[int, ...], torch.dtype] | None] = {}
+        wire_dtype = self.wire_dtype
 
-        def where(piece: Piece) -> tuple[str, tuple[int, ...], torch.dtype] | None:
-            name = self.name_of(message, piece)
-            if name not in local:
+        def where(tensor: str, target: str) -> tuple[str, tuple[int, ...], torch.dtype] | None:
+            name = tensor if reads_source else target or tensor  # ``name_of``
+            if name in local:
+                found = local[name]
+            else:
                 quantized = reads_source and self.quantizes(name)
-                local[name] = None if quantized else (tuple(tensors[name].shape), self._local_dtype(message, name))
-            found = local[name]
-            return None if found is None else (name, found[0], self.wire_dtype(piece.tensor, found[1]))
+                found = local[name] = (
+                    None if quantized else (tuple(tensors[name].shape), self._local_dtype(message, name))
+                )
+            return None if found is None else (name, found[0], wire_dtype(tensor, found[1]))
 
         return where
 

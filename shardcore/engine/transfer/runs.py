@@ -11,12 +11,13 @@ its tensor (a column block), or is quantized on its way out, is copied piece by 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from operator import mul
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ...refit.boxes import fitted
-from ...refit.schedule import Piece
+from ...refit.part import Row
+from ...refit.schedule import MessagePieces, Packed, Piece
 
 if TYPE_CHECKING:
     import torch
@@ -47,57 +48,70 @@ class Run(NamedTuple):
     wire_step: int
 
 
-Where = Callable[[Piece], "tuple[str, tuple[int, ...], torch.dtype] | None"]
-"""Where a piece's tensor lies on this rank: (its local tensor, that tensor's shape, the dtype the piece travels
-in), or None when each of its pieces must be copied alone (quantized on its way out). Asked once per (tensor,
-target) of a message: it depends on them alone."""
+Where = Callable[[str, str], "tuple[str, tuple[int, ...], torch.dtype] | None"]
+"""Where the pieces of a manifest tensor (and a weight map's target, ``Piece.target``) lie on this rank: (their
+local tensor, that tensor's shape, the dtype they travel in), or None when each must be copied alone (quantized on
+its way out). Asked once per (tensor, target) of a message: it depends on them alone."""
 
 
-def runs(pieces: Sequence[tuple[Piece, int]], where: Where, sending: bool) -> tuple[list[Run], list[tuple[Piece, int]]]:
+def runs(
+    pieces: Sequence[tuple[Piece, int]], where: Where, sending: bool, casts: Container[str] = ()
+) -> tuple[list[Run], list[tuple[Piece, int]]]:
     """A message's ``pieces`` (with their byte offsets) as runs, and the pieces that join none (not one stretch of
     their tensor, a block of columns; or copied alone), in their order. The local tensors are contiguous
     (``execute_refit`` checks them; a staging copy is made so), so the runs depend on the plan's part alone, and a
     schedule keeps them for its next refits (``Schedule.runs``). A message can hold tens of thousands of pieces, so
-    what depends on a piece's tensor (``where``) or on its shape in that tensor is found once per message.
+    what depends on a piece's tensor (``where``) or on its shape in that tensor is found once per message, and the
+    segments of a kind's boxes packed whole (``schedule.Packed``) once per kind and local shape.
 
     Args:
-        pieces: The message's pieces and their offsets.
+        pieces: The message's pieces and their offsets (a ``MessagePieces``' entries are read as they are).
         where: Where each piece's tensor lies on this rank (``Where``).
         sending: Whether the pieces are read from this rank's tensors at their ``src_offset`` (a send), or
             written at their ``dst_offset`` (a receive).
+        casts: The tensors whose pieces may travel in another dtype than their local tensor's (a converting
+            refit's). A received kind's boxes of any other tensor go where their local tensor is, so ``where`` is
+            asked once per local tensor for them (a stacked ``w13_weight`` receives hundreds of experts' boxes).
     """
     builders: dict[tuple[str, torch.dtype], _Builder] = {}
     of_tensor: dict[tuple[str, str], _Builder | None] = {}
+    kinds: dict[tuple[int, tuple[int, ...], int], tuple[tuple[int, int, int], ...] | None] = {}
     single: list[tuple[Piece, int]] = []
-    for item in pieces:
-        piece, offset = item
-        key = (piece.tensor, piece.target)
-        builder = of_tensor.get(key, _UNSEEN)
-        if builder is _UNSEEN:
-            builder = of_tensor[key] = _builder(builders, where(piece))
-        if builder is None or not builder.stretch(piece.shape):  # copied alone, or a block of columns
-            single.append(item)
-            continue
-        at = piece.src_offset if sending else piece.dst_offset
-        builder.add(sum(map(mul, at, builder.strides)), offset, piece.nbytes)
+
+    def builder_of(tensor: str, target: str, key: tuple[str, str]) -> _Builder | None:
+        builder = of_tensor[key] = None
+        found = where(tensor, target)
+        if found is not None:
+            name, shape, dtype = found
+            builder = of_tensor[key] = builders.get((name, dtype))
+            if builder is None:
+                builder = of_tensor[key] = builders[name, dtype] = _Builder(name, dtype, shape)
+        return builder
+
+    for entry in pieces.entries if isinstance(pieces, MessagePieces) else pieces:
+        if isinstance(entry, Packed):  # a tensor's boxes packed whole: their segments found once per kind
+            boxes, base, layout = entry
+            tensor, target = boxes.tensor, boxes.target
+            key = (tensor, target) if tensor in casts else ("", target or tensor)  # no tensor is named ""
+            builder = of_tensor[key] if key in of_tensor else builder_of(tensor, target, key)
+            segments = None if builder is None or sending else builder.segments(boxes.rows, layout.offsets, kinds)
+            if segments is not None:
+                for start, wire, numel in segments:
+                    builder.add(start, base + wire, numel)  # type: ignore[union-attr]  # segments: a builder
+                continue
+            items = entry.pieces()  # copied alone, or not stretches: as its pieces
+        else:
+            items = [entry]
+        for item in items:
+            piece, offset = item
+            key = (piece.tensor, piece.target)
+            builder = of_tensor[key] if key in of_tensor else builder_of(*key, key)
+            if builder is None or not builder.stretch(piece.shape):  # copied alone, or a block of columns
+                single.append(item)
+                continue
+            at = piece.src_offset if sending else piece.dst_offset
+            builder.add(sum(map(mul, at, builder.strides)), offset, piece.nbytes // builder.itemsize)
     return [run for builder in builders.values() for run in builder.done()], single
-
-
-def _builder(
-    builders: dict[tuple[str, torch.dtype], _Builder], found: tuple[str, tuple[int, ...], torch.dtype] | None
-) -> _Builder | None:
-    """The builder of the runs of a piece's tensor where it lies (``found``, a ``Where``'s answer; None: none)."""
-    if found is None:
-        return None
-    name, shape, dtype = found
-    builder = builders.get((name, dtype))
-    if builder is None:
-        builder = builders[name, dtype] = _Builder(name, dtype, shape)
-    return builder
-
-
-_UNSEEN: Any = object()
-"""``runs``' mark of a (tensor, target) not yet looked up (None is an answer: copied alone)."""
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -134,15 +148,38 @@ class _Builder:
             found = self.stretches[box] = fit[lead + 1 :] == shape[lead + 1 :]
         return found
 
-    def add(self, start: int, wire: int, nbytes: int) -> None:
-        """A stretch of ``nbytes`` from element ``start`` of the tensor, at byte ``wire`` of the message."""
+    def segments(
+        self, rows: Sequence[Row], offsets: tuple[int, ...], kinds: dict[Any, tuple[tuple[int, int, int], ...] | None]
+    ) -> tuple[tuple[int, int, int], ...] | None:
+        """A kind's received boxes (``rows``, packed at ``offsets`` from a message's byte) as segments of this tensor:
+        (first element, byte from the first box's, elements), those that continue each other merged, as ``add``
+        would merge them; None when one is not a stretch. Found once per kind and local shape (``kinds`` keeps
+        them): the tensors of a kind share rows, and each layer's tensor has the same shape."""
+        key = (id(rows), self.shape, self.itemsize)
+        if key not in kinds:
+            found: list[list[int]] = []
+            for (_, shape, _, at, nbytes), wire in zip(rows, offsets):
+                if not self.stretch(shape):
+                    found = []
+                    break
+                start, numel = sum(map(mul, at, self.strides)), nbytes // self.itemsize
+                last = found[-1] if found else None
+                if last and start == last[0] + last[2] and wire == last[1] + last[2] * self.itemsize:
+                    last[2] += numel
+                else:
+                    found.append([start, wire, numel])
+            kinds[key] = tuple((start, wire, numel) for start, wire, numel in found) if found else None
+        return kinds[key]
+
+    def add(self, start: int, wire: int, numel: int) -> None:
+        """A stretch of ``numel`` elements from element ``start`` of the tensor, at byte ``wire`` of the message."""
         segment = self.segment
         if segment is not None and start == segment[0] + segment[2] and wire == segment[1] + segment[2] * self.itemsize:
-            segment[2] += nbytes // self.itemsize
+            segment[2] += numel
             return
         if segment is not None:
             self._append(segment)
-        self.segment = [start, wire, nbytes // self.itemsize]
+        self.segment = [start, wire, numel]
 
     def _append(self, segment: list[int]) -> None:
         run, (start, wire, numel) = self.run, segment
