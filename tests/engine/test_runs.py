@@ -170,3 +170,32 @@ def test_a_send_packs_its_runs_as_piece_by_piece(seed: int) -> None:
     for piece, offset in made:
         _pack_alone(piece, offset, sources, expected)
     assert torch.equal(wire, expected)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_a_kinds_packed_boxes_make_the_runs_of_their_pieces(family: str) -> None:
+    """An engine rank's messages hold each tensor's received boxes packed whole (``schedule.Packed``); their runs,
+    found once per kind, equal those found piece by piece from the same message: with some tensors cast on the way
+    (``casts``: asked per tensor) and some local tensors whose pieces are copied alone."""
+    from shardcore.refit.schedule import Packed, rank_batches
+    from tests.core.test_refit_rows import engine_plan
+
+    plan = engine_plan(family)
+    shapes = {tensor.name: tensor.shape for tensor in plan.manifest}
+    mine = plan.for_rank(2)
+    local = mine.destination_shapes
+    names = sorted(tensor.name for tensor in plan.manifest)
+    casts, alone = set(names[::7]), set(sorted(local)[3::11])
+
+    def where(tensor: str, target: str) -> tuple[str, tuple[int, ...], torch.dtype] | None:
+        name = target or tensor
+        return None if name in alone else (name, local[name], torch.float16 if tensor in casts else torch.bfloat16)
+
+    received = [m for b in rank_batches(mine, 2, 6, 1 << 20, 8, shapes) for m in b.messages if m.pieces and not m.send]
+    assert all(any(isinstance(entry, Packed) for entry in m.pieces.entries) for m in received)
+    differ = 0
+    for message in received:
+        expected = runs(tuple(message.pieces), where, False)
+        assert runs(message.pieces, where, False, casts) == expected
+        differ += runs(message.pieces, where, False) != expected  # the casts matter: asked per local tensor, wrong
+    assert differ

@@ -11,11 +11,11 @@ its tensor (a column block), or is quantized on its way out, is copied piece by 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Callable, Container, Sequence
 from operator import mul
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ...refit.boxes import fitted
+from ...refit.boxes import fitted, from_fields
 from ...refit.part import Row
 from ...refit.schedule import MessagePieces, Packed, Piece
 
@@ -48,6 +48,10 @@ class Run(NamedTuple):
     wire_step: int
 
 
+Segments = tuple[tuple[int, int, int], ...]
+"""A kind's received boxes in a local tensor, merged where they continue each other: (first element, byte from the
+first box's, elements) each (``_Builder.segments``)."""
+
 Where = Callable[[str, str], "tuple[str, tuple[int, ...], torch.dtype] | None"]
 """Where the pieces of a manifest tensor (and a weight map's target, ``Piece.target``) lie on this rank: (their
 local tensor, that tensor's shape, the dtype they travel in), or None when each must be copied alone (quantized on
@@ -75,7 +79,9 @@ def runs(
     """
     builders: dict[tuple[str, torch.dtype], _Builder] = {}
     of_tensor: dict[tuple[str, str], _Builder | None] = {}
-    kinds: dict[tuple[int, tuple[int, ...], int], tuple[tuple[int, int, int], ...] | None] = {}
+    kinds: dict[tuple[int, int], Segments | None] = {}  # by the id of a kind's rows and the local tensor's shape
+    shapes: dict[tuple[tuple[int, ...], int], int] = {}  # a number per local tensor's shape and itemsize
+    templates: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[tuple[int, ...]]] = {}
     single: list[tuple[Piece, int]] = []
 
     def builder_of(tensor: str, target: str, key: tuple[str, str]) -> _Builder | None:
@@ -85,7 +91,8 @@ def runs(
             name, shape, dtype = found
             builder = of_tensor[key] = builders.get((name, dtype))
             if builder is None:
-                builder = of_tensor[key] = builders[name, dtype] = _Builder(name, dtype, shape)
+                shaped = shapes.setdefault((shape, dtype.itemsize), len(shapes))
+                builder = of_tensor[key] = builders[name, dtype] = _Builder(name, dtype, shape, shaped)
         return builder
 
     for entry in pieces.entries if isinstance(pieces, MessagePieces) else pieces:
@@ -94,11 +101,17 @@ def runs(
             tensor, target = boxes.tensor, boxes.target
             key = (tensor, target) if tensor in casts else ("", target or tensor)  # no tensor is named ""
             builder = of_tensor[key] if key in of_tensor else builder_of(tensor, target, key)
-            segments = None if builder is None or sending else builder.segments(boxes.rows, layout.offsets, kinds)
-            if segments is not None:
-                for start, wire, numel in segments:
-                    builder.add(start, base + wire, numel)  # type: ignore[union-attr]  # segments: a builder
-                continue
+            if builder is not None and not sending:
+                rows = boxes.rows
+                segments = kinds.get((id(rows), builder.shaped), _UNSEEN)
+                if segments is _UNSEEN:
+                    segments = kinds[id(rows), builder.shaped] = builder.segments(rows, layout.offsets)
+                if segments is not None:
+                    if builder.queued is None:
+                        builder.queue(segments, base)
+                    else:
+                        builder.queued.append((segments, base))
+                    continue
             items = entry.pieces()  # copied alone, or not stretches: as its pieces
         else:
             items = [entry]
@@ -110,8 +123,14 @@ def runs(
                 single.append(item)
                 continue
             at = piece.src_offset if sending else piece.dst_offset
+            if builder.queued is not None:
+                builder.flush()
             builder.add(sum(map(mul, at, builder.strides)), offset, piece.nbytes // builder.itemsize)
-    return [run for builder in builders.values() for run in builder.done()], single
+    return [run for builder in builders.values() for run in builder.done(templates)], single
+
+
+_UNSEEN: Any = object()
+"""``runs``' mark of a kind not yet looked up (None is an answer: not stretches)."""
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -127,13 +146,18 @@ class _Builder:
     """The runs of one (tensor, dtype): segments merged while they continue each other on both sides, each
     finished segment appended to the run it steps on from, or starting a new one."""
 
-    def __init__(self, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    def __init__(self, name: str, dtype: torch.dtype, shape: tuple[int, ...], shaped: int) -> None:
         self.name, self.dtype, self.itemsize, self.shape = name, dtype, dtype.itemsize, shape
+        self.shaped = shaped  # a number per (shape, itemsize) of the message's local tensors
         self.strides = _strides(shape)
         self.stretches: dict[tuple[int, ...], bool] = {}
-        self.runs: list[Run] = []
+        self.runs: list[tuple[int, ...]] = []  # (start, wire, numel, segments, step, wire_step) each
         self.run: list[int] | None = None  # [start, wire, numel, segments, step, wire_step]
         self.segment: list[int] | None = None  # [start, wire, numel]
+        self.queued: list[tuple[Segments, int]] | None = []
+        """Kinds' segments and the byte their boxes start at, not yet added, while nothing else came: ``done`` finds
+        their runs once per pattern (the same kinds at the same distances: each MoE layer's stacked tensor gets its
+        experts' boxes so), the others shifted. None once a loose piece came."""
 
     def stretch(self, box: tuple[int, ...]) -> bool:
         """Whether a box of this extent is one stretch of the tensor: whole in every dim after its first that is
@@ -148,28 +172,37 @@ class _Builder:
             found = self.stretches[box] = fit[lead + 1 :] == shape[lead + 1 :]
         return found
 
-    def segments(
-        self, rows: Sequence[Row], offsets: tuple[int, ...], kinds: dict[Any, tuple[tuple[int, int, int], ...] | None]
-    ) -> tuple[tuple[int, int, int], ...] | None:
+    def segments(self, rows: Sequence[Row], offsets: tuple[int, ...]) -> Segments | None:
         """A kind's received boxes (``rows``, packed at ``offsets`` from a message's byte) as segments of this tensor:
         (first element, byte from the first box's, elements), those that continue each other merged, as ``add``
-        would merge them; None when one is not a stretch. Found once per kind and local shape (``kinds`` keeps
-        them): the tensors of a kind share rows, and each layer's tensor has the same shape."""
-        key = (id(rows), self.shape, self.itemsize)
-        if key not in kinds:
-            found: list[list[int]] = []
-            for (_, shape, _, at, nbytes), wire in zip(rows, offsets):
-                if not self.stretch(shape):
-                    found = []
-                    break
-                start, numel = sum(map(mul, at, self.strides)), nbytes // self.itemsize
-                last = found[-1] if found else None
-                if last and start == last[0] + last[2] and wire == last[1] + last[2] * self.itemsize:
-                    last[2] += numel
-                else:
-                    found.append([start, wire, numel])
-            kinds[key] = tuple((start, wire, numel) for start, wire, numel in found) if found else None
-        return kinds[key]
+        would merge them; None when one is not a stretch. ``runs`` keeps them per kind and local shape: the tensors
+        of a kind share rows, and each layer's tensor has the same shape."""
+        found: list[list[int]] = []
+        for (_, shape, _, at, nbytes), wire in zip(rows, offsets):
+            if not self.stretch(shape):
+                return None
+            start, numel = sum(map(mul, at, self.strides)), nbytes // self.itemsize
+            last = found[-1] if found else None
+            if last and start == last[0] + last[2] and wire == last[1] + last[2] * self.itemsize:
+                last[2] += numel
+            else:
+                found.append([start, wire, numel])
+        return tuple((start, wire, numel) for start, wire, numel in found)
+
+    def queue(self, segments: Segments, base: int) -> None:
+        """A kind's ``segments`` (``segments``), its boxes packed from byte ``base`` of the message."""
+        if self.queued is None:
+            for start, wire, numel in segments:
+                self.add(start, base + wire, numel)
+        else:
+            self.queued.append((segments, base))
+
+    def flush(self) -> None:
+        """Add the queued kinds' segments: a loose piece comes next."""
+        for segments, base in self.queued or ():
+            for start, wire, numel in segments:
+                self.add(start, base + wire, numel)
+        self.queued = None
 
     def add(self, start: int, wire: int, numel: int) -> None:
         """A stretch of ``numel`` elements from element ``start`` of the tensor, at byte ``wire`` of the message."""
@@ -192,15 +225,32 @@ class _Builder:
                 run[3] += 1
                 return
         if run is not None:
-            self.runs.append(Run(self.name, self.dtype, *run))
+            self.runs.append(tuple(run))
         self.run = [start, wire, numel, 1, 0, 0]
 
-    def done(self) -> Iterator[Run]:
+    def done(self, templates: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[tuple[int, ...]]]) -> list[Run]:
+        """The runs, once every piece is added. Queued kinds alone (``queued``) are laid from the first one's byte:
+        their runs are found once per pattern (``templates``: the kinds, each one's distance from the first, the
+        itemsize) and shifted to where this builder's start."""
+        name, dtype, queued = self.name, self.dtype, self.queued
+        if not queued:
+            return [from_fields(Run, (name, dtype, *run)) for run in self._finished()]
+        first = queued[0][1]
+        key = (self.itemsize, tuple([id(segments) for segments, _ in queued]), tuple([b - first for _, b in queued]))
+        found = templates.get(key)
+        if found is None:
+            for segments, base in queued:
+                for start, wire, numel in segments:
+                    self.add(start, base - first + wire, numel)
+            found = templates[key] = self._finished()
+        return [from_fields(Run, (name, dtype, start, wire + first, *rest)) for start, wire, *rest in found]
+
+    def _finished(self) -> list[tuple[int, ...]]:
         if self.segment is not None:
             self._append(self.segment)
         if self.run is not None:
-            self.runs.append(Run(self.name, self.dtype, *self.run))
-        return iter(self.runs)
+            self.runs.append(tuple(self.run))
+        return self.runs
 
 
 def run_views(run: Run, tensor: torch.Tensor, wire: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
