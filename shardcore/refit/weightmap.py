@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from array import array
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping
 from operator import itemgetter
 from typing import NamedTuple
 
 from ..errors import ManifestError
 from .boxes import Box, fitted, from_fields, meets, moved, overlap, subtract, volume
-from .manifest import Manifest, tensor_label
+from .manifest import Manifest, hash_names, tensor_label
 from .placement import HeldAlike, HeldTensor, HolderSet, Member, Placement, Slice
 
 
@@ -559,12 +560,15 @@ class WeightMap:
         so a model's quarter million links cost as many names, not as many tuples' text (1.4 s for DeepSeek-V3's
         map into vLLM, in every rank's first refit)."""
         if not self._digest:
-            fills = [
-                (target, self._patterns[number], tuple([names[slot] for slot in self._kinds[number].slots]))
-                for target, (number, names) in self._fills.items()
-            ]
-            text = repr((self.name, self._pattern_boxes, fills, sorted(self.padding.items()), self.zeroed))
-            self._digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+            kinds, patterns = self._kinds, self._patterns
+            fills = self._fills.items()
+            text = repr((self.name, self._pattern_boxes, sorted(self.padding.items()), self.zeroed))
+            found = hashlib.sha256(text.encode())
+            found.update(array("q", [patterns[number] for _, (number, _) in fills]).tobytes())
+            hash_names(found.update, [target for target, _ in fills])
+            hash_names(found.update, [names[slot] for _, (number, names) in fills for slot in kinds[number].slots])
+            found.update(array("q", [len(kinds[number].slots) for _, (number, _) in fills]).tobytes())
+            self._digest = found.hexdigest()[:16]
         return self._digest
 
 

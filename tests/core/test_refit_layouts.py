@@ -209,6 +209,33 @@ def element_source(weights: WeightMap, target: str, at: tuple[int, ...]) -> tupl
     return link.source, tuple(start for start, _ in translate(tuple((i, i + 1) for i in at), link.box, link.origin))
 
 
+def test_a_maps_digest_is_moved_by_its_name_its_sources_and_their_boxes() -> None:
+    """Ranks compare the map's digest (in the plan's fingerprint): the same links give the same digest, and a map
+    named otherwise, or whose links read two sources the other way round, or another box of one, gives another."""
+    model = model_of("qwen3_moe", num_hidden_layers=2)
+    weights = model.vllm_from_megatron(2, 2)
+
+    def made(links: list[Link], name: str = weights.name) -> WeightMap:
+        return WeightMap(weights.sources, weights.targets, tuple(links), weights.padding, name, True)
+
+    links = list(weights.links)
+    assert made(links).digest() == weights.digest()
+    first = next(i for i, link in enumerate(links) if ".experts." in link.target)
+    second = next(
+        i
+        for i, link in enumerate(links)
+        if link.target == links[first].target and link.origin == links[first].origin and i != first
+    )
+    swapped = list(links)
+    swapped[first] = links[first]._replace(source=links[second].source)
+    swapped[second] = links[second]._replace(source=links[first].source)
+    moved = list(links)
+    (start, stop), *rest = links[first].origin
+    moved[first] = links[first]._replace(origin=((start + 1, stop + 1), *rest))
+    digests = {made(links, "other").digest(), made(swapped).digest(), made(moved).digest(), weights.digest()}
+    assert len(digests) == 4
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_composed_map_reads_each_element_where_its_two_maps_do(family: str) -> None:
     """Megatron -> vLLM, composed fill by fill (once per kind of weight, for every layer), fills the first and last

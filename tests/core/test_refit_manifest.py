@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +26,7 @@ from shardcore.refit import (
     preset,
 )
 from shardcore.refit.documents import manifest_from_dict, model_manifest
-from shardcore.refit.manifest import split_layers
+from shardcore.refit.manifest import hash_names, split_layers
 
 LLAMA = TransformerConfig(layers=4, hidden=64, ffn=96, heads=8, kv_heads=2, vocab=256)
 
@@ -405,3 +406,16 @@ def test_bad_refit_requests() -> None:
         plan_refit(layout, 0, 1, manifest, 0)
     with pytest.raises(RefitError, match="no destination"):
         plan_refit(layout, 0, [], manifest)
+
+
+def test_names_hash_with_their_boundaries() -> None:
+    """``hash_names`` joins the names: where one ends is part of what is hashed, and any string hashes (a lone
+    surrogate too, which UTF-8 alone refuses)."""
+
+    def hashed(names: list[str]) -> str:
+        found = hashlib.sha256()
+        hash_names(found.update, names)
+        return found.hexdigest()
+
+    assert hashed(["ab", "c"]) != hashed(["a", "bc"]) != hashed(["abc"]) != hashed(["ab", "c", ""])
+    assert hashed(["ab", "c"]) == hashed(["a" + "b", "c"]) and hashed(["\ud800"]) != hashed(["\ud801"])
