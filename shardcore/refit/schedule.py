@@ -73,6 +73,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from operator import attrgetter
 from typing import Any, NamedTuple, overload
 
 from .boxes import from_fields, moved
@@ -177,20 +178,14 @@ class MessagePieces(Sequence[tuple[Piece, int]]):
 
     Args:
         entries: ``(Piece, offset)`` items and ``Packed`` boxes, in the message's order.
+        length: How many pieces they are.
+        payload: Their bytes.
     """
 
     __slots__ = ("_length", "_made", "entries", "payload")
 
-    def __init__(self, entries: Sequence[tuple[Piece, int] | Packed]) -> None:
-        self.entries = tuple(entries)
-        self._length = self.payload = 0
-        for entry in self.entries:
-            if isinstance(entry, Packed):
-                self._length += len(entry.layout.offsets)
-                self.payload += entry.layout.total
-            else:
-                self._length += 1
-                self.payload += entry[0].nbytes
+    def __init__(self, entries: Sequence[tuple[Piece, int] | Packed], length: int, payload: int) -> None:
+        self.entries, self._length, self.payload = tuple(entries), length, payload
         self._made: tuple[tuple[Piece, int], ...] | None = None
 
     def _pieces(self) -> tuple[tuple[Piece, int], ...]:
@@ -315,7 +310,7 @@ def pair_messages(transfers: Sequence[Any], cap: int, dst: int = -1) -> list[tup
     side's strides."""
     out: list[tuple[MessagePieces, int]] = []
     packed: list[tuple[Piece, int] | Packed] = []
-    size = 0
+    size = count = payload = 0  # the message being filled: its bytes, pieces and their bytes
     layouts: dict[int, Layout] = {}
     for transfer in transfers:
         if isinstance(transfer, Received):
@@ -326,7 +321,7 @@ def pair_messages(transfers: Sequence[Any], cap: int, dst: int = -1) -> list[tup
             base = aligned(size)
             if base + found.end <= cap and found.most < SOLO_BYTES:  # whole in this message: as its pieces would be
                 packed.append(from_fields(Packed, (transfer, base, found)))
-                size = base + found.end
+                size, count, payload = base + found.end, count + len(rows), payload + found.total
                 continue
             pieces = _pieces(transfer, dst, cap)
         else:
@@ -334,16 +329,16 @@ def pair_messages(transfers: Sequence[Any], cap: int, dst: int = -1) -> list[tup
         for piece in pieces:
             nbytes = piece.nbytes
             if nbytes >= SOLO_BYTES:
-                out.append((MessagePieces(((piece, 0),)), nbytes))
+                out.append((MessagePieces(((piece, 0),), 1, nbytes), nbytes))
                 continue
             offset = aligned(size)
             if packed and offset + nbytes > cap:
-                out.append((MessagePieces(packed), size))
-                packed, offset = [], 0
+                out.append((MessagePieces(packed, count, payload), size))
+                packed, offset, count, payload = [], 0, 0, 0
             packed.append((piece, offset))
-            size = offset + nbytes
+            size, count, payload = offset + nbytes, count + 1, payload + nbytes
     if packed:
-        out.append((MessagePieces(packed), size))
+        out.append((MessagePieces(packed, count, payload), size))
     return out
 
 
@@ -367,8 +362,8 @@ def tournament_round(i: int, j: int, world: int) -> int:
 def _by_peer(transfers: Sequence[Any], attr: str) -> dict[tuple[int, int], list[Any]]:
     """Transfers by (peer, hop): each direction of a pair has its messages and its ledger per hop."""
     peers: dict[tuple[int, int], list[Any]] = {}
-    for transfer in transfers:
-        peers.setdefault((getattr(transfer, attr), getattr(transfer, "hop", 0)), []).append(transfer)
+    for key, transfer in zip(map(attrgetter(attr, "hop"), transfers), transfers):
+        peers.setdefault(key, []).append(transfer)
     return peers
 
 
