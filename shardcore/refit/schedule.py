@@ -70,11 +70,12 @@ stream; k+2's pack comes after k's wait, which orders it after k's sends read th
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from operator import attrgetter
-from typing import Any, NamedTuple, overload
+from typing import Any, NamedTuple, cast, overload
 
 from .boxes import from_fields, moved
 from .part import Received, Row, Rows
@@ -148,54 +149,58 @@ def layout(rows: Sequence[Row]) -> Layout:
     return Layout(tuple(offsets), size, max(row[4] for row in rows), sum(row[4] for row in rows))
 
 
-class Packed(NamedTuple):
-    """A ``Received``'s boxes, one piece each, packed whole into a message from byte ``base`` (at ``base`` plus their
-    ``layout.offsets``): what a message holds of them instead of a ``Piece`` each, which tens of thousands would
-    cost (``MessagePieces``)."""
-
-    boxes: Received
-    base: int
-    layout: Layout
-
-    def first(self) -> Piece:
-        """The first box as a piece."""
-        _, shape, src_offset, dst_offset, nbytes = self.boxes.rows[0]
-        return from_fields(Piece, (self.boxes.tensor, shape, src_offset, dst_offset, nbytes, self.boxes.target))
-
-    def pieces(self) -> list[tuple[Piece, int]]:
-        """The boxes as pieces, with their byte offsets in the message."""
-        tensor, target, base = self.boxes.tensor, self.boxes.target, self.base
-        return [
-            (from_fields(Piece, (tensor, shape, src_offset, dst_offset, nbytes, target)), base + offset)
-            for (_, shape, src_offset, dst_offset, nbytes), offset in zip(self.boxes.rows, self.layout.offsets)
-        ]
+def packed_pieces(boxes: Received, base: int, layout: Layout) -> list[tuple[Piece, int]]:
+    """A ``Received``'s boxes packed whole from byte ``base`` of a message (at ``base`` plus their ``layout``'s
+    offsets), as pieces with their byte offsets."""
+    tensor, target = boxes.tensor, boxes.target
+    return [
+        (from_fields(Piece, (tensor, shape, src_offset, dst_offset, nbytes, target)), base + offset)
+        for (_, shape, src_offset, dst_offset, nbytes), offset in zip(boxes.rows, layout.offsets)
+    ]
 
 
 class MessagePieces(Sequence[tuple[Piece, int]]):
-    """A message's pieces with their byte offsets, as ``pair_messages`` cuts them: its ``entries`` hold loose
-    ``(Piece, offset)`` items and ``Packed`` boxes, whose pieces are made only when read one by one. The runs
-    (``transfer.runs``) read the entries as they are. Compares equal to any sequence of the same pieces.
+    """A message's pieces with their byte offsets, as ``pair_messages`` cuts them, held as three columns of one item
+    per entry: ``entries`` (a loose ``(Piece, offset)``, or a ``Received`` whose boxes are packed whole),
+    ``bases`` (the byte a Received's boxes start at) and ``layouts`` (its kind's ``Layout``; None for a loose
+    piece). A tensor's boxes thus cost a list item, not a ``Piece`` each nor an object the collector walks; the
+    pieces are made only when read one by one, and the runs (``transfer.runs``) read the columns as they are.
+    Compares equal to any sequence of the same pieces.
 
     Args:
-        entries: ``(Piece, offset)`` items and ``Packed`` boxes, in the message's order.
+        entries: Loose ``(Piece, offset)`` items and packed ``Received`` boxes, in the message's order.
+        bases: Per entry, the byte a Received's boxes start at (0 for a loose piece).
+        layouts: Per entry, a Received's ``Layout``, or None.
         length: How many pieces they are.
         payload: Their bytes.
     """
 
-    __slots__ = ("_length", "_made", "entries", "payload")
+    __slots__ = ("_length", "_made", "bases", "entries", "layouts", "payload")
 
-    def __init__(self, entries: Sequence[tuple[Piece, int] | Packed], length: int, payload: int) -> None:
-        self.entries, self._length, self.payload = tuple(entries), length, payload
+    def __init__(
+        self,
+        entries: list[tuple[Piece, int] | Received],
+        bases: array[int],
+        layouts: list[Layout | None],
+        length: int,
+        payload: int,
+    ) -> None:
+        self.entries, self.bases, self.layouts, self._length, self.payload = entries, bases, layouts, length, payload
         self._made: tuple[tuple[Piece, int], ...] | None = None
+
+    @classmethod
+    def alone(cls, piece: Piece) -> MessagePieces:
+        """A message of one piece, at byte 0."""
+        return cls([(piece, 0)], array("q", (0,)), [None], 1, piece.nbytes)
 
     def _pieces(self) -> tuple[tuple[Piece, int], ...]:
         if self._made is None:
             made: list[tuple[Piece, int]] = []
-            for entry in self.entries:
-                if isinstance(entry, Packed):
-                    made += entry.pieces()
+            for entry, base, found in zip(self.entries, self.bases, self.layouts):
+                if found is None:
+                    made.append(entry)  # type: ignore[arg-type]  # a loose piece
                 else:
-                    made.append(entry)
+                    made += packed_pieces(entry, base, found)  # type: ignore[arg-type]  # a Received
             self._made = tuple(made)
         return self._made
 
@@ -306,11 +311,12 @@ def pair_messages(transfers: Sequence[Any], cap: int, dst: int = -1) -> list[tup
     message bytes). ``transfers`` come in the part's one order (``part.transfer_order``), which both ends share, so
     they are cut as they come, never re-sorted; ``Received`` boxes among them (a ``Rows``' items, received by
     ``dst``) are cut as their transfers would be, and those that fit whole in the message being filled are held
-    as one ``Packed`` entry (their ``layout`` found once per kind). The cut depends on sizes alone, never on either
-    side's strides."""
+    as one entry (their ``layout`` found once per kind: ``MessagePieces``). The cut depends on sizes alone, never
+    on either side's strides."""
     out: list[tuple[MessagePieces, int]] = []
-    packed: list[tuple[Piece, int] | Packed] = []
-    size = count = payload = 0  # the message being filled: its bytes, pieces and their bytes
+    entries: list[tuple[Piece, int] | Received] = []  # the message being filled, as MessagePieces' columns
+    bases, kinds = array("q"), cast(list[Layout | None], [])
+    size = count = payload = 0  # its bytes, pieces and their bytes
     layouts: dict[int, Layout] = {}
     for transfer in transfers:
         if isinstance(transfer, Received):
@@ -320,7 +326,9 @@ def pair_messages(transfers: Sequence[Any], cap: int, dst: int = -1) -> list[tup
                 found = layouts[id(rows)] = layout(rows)
             base = aligned(size)
             if base + found.end <= cap and found.most < SOLO_BYTES:  # whole in this message: as its pieces would be
-                packed.append(from_fields(Packed, (transfer, base, found)))
+                entries.append(transfer)
+                bases.append(base)
+                kinds.append(found)
                 size, count, payload = base + found.end, count + len(rows), payload + found.total
                 continue
             pieces = _pieces(transfer, dst, cap)
@@ -329,16 +337,18 @@ def pair_messages(transfers: Sequence[Any], cap: int, dst: int = -1) -> list[tup
         for piece in pieces:
             nbytes = piece.nbytes
             if nbytes >= SOLO_BYTES:
-                out.append((MessagePieces(((piece, 0),), 1, nbytes), nbytes))
+                out.append((MessagePieces.alone(piece), nbytes))
                 continue
             offset = aligned(size)
-            if packed and offset + nbytes > cap:
-                out.append((MessagePieces(packed, count, payload), size))
-                packed, offset, count, payload = [], 0, 0, 0
-            packed.append((piece, offset))
+            if entries and offset + nbytes > cap:
+                out.append((MessagePieces(entries, bases, kinds, count, payload), size))
+                entries, bases, kinds, offset, count, payload = [], array("q"), [], 0, 0, 0
+            entries.append((piece, offset))
+            bases.append(0)
+            kinds.append(None)
             size, count, payload = offset + nbytes, count + 1, payload + nbytes
-    if packed:
-        out.append((MessagePieces(packed, count, payload), size))
+    if entries:
+        out.append((MessagePieces(entries, bases, kinds, count, payload), size))
     return out
 
 
@@ -495,7 +505,6 @@ __all__ = [
     "Layout",
     "Message",
     "MessagePieces",
-    "Packed",
     "Piece",
     "Slot",
     "StagingLayout",
@@ -503,6 +512,7 @@ __all__ = [
     "fan",
     "layout",
     "may_stage",
+    "packed_pieces",
     "pair_messages",
     "pieces_of",
     "rank_batches",

@@ -11,7 +11,7 @@ import pytest
 from shardcore.plan.layout import plan_layout
 from shardcore.refit.part import Received, Rows
 from shardcore.refit.planner import plan_refit
-from shardcore.refit.schedule import MessagePieces, Packed, pair_messages, rank_batches
+from shardcore.refit.schedule import MessagePieces, pair_messages, rank_batches
 from tests.core.test_refit_layouts import model_of
 
 
@@ -56,7 +56,7 @@ def test_rows_read_as_the_tuple_of_their_transfers() -> None:
 
 
 def test_a_message_reads_its_packed_boxes_as_their_pieces() -> None:
-    """A message cut from ``Received`` boxes holds each tensor's boxes that fit whole as one ``Packed`` entry, and
+    """A message cut from ``Received`` boxes holds each tensor's boxes that fit whole as one entry (a ``Received``), and
     counts, sums, reads, compares and shows as the pieces its transfers are cut into; a box that would cross the
     message's end is cut as its transfer is."""
     mine = engine_plan("deepseek_v3").for_rank(2)
@@ -66,13 +66,14 @@ def test_a_message_reads_its_packed_boxes_as_their_pieces() -> None:
         messages, expected = pair_messages(items, cap, 2), pair_messages(made, cap, 2)
         assert [size for _, size in messages] == [size for _, size in expected]
         for (pieces, _), (alike, _) in zip(messages, expected):
-            assert isinstance(pieces, MessagePieces) and not any(isinstance(e, Packed) for e in alike.entries)
+            assert isinstance(pieces, MessagePieces) and not any(alike.layouts)
             whole = tuple(alike)
             assert pieces == whole and pieces == list(whole) and len(pieces) == len(whole) and pieces != whole[1:]
             assert pieces.payload == sum(piece.nbytes for piece, _ in whole) and repr(pieces) == repr(whole)
             assert pieces[0] == whole[0] and pieces[-2:] == whole[-2:] and list(pieces) == list(whole)
-        packed = [entry for pieces, _ in messages for entry in pieces.entries if isinstance(entry, Packed)]
+        packed = [e for pieces, _ in messages for e, found in zip(pieces.entries, pieces.layouts) if found is not None]
         if cap == 64:  # no kind's boxes fit whole
             assert not packed
         else:
-            assert packed and (cap < 1 << 20 or any(len(entry.boxes.rows) > 1 for entry in packed))
+            assert all(isinstance(entry, Received) for entry in packed)
+            assert packed and (cap < 1 << 20 or any(len(entry.rows) > 1 for entry in packed))

@@ -174,10 +174,10 @@ def test_a_send_packs_its_runs_as_piece_by_piece(seed: int) -> None:
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_a_kinds_packed_boxes_make_the_runs_of_their_pieces(family: str) -> None:
-    """An engine rank's messages hold each tensor's received boxes packed whole (``schedule.Packed``); their runs,
-    found once per kind, equal those found piece by piece from the same message: with some tensors cast on the way
-    (``casts``: asked per tensor) and some local tensors whose pieces are copied alone."""
-    from shardcore.refit.schedule import Packed, rank_batches
+    """An engine rank's messages hold each tensor's received boxes packed whole (``schedule.MessagePieces``); their
+    runs, found once per kind, equal those found piece by piece from the same message: with some tensors cast on the
+    way (``casts``: asked per tensor) and some local tensors whose pieces are copied alone."""
+    from shardcore.refit.schedule import rank_batches
     from tests.core.test_refit_rows import engine_plan
 
     plan = engine_plan(family)
@@ -192,7 +192,7 @@ def test_a_kinds_packed_boxes_make_the_runs_of_their_pieces(family: str) -> None
         return None if name in alone else (name, local[name], torch.float16 if tensor in casts else torch.bfloat16)
 
     received = [m for b in rank_batches(mine, 2, 6, 1 << 20, 8, shapes) for m in b.messages if m.pieces and not m.send]
-    assert all(any(isinstance(entry, Packed) for entry in m.pieces.entries) for m in received)
+    assert all(any(layout is not None for layout in m.pieces.layouts) for m in received)
     differ = 0
     for message in received:
         expected = runs(tuple(message.pieces), where, False)

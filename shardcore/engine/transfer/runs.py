@@ -12,12 +12,13 @@ its tensor (a column block), or is quantized on its way out, is copied piece by 
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Sequence
+from itertools import repeat
 from operator import mul
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ...refit.boxes import fitted, from_fields
 from ...refit.part import Row
-from ...refit.schedule import MessagePieces, Packed, Piece
+from ...refit.schedule import MessagePieces, Piece, packed_pieces
 
 if TYPE_CHECKING:
     import torch
@@ -66,7 +67,7 @@ def runs(
     (``execute_refit`` checks them; a staging copy is made so), so the runs depend on the plan's part alone, and a
     schedule keeps them for its next refits (``Schedule.runs``). A message can hold tens of thousands of pieces, so
     what depends on a piece's tensor (``where``) or on its shape in that tensor is found once per message, and the
-    segments of a kind's boxes packed whole (``schedule.Packed``) once per kind and local shape.
+    segments of a kind's boxes packed whole (``schedule.MessagePieces``) once per kind and local shape.
 
     Args:
         pieces: The message's pieces and their offsets (a ``MessagePieces``' entries are read as they are).
@@ -95,14 +96,17 @@ def runs(
                 builder = of_tensor[key] = builders[name, dtype] = _Builder(name, dtype, shape, shaped)
         return builder
 
-    for entry in pieces.entries if isinstance(pieces, MessagePieces) else pieces:
-        if isinstance(entry, Packed):  # a tensor's boxes packed whole: their segments found once per kind
-            boxes, base, layout = entry
-            tensor, target = boxes.tensor, boxes.target
+    columns = (
+        zip(pieces.entries, pieces.bases, pieces.layouts)
+        if isinstance(pieces, MessagePieces)
+        else zip(pieces, repeat(0), repeat(None))
+    )
+    for entry, base, layout in columns:
+        if layout is not None:  # a tensor's boxes packed whole (a ``Received``): their segments found once per kind
+            tensor, target, rows = entry.tensor, entry.target, entry.rows  # type: ignore[union-attr]
             key = (tensor, target) if tensor in casts else ("", target or tensor)  # no tensor is named ""
             builder = of_tensor[key] if key in of_tensor else builder_of(tensor, target, key)
             if builder is not None and not sending:
-                rows = boxes.rows
                 segments = kinds.get((id(rows), builder.shaped), _UNSEEN)
                 if segments is _UNSEEN:
                     segments = kinds[id(rows), builder.shaped] = builder.segments(rows, layout.offsets)
@@ -112,9 +116,9 @@ def runs(
                     else:
                         builder.queued.append((segments, base))
                     continue
-            items = entry.pieces()  # copied alone, or not stretches: as its pieces
+            items = packed_pieces(entry, base, layout)  # type: ignore[arg-type]  # copied alone, or not stretches
         else:
-            items = [entry]
+            items = [entry]  # type: ignore[list-item]  # a loose (Piece, offset)
         for item in items:
             piece, offset = item
             key = (piece.tensor, piece.target)
