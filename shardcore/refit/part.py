@@ -10,14 +10,15 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from operator import attrgetter
-from typing import Any, NamedTuple, overload
+from typing import Any, NamedTuple
 
 from .boxes import Box, fitted, from_fields
 from .collector import gc_paused
+from .made_when_read import MadeWhenRead
 from .manifest import Manifest, TensorSpec
 from .worklines import Tile
 
@@ -139,7 +140,7 @@ class Received(NamedTuple):
         ]
 
 
-class Rows(Sequence[Transfer]):
+class Rows(MadeWhenRead[Transfer]):
     """One direction of a rank's part (``RankRefit``) in the one order, as ``Transfer``s: its ``items`` hold the
     receives of tensors of a kind as ``Received`` boxes, made into Transfers only when the rows are read one by one
     (a user, the CLI). The executor's schedule reads ``items`` as they are (``schedule.pair_messages``). Compares
@@ -150,24 +151,22 @@ class Rows(Sequence[Transfer]):
         dst: The rank receiving the ``Received`` boxes.
     """
 
-    __slots__ = ("_count", "_made", "dst", "items")
+    __slots__ = ("_count", "dst", "items")
 
     def __init__(self, items: Sequence[Transfer | Received], dst: int) -> None:
+        super().__init__()
         self.items, self.dst = tuple(items), dst
-        self._made: tuple[Transfer, ...] | None = None
         self._count: int | None = None
 
-    def _transfers(self) -> tuple[Transfer, ...]:
-        if self._made is None:
-            made: list[Transfer] = []
-            with gc_paused():  # tens of thousands of tuples, no cycle among them
-                for item in self.items:
-                    if isinstance(item, Received):
-                        made += item.transfers(self.dst)
-                    else:
-                        made.append(item)
-            self._made = tuple(made)
-        return self._made
+    def _make(self) -> tuple[Transfer, ...]:
+        made: list[Transfer] = []
+        with gc_paused():  # tens of thousands of tuples, no cycle among them
+            for item in self.items:
+                if isinstance(item, Received):
+                    made += item.transfers(self.dst)
+                else:
+                    made.append(item)
+        return tuple(made)
 
     def tensors(self) -> set[str]:
         """The names of the tensors moved, without making the transfers."""
@@ -185,38 +184,14 @@ class Rows(Sequence[Transfer]):
             self._count = sum(len(item.rows) if isinstance(item, Received) else 1 for item in self.items)
         return self._count
 
-    @overload
-    def __getitem__(self, index: int) -> Transfer: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> tuple[Transfer, ...]: ...
-
-    def __getitem__(self, index: int | slice) -> Transfer | tuple[Transfer, ...]:
-        return self._transfers()[index]
-
-    def __iter__(self) -> Iterator[Transfer]:
-        return iter(self._transfers())
-
     def __add__(self, other: Sequence[Transfer]) -> tuple[Transfer, ...]:
-        return (*self._transfers(), *other)
+        return (*self._items(), *other)
 
     def __radd__(self, other: Sequence[Transfer]) -> tuple[Transfer, ...]:
-        return (*other, *self._transfers())
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Rows):
-            return self._transfers() == other._transfers()
-        if isinstance(other, Sequence) and not isinstance(other, str):
-            return self._transfers() == tuple(other)
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]  # equal to a tuple of the same transfers, which hashes otherwise
-
-    def __repr__(self) -> str:
-        return repr(self._transfers())
+        return (*other, *self._items())
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return Rows, (self._transfers(), self.dst)
+        return Rows, (self._items(), self.dst)
 
 
 @dataclass(frozen=True)

@@ -75,9 +75,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from operator import attrgetter
-from typing import Any, NamedTuple, cast, overload
+from typing import Any, NamedTuple, cast
 
 from .boxes import from_fields, moved
+from .made_when_read import MadeWhenRead
 from .part import Received, Row, Rows
 
 ALIGN = 16
@@ -159,7 +160,7 @@ def packed_pieces(boxes: Received, base: int, layout: Layout) -> list[tuple[Piec
     ]
 
 
-class MessagePieces(Sequence[tuple[Piece, int]]):
+class MessagePieces(MadeWhenRead[tuple[Piece, int]]):
     """A message's pieces with their byte offsets, as ``pair_messages`` cuts them, held as three columns of one item
     per entry: ``entries`` (a loose ``(Piece, offset)``, or a ``Received`` whose boxes are packed whole),
     ``bases`` (the byte a Received's boxes start at) and ``layouts`` (its kind's ``Layout``; None for a loose
@@ -175,7 +176,7 @@ class MessagePieces(Sequence[tuple[Piece, int]]):
         payload: Their bytes.
     """
 
-    __slots__ = ("_length", "_made", "bases", "entries", "layouts", "payload")
+    __slots__ = ("_length", "bases", "entries", "layouts", "payload")
 
     def __init__(
         self,
@@ -185,49 +186,25 @@ class MessagePieces(Sequence[tuple[Piece, int]]):
         length: int,
         payload: int,
     ) -> None:
+        super().__init__()
         self.entries, self.bases, self.layouts, self._length, self.payload = entries, bases, layouts, length, payload
-        self._made: tuple[tuple[Piece, int], ...] | None = None
 
     @classmethod
     def alone(cls, piece: Piece) -> MessagePieces:
         """A message of one piece, at byte 0."""
         return cls([(piece, 0)], array("q", (0,)), [None], 1, piece.nbytes)
 
-    def _pieces(self) -> tuple[tuple[Piece, int], ...]:
-        if self._made is None:
-            made: list[tuple[Piece, int]] = []
-            for entry, base, found in zip(self.entries, self.bases, self.layouts):
-                if found is None:
-                    made.append(entry)  # type: ignore[arg-type]  # a loose piece
-                else:
-                    made += packed_pieces(entry, base, found)  # type: ignore[arg-type]  # a Received
-            self._made = tuple(made)
-        return self._made
+    def _make(self) -> tuple[tuple[Piece, int], ...]:
+        made: list[tuple[Piece, int]] = []
+        for entry, base, found in zip(self.entries, self.bases, self.layouts):
+            if found is None:
+                made.append(entry)  # type: ignore[arg-type]  # a loose piece
+            else:
+                made += packed_pieces(entry, base, found)  # type: ignore[arg-type]  # a Received
+        return tuple(made)
 
     def __len__(self) -> int:
         return self._length
-
-    @overload
-    def __getitem__(self, index: int) -> tuple[Piece, int]: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> tuple[tuple[Piece, int], ...]: ...
-
-    def __getitem__(self, index: int | slice) -> tuple[Piece, int] | tuple[tuple[Piece, int], ...]:
-        return self._pieces()[index]
-
-    def __iter__(self) -> Iterator[tuple[Piece, int]]:
-        return iter(self._pieces())
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Sequence) and not isinstance(other, str):
-            return self._pieces() == tuple(other)
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]  # equal to a tuple of the same pieces, which hashes otherwise
-
-    def __repr__(self) -> str:
-        return repr(self._pieces())
 
 
 @dataclass
