@@ -112,7 +112,7 @@ def runs(
                     segments = kinds[id(rows), builder.shaped] = builder.segments(rows, layout.offsets)
                 if segments is not None:
                     if builder.queued is None:
-                        builder.queue(segments, base)
+                        builder.add_all(segments, base)
                     else:
                         builder.queued.append((segments, base))
                     continue
@@ -193,19 +193,15 @@ class _Builder:
                 found.append([start, wire, numel])
         return tuple((start, wire, numel) for start, wire, numel in found)
 
-    def queue(self, segments: Segments, base: int) -> None:
-        """A kind's ``segments`` (``segments``), its boxes packed from byte ``base`` of the message."""
-        if self.queued is None:
-            for start, wire, numel in segments:
-                self.add(start, base + wire, numel)
-        else:
-            self.queued.append((segments, base))
+    def add_all(self, segments: Segments, base: int) -> None:
+        """A kind's ``segments``, its boxes packed from byte ``base`` of the message."""
+        for start, wire, numel in segments:
+            self.add(start, base + wire, numel)
 
     def flush(self) -> None:
         """Add the queued kinds' segments: a loose piece comes next."""
         for segments, base in self.queued or ():
-            for start, wire, numel in segments:
-                self.add(start, base + wire, numel)
+            self.add_all(segments, base)
         self.queued = None
 
     def add(self, start: int, wire: int, numel: int) -> None:
@@ -235,7 +231,7 @@ class _Builder:
     def done(self, templates: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[tuple[int, ...]]]) -> list[Run]:
         """The runs, once every piece is added. Queued kinds alone (``queued``) are laid from the first one's byte:
         their runs are found once per pattern (``templates``: the kinds, each one's distance from the first, the
-        itemsize) and shifted to where this builder's start."""
+        itemsize) and shifted to where this builder's first kind starts."""
         name, dtype, queued = self.name, self.dtype, self.queued
         if not queued:
             return [from_fields(Run, (name, dtype, *run)) for run in self._finished()]
@@ -244,8 +240,7 @@ class _Builder:
         found = templates.get(key)
         if found is None:
             for segments, base in queued:
-                for start, wire, numel in segments:
-                    self.add(start, base - first + wire, numel)
+                self.add_all(segments, base - first)
             found = templates[key] = self._finished()
         return [from_fields(Run, (name, dtype, start, wire + first, *rest)) for start, wire, *rest in found]
 
