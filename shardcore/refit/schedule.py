@@ -150,14 +150,20 @@ def layout(rows: Sequence[Row]) -> Layout:
     return Layout(tuple(offsets), size, max(row[4] for row in rows), sum(row[4] for row in rows))
 
 
+def box_pieces(boxes: Received) -> list[Piece]:
+    """A ``Received``'s boxes as pieces, one each, made from their rows as ``pieces_of`` makes a piece from its
+    transfer."""
+    tensor, target = boxes.tensor, boxes.target
+    return [
+        from_fields(Piece, (tensor, shape, src_offset, dst_offset, nbytes, target))
+        for _, shape, src_offset, dst_offset, nbytes in boxes.rows
+    ]
+
+
 def packed_pieces(boxes: Received, base: int, layout: Layout) -> list[tuple[Piece, int]]:
     """A ``Received``'s boxes packed whole from byte ``base`` of a message (at ``base`` plus their ``layout``'s
     offsets), as pieces with their byte offsets."""
-    tensor, target = boxes.tensor, boxes.target
-    return [
-        (from_fields(Piece, (tensor, shape, src_offset, dst_offset, nbytes, target)), base + offset)
-        for (_, shape, src_offset, dst_offset, nbytes), offset in zip(boxes.rows, layout.offsets)
-    ]
+    return [(piece, base + offset) for piece, offset in zip(box_pieces(boxes), layout.offsets)]
 
 
 class MessagePieces(MadeWhenRead[tuple[Piece, int]]):
@@ -271,15 +277,11 @@ def pieces_of(transfer: Any, cap: int) -> list[Piece]:
     return pieces
 
 
-def _pieces(boxes: Received, dst: int, cap: int) -> list[Piece]:
-    """The pieces of a ``Received``'s boxes (to ``dst``) as ``pieces_of`` cuts their transfers: a box within ``cap``
-    is one piece, made from its row as ``pieces_of`` makes it from its transfer."""
-    tensor, target = boxes.tensor, boxes.target
-    if max(row[4] for row in boxes.rows) <= cap:
-        return [
-            from_fields(Piece, (tensor, shape, src_offset, dst_offset, nbytes, target))
-            for _, shape, src_offset, dst_offset, nbytes in boxes.rows
-        ]
+def _pieces(boxes: Received, dst: int, cap: int, most: int) -> list[Piece]:
+    """The pieces of a ``Received``'s boxes (to ``dst``; ``most``: its biggest box's bytes) as ``pieces_of`` cuts
+    their transfers: a box within ``cap`` is one piece."""
+    if most <= cap:
+        return box_pieces(boxes)
     return [piece for transfer in boxes.transfers(dst) for piece in pieces_of(transfer, cap)]
 
 
@@ -308,7 +310,7 @@ def pair_messages(transfers: Sequence[Any], cap: int, dst: int = -1) -> list[tup
                 kinds.append(found)
                 size, count, payload = base + found.end, count + len(rows), payload + found.total
                 continue
-            pieces = _pieces(transfer, dst, cap)
+            pieces = _pieces(transfer, dst, cap, found.most)
         else:
             pieces = pieces_of(transfer, cap)
         for piece in pieces:
@@ -486,6 +488,7 @@ __all__ = [
     "Slot",
     "StagingLayout",
     "aligned",
+    "box_pieces",
     "fan",
     "layout",
     "may_stage",

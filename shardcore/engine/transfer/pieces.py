@@ -251,7 +251,7 @@ class Plain:
         wire_dtype = self.wire_dtype
 
         def where(tensor: str, target: str) -> tuple[str, tuple[int, ...], torch.dtype] | None:
-            name = tensor if reads_source else target or tensor  # ``name_of``
+            name = local_name(reads_source, tensor, target)
             if name in local:
                 found = local[name]
             else:
@@ -287,7 +287,13 @@ class Plain:
     def name_of(cls, message: Message, piece: Piece) -> str:
         """The local tensor ``message`` reads or writes ``piece`` in: its source tensor for a send from the
         sources, else the destination's (another one through a weight map)."""
-        return piece.tensor if cls.reads_source(message) else piece.destination
+        return local_name(cls.reads_source(message), piece.tensor, piece.target)
 
 
-__all__ = ["Plain", "view_of"]
+def local_name(reads_source: bool, tensor: str, target: str) -> str:
+    """The local tensor a piece of manifest tensor ``tensor`` (``target``: a weight map's, or empty) is read from or
+    written in: its source tensor when read from the sources, else the destination's (``Piece.destination``)."""
+    return tensor if reads_source else target or tensor
+
+
+__all__ = ["Plain", "local_name", "view_of"]

@@ -50,8 +50,8 @@ class Run(NamedTuple):
 
 
 Segments = tuple[tuple[int, int, int], ...]
-"""A kind's received boxes in a local tensor, merged where they continue each other: (first element, byte from the
-first box's, elements) each (``_Builder.segments``)."""
+"""A kind's received boxes in a local tensor: (first element, byte from the first box's, elements) each
+(``_Builder.segments``)."""
 
 Where = Callable[[str, str], "tuple[str, tuple[int, ...], torch.dtype] | None"]
 """Where the pieces of a manifest tensor (and a weight map's target, ``Piece.target``) lie on this rank: (their
@@ -178,20 +178,13 @@ class _Builder:
 
     def segments(self, rows: Sequence[Row], offsets: tuple[int, ...]) -> Segments | None:
         """A kind's received boxes (``rows``, packed at ``offsets`` from a message's byte) as segments of this tensor:
-        (first element, byte from the first box's, elements), those that continue each other merged, as ``add``
-        would merge them; None when one is not a stretch. ``runs`` keeps them per kind and local shape: the tensors
-        of a kind share rows, and each layer's tensor has the same shape."""
-        found: list[list[int]] = []
-        for (_, shape, _, at, nbytes), wire in zip(rows, offsets):
-            if not self.stretch(shape):
-                return None
-            start, numel = sum(map(mul, at, self.strides)), nbytes // self.itemsize
-            last = found[-1] if found else None
-            if last and start == last[0] + last[2] and wire == last[1] + last[2] * self.itemsize:
-                last[2] += numel
-            else:
-                found.append([start, wire, numel])
-        return tuple((start, wire, numel) for start, wire, numel in found)
+        (first element, byte from the first box's, elements) each, merged by ``add``; None when one is not a
+        stretch. ``runs`` keeps them per kind and local shape: the tensors of a kind share rows, and each layer's
+        tensor has the same shape."""
+        if not all(self.stretch(row[1]) for row in rows):
+            return None
+        itemsize, strides = self.itemsize, self.strides
+        return tuple((sum(map(mul, row[3], strides)), wire, row[4] // itemsize) for row, wire in zip(rows, offsets))
 
     def add_all(self, segments: Segments, base: int) -> None:
         """A kind's ``segments``, its boxes packed from byte ``base`` of the message."""
