@@ -132,7 +132,7 @@ class _Tally:
     """
 
     per_node: int | None
-    scales: set[int]
+    scales: frozenset[int]
     shard_loads: list[defaultdict[int, Load]]
     shard_relayed: list[defaultdict[int, Load]]
     shard_bytes: list[int]
@@ -152,7 +152,7 @@ class _Tally:
         shards = len(plan.destination_placements)
         return cls(
             per_node=plan.ranks_per_node,
-            scales=set(plan.scale_positions),
+            scales=plan.manifest.scale_positions,
             shard_loads=[_new_loads() for _ in range(shards)],
             shard_relayed=[_new_loads() for _ in range(shards)],
             shard_bytes=[0] * shards,

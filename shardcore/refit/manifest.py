@@ -14,8 +14,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
+from itertools import compress, repeat
 from math import prod
-from operator import attrgetter
+from operator import attrgetter, is_not
 from typing import Any, TypeGuard
 
 from ..errors import ManifestError
@@ -99,6 +100,8 @@ _LONG_NAME = 100
 
 _NORMALIZED = ("shape", "itemsize", "blocks", "stage", "to_dtype", "scale")
 """The fields of a TensorSpec that its checks set (normalized, or derived: itemsize)."""
+_SCALE_OF = attrgetter("scale_of")
+_SHARED = attrgetter("shared")
 _SHARED_FIELDS = attrgetter("shape", "dtype", "tp_dim", "blocks", "unit", "stage", "to_dtype", "scale")
 """The fields of a tensor that its file form writes (``TensorSpec.to_dict``) but its name, layer and expert: the
 same weight of every layer shares them, so a manifest's digest numbers their few distinct values."""
@@ -198,10 +201,18 @@ class TensorSpec:
             if key is not None:
                 if len(_CHECKED) >= _CHECKED_MAX:
                     _CHECKED.clear()
-                _CHECKED[key] = {attribute: getattr(self, attribute) for attribute in _NORMALIZED}
+                _CHECKED[key] = {attribute: getattr(self, attribute) for attribute in (*_NORMALIZED, "shared")}
             return
         self.__dict__.update(checked)  # as object.__setattr__ field by field would, in one call
         self._check_indices()
+
+    @cached_property
+    def shared(self) -> str:
+        """The fields the same weight of every layer shares (``_SHARED_FIELDS``: all that the file form writes but
+        the name, layer and expert), as text: what a manifest's digest numbers (``Manifest._alike``). Made once per
+        kind of spec (``_CHECKED`` hands it on with the checked fields), so a digest of tens of thousands of specs
+        hashes as many cached texts, not a tuple of eight fields each."""
+        return repr(_SHARED_FIELDS(self))
 
     def _alike_key(self) -> tuple[object, ...] | None:
         """What every check but the name's, the layer's and the expert's reads, as the key of ``_CHECKED``; None
@@ -570,14 +581,21 @@ class Manifest:
         return sum(alike[number].nbytes * count for number, count in Counter(numbers).items())
 
     @cached_property
-    def _alike(self) -> tuple[list[TensorSpec], list[int], list[tuple[Any, ...]]]:
+    def _alike(self) -> tuple[list[TensorSpec], list[int], list[str]]:
         """The given tensors (the derived scale tensors left out), each one's number in the table of the distinct
-        fields they have but name, layer and expert (``_SHARED_FIELDS``), and that table: the same weight of every
+        fields they have but name, layer and expert (``TensorSpec.shared``), and that table: the same weight of every
         layer shares them. What ``digest`` and ``nbytes`` read, made once."""
         given = [tensor for tensor in self.tensors if tensor.scale_of is None]
-        shared: dict[tuple[Any, ...], int] = {}
-        numbers = [shared.setdefault(fields, len(shared)) for fields in map(_SHARED_FIELDS, given)]
+        shared: dict[str, int] = {}
+        numbers = [shared.setdefault(fields, len(shared)) for fields in map(_SHARED, given)]
         return given, numbers, list(shared)
+
+    @cached_property
+    def scale_positions(self) -> frozenset[int]:
+        """The positions of the fp8 scale tensors (``TensorSpec.scale_of``), found once: a plan's runs and stats ask
+        of every tile."""
+        tensors = self.tensors
+        return frozenset(compress(range(len(tensors)), map(is_not, map(_SCALE_OF, tensors), repeat(None))))
 
     @cached_property
     def converting(self) -> frozenset[str]:

@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
 from .boxes import Box, fitted, from_fields
@@ -265,7 +265,8 @@ class PartBuilder:
     def __init__(self, world_size: int, tensors: Sequence[TensorSpec]) -> None:
         self.transfers: list[Transfer] = []
         self.pairs: list[int] = []  # (src, dst, position) of each transfer, as one number
-        self.received: list[tuple[int, Received]] = []  # boxes received of one tensor from one holder, with that number
+        self.received: list[tuple[int, Received]] = []
+        """Boxes received whole of one tensor from one holder, each with its (src, dst, position) as one number."""
         self.world_size, self.specs, self.tensors = world_size, tensors, len(tensors)
 
     def add(self, tile: Tile, src: int, dst: int) -> None:
@@ -289,28 +290,22 @@ class PartBuilder:
             )
         )
 
-    def receive(self, rank: int, target: str, received: Iterable[tuple[int, Sequence[int], KindBoxes]]) -> None:
-        """Boxes that ``rank`` receives whole into its local tensor ``target`` (empty: each tensor itself), of each
-        tensor of ``received``: (its position, the one holder of each of its source slices, its kind's boxes), each box
-        from its source slice's holder. A tensor's boxes from one holder, as most are, are held as one ``Received``."""
-        world, count, specs, append = self.world_size, self.tensors, self.specs, self.received.append
-        for position, holders, boxes in received:
-            slices = boxes.slices
-            src = holders[slices[0]]
-            if len(slices) == 1 or all(holders[i] == src for i in slices):
-                name = specs[position].name
-                append(
-                    ((src * world + rank) * count + position, from_fields(Received, (name, src, boxes.rows, target)))
-                )
-                continue
-            for (box, _, src_offset, dst_offset, nbytes), i in zip(boxes.rows, boxes.of_slice):
-                src = holders[i]
-                self.pairs.append((src * world + rank) * count + position)
-                self.transfers.append(
-                    from_fields(
-                        Transfer, (specs[position].name, src, rank, box, src_offset, dst_offset, nbytes, 0, target)
-                    )
-                )
+    def number(self, src: int, dst: int, position: int) -> int:
+        """(src, dst, position) as one number, ordered as the part orders them (``transfer_order``)."""
+        return (src * self.world_size + dst) * self.tensors + position
+
+    def receive_apart(self, rank: int, target: str, position: int, holders: Sequence[int], boxes: KindBoxes) -> None:
+        """The boxes of tensor ``position`` (a kind's ``boxes``) that ``rank`` receives whole into its local tensor
+        ``target`` (empty: the tensor itself), each from its source slice's one holder (``holders``, by slice), when
+        they come from several: a ``Transfer`` each. (From one holder, as most do, they are one ``Received`` in
+        ``received``.)"""
+        name = self.specs[position].name
+        for (box, _, src_offset, dst_offset, nbytes), i in zip(boxes.rows, boxes.of_slice):
+            src = holders[i]
+            self.pairs.append(self.number(src, rank, position))
+            self.transfers.append(
+                from_fields(Transfer, (name, src, rank, box, src_offset, dst_offset, nbytes, 0, target))
+            )
 
     def extend(self, position: int, transfers: Iterable[Transfer]) -> None:
         """Transfers of tensor ``position``."""
@@ -337,15 +332,14 @@ class PartBuilder:
                         self.pairs += [pair] * len(made)
                         self.transfers += made
                 received = [entry for entry in received if entry[0] not in clash]
-        items: list[Transfer | Received] = [*self.transfers, *(boxes for _, boxes in received)]
-        firsts = [t.box[0][0] for t in self.transfers]
-        firsts += [boxes.rows[0][0][0][0] for _, boxes in received]
-        rows = max(firsts, default=0) + 1
-        pairs = [*self.pairs, *(pair for pair, _ in received)]
-        keys = [pair * rows + first for pair, first in zip(pairs, firsts)]
-        order = sorted(range(len(keys)), key=keys.__getitem__)
-        ranked = [keys[i] for i in order]
-        ordered = [items[i] for i in order]
+        rows = max([t.box[0][0] for t in self.transfers], default=0) + 1
+        keyed: list[tuple[int, Transfer | Received]] = [
+            (pair * rows + t.box[0][0], t) for pair, t in zip(self.pairs, self.transfers)
+        ]
+        keyed += [(pair * rows, boxes) for pair, boxes in received]  # alone with its number: no first row needed
+        keyed.sort(key=itemgetter(0))
+        ranked = [key for key, _ in keyed]
+        ordered: list[Transfer | Received] = [item for _, item in keyed]
         ties = [n for n, (a, b) in enumerate(pairwise(ranked), 1) if a == b]
         n = 0
         while n < len(ties):  # each stretch of transfers sharing their number, by (box, hop, target)

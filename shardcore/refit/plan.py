@@ -47,7 +47,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import accumulate, pairwise
@@ -60,7 +60,7 @@ from ..plan.layout import Layout, ShardPlan
 from .boxes import Box, from_fields, moved, overlap
 from .collector import gc_paused
 from .manifest import Manifest, TensorSpec, scale_shape
-from .part import KindBoxes, PartBuilder, RankRefit, Transfer
+from .part import KindBoxes, PartBuilder, RankRefit, Received, Transfer
 from .placement import HolderSet, Member, Placement, ShardPlacement, Slice, destination_kind, source_kind
 from .weightmap import MappedPlacement
 from .worklines import Line, Piece, Routes, Run, Tile, TileRun, WorkLine, line_cuts, relay
@@ -433,7 +433,7 @@ class RefitPlan:
 
     def _run(self, tiles: Sequence[Tile]) -> TileRun:
         """One route's run of ``tiles`` (in order) and its lines, cut (``line_cuts``)."""
-        first, scales = tiles[0], self.scale_positions
+        first, scales = tiles[0], self.manifest.scale_positions
         routes = self._routes_of(first)
         steps = [tile.row_bytes for tile in tiles]
         starts = [0, *accumulate([tile.rows * step for tile, step in zip(tiles, steps)])]
@@ -470,7 +470,7 @@ class RefitPlan:
         its rows' sizes to its routes'. The runs are ``_cut_runs``' of every tile (``_all_tiles``), in the same
         order: a route's tensors come in the order of their positions, a tensor's rows in the order of their boxes."""
         parts: dict[tuple[Any, ...], list[tuple[int, _RouteRows]]] = {}
-        tensors, scales = self.manifest.tensors, self.scale_positions
+        tensors, scales = self.manifest.tensors, self.manifest.scale_positions
         held = [(position, self.source_placement.slices(position)) for position in self._positions()]
         for shard, placement in enumerate(self.destination_placements):
             rows_of: dict[tuple[Any, ...], list[tuple[int, int, Tile]]] = {}
@@ -678,13 +678,6 @@ class RefitPlan:
             if self.fan_out:
                 return list(self._cut_runs(self._all_tiles()))
             return self._kind_runs()
-
-    @cached_property
-    def scale_positions(self) -> frozenset[int]:
-        """The positions of the manifest's fp8 scale tensors (``TensorSpec.scale_of``)."""
-        return frozenset(
-            position for position, tensor in enumerate(self.manifest.tensors) if tensor.scale_of is not None
-        )
 
     def fingerprint(self) -> dict[str, str]:
         """What every rank executing this plan must agree on, part by part, as short readable texts:
@@ -895,6 +888,27 @@ class RefitPlan:
         return tuple(senders)
 
 
+class _Way(NamedTuple):
+    """How a rank receives a tensor of a kind from source slices (``_Direct``): found once for the same weight of
+    every layer."""
+
+    sources: Sequence[Slice]
+    """The tensor's source slices (kept, so no other takes their id)."""
+    dtype: str
+    to_dtype: str | None
+    """The tensor's dtypes: they set the bytes of an element."""
+    number: int
+    """The number of the pair (holder, rank) in the part's order (``PartBuilder.number``), when every box comes
+    from one holder; -1 when not."""
+    src: int
+    """That holder (-1: none)."""
+    holders: tuple[int, ...] | None
+    """Each source slice's one holder; None when a slice has several, or the rank holds one: the plan's general
+    way receives the tensor."""
+    boxes: KindBoxes | None
+    """The boxes received, when ``holders`` is set."""
+
+
 class _Direct:
     """One rank's receives of tensors of a kind (``HeldAlike``) whose every source slice has one holder, not the
     rank: each tile then comes whole from its holder (a work line of one holder is one segment), so no run is cut
@@ -908,36 +922,62 @@ class _Direct:
         self.kinds: dict[tuple[Any, ...], int] = {}
         self.rows: dict[tuple[Any, ...], KindBoxes] = {}
         """By (destination, kind, source kind, dtypes): the boxes received (``PartBuilder.receive``)."""
+        self.ways: dict[tuple[int, Hashable, int], _Way] = {}
+        """By (the id of a tensor's source slices, kind, destination): how such a tensor is received (a tensor of
+        other dtypes makes its own)."""
 
     def receive(self, shard: int, name: str, members: Sequence[Member]) -> list[Member]:
         """Adds to the part the receives of ``members`` (of destination ``shard``, in local tensor ``name``) whose
         kind is known and whose every source slice has one holder, not this rank; returns the others, for the plan's
-        general way (a local copy or a send cuts runs)."""
-        slices_of, specs, rank = self.plan.source_placement.slices, self.plan.manifest.tensors, self.rank
-        sources_known, rows_known = self.sources, self.rows
+        general way (a local copy or a send cuts runs). A tensor's boxes from one holder, as most are, are one
+        ``Received``: one tuple per tensor, the rest found once per ``_Way``."""
+        slices_of, specs, ways, part = (
+            self.plan.source_placement.slices,
+            self.plan.manifest.tensors,
+            self.ways,
+            self.part,
+        )
         left: list[Member] = []
-        received: list[tuple[int, tuple[int, ...], KindBoxes]] = []
+        whole: list[tuple[int, Received]] = []  # each one's number in the part's order, and its boxes
         for member in members:
             position, targets, kind = member
             if kind is None:
                 left.append(member)
                 continue
             sources = slices_of(position)
-            known = sources_known.get(id(sources))
-            if known is None or known[0] is not sources:
-                known = self._source(sources)
-            holders = known[2]
-            if holders is None or rank in holders:
-                left.append(member)
-                continue
             spec = specs[position]
-            key = (shard, kind, known[1], spec.dtype, spec.to_dtype)  # the dtypes set the bytes of an element
-            rows = rows_known.get(key)
-            if rows is None:
-                rows = rows_known[key] = self._rows(shard, position, targets, sources)
-            received.append((position, holders, rows))
-        self.part.receive(rank, name, received)
+            key = (id(sources), kind, shard)
+            way = ways.get(key)
+            if way is None or way[0] is not sources or way[1] != spec.dtype or way[2] != spec.to_dtype:
+                way = ways[key] = self._way(shard, position, targets, kind, sources)
+            _, _, _, number, src, holders, boxes = way
+            if number >= 0:
+                whole.append((number + position, from_fields(Received, (spec.name, src, boxes.rows, name))))  # type: ignore[union-attr]
+            elif boxes is None:
+                left.append(member)
+            else:  # from several holders: a transfer per box
+                part.receive_apart(self.rank, name, position, holders, boxes)  # type: ignore[arg-type]
+        part.received += whole
         return left
+
+    def _way(
+        self, shard: int, position: int, targets: tuple[Slice, ...], kind: Hashable, sources: Sequence[Slice]
+    ) -> _Way:
+        """``receive``'s way for tensor ``position`` (of ``kind``, with source slices ``sources``), made."""
+        known = self.sources.get(id(sources))
+        if known is None or known[0] is not sources:
+            known = self._source(sources)
+        holders, rank, spec = known[2], self.rank, self.plan.manifest.tensors[position]
+        if holders is None or rank in holders:
+            return _Way(sources, spec.dtype, spec.to_dtype, -1, -1, None, None)
+        key = (shard, kind, known[1], spec.dtype, spec.to_dtype)
+        boxes = self.rows.get(key)
+        if boxes is None:
+            boxes = self.rows[key] = self._rows(shard, position, targets, sources)
+        src = holders[boxes.slices[0]]
+        if any(holders[i] != src for i in boxes.slices):
+            return _Way(sources, spec.dtype, spec.to_dtype, -1, -1, holders, boxes)
+        return _Way(sources, spec.dtype, spec.to_dtype, self.part.number(src, rank, 0), src, holders, boxes)
 
     def _source(self, sources: Sequence[Slice]) -> tuple[Sequence[Slice], int, tuple[int, ...] | None]:
         """``sources``' entry in ``self.sources``, made."""
