@@ -12,8 +12,8 @@ from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import pairwise
-from operator import attrgetter, itemgetter
+from itertools import compress, count, islice, repeat
+from operator import attrgetter, eq, itemgetter, mul
 from typing import Any, NamedTuple
 
 from .boxes import Box, fitted, from_fields
@@ -265,8 +265,10 @@ class PartBuilder:
     def __init__(self, world_size: int, tensors: Sequence[TensorSpec]) -> None:
         self.transfers: list[Transfer] = []
         self.pairs: list[int] = []  # (src, dst, position) of each transfer, as one number
-        self.received: list[tuple[int, Received]] = []
-        """Boxes received whole of one tensor from one holder, each with its (src, dst, position) as one number."""
+        self.received: list[Received] = []
+        """Boxes received whole of one tensor from one holder."""
+        self.received_pairs: list[int] = []
+        """Each one's (src, dst, position) as one number (``number``)."""
         self.world_size, self.specs, self.tensors = world_size, tensors, len(tensors)
 
     def add(self, tile: Tile, src: int, dst: int) -> None:
@@ -318,29 +320,29 @@ class PartBuilder:
         at one end, so those from it (sends and copies) lie together in the order, its copies together among them,
         and every other one is a receive. A ``Received`` shares its (src, dst, position) with nothing else (else its
         boxes are made transfers, and ordered with the others), so it is ordered by that number alone."""
-        received = self.received
+        received, numbers = self.received, self.received_pairs
         if received:
-            numbers = [pair for pair, _ in received]
             unique = set(numbers)
             clash = unique.intersection(self.pairs)
             if len(unique) < len(numbers):
-                clash |= {pair for pair, count in Counter(numbers).items() if count > 1}
+                clash |= {pair for pair, times in Counter(numbers).items() if times > 1}
             if clash:
-                for pair, boxes in received:
+                for pair, boxes in zip(numbers, received):
                     if pair in clash:
                         made = boxes.transfers(rank)
                         self.pairs += [pair] * len(made)
                         self.transfers += made
-                received = [entry for entry in received if entry[0] not in clash]
+                kept = [i for i, pair in enumerate(numbers) if pair not in clash]
+                received, numbers = [received[i] for i in kept], [numbers[i] for i in kept]
         rows = max([t.box[0][0] for t in self.transfers], default=0) + 1
         keyed: list[tuple[int, Transfer | Received]] = [
             (pair * rows + t.box[0][0], t) for pair, t in zip(self.pairs, self.transfers)
         ]
-        keyed += [(pair * rows, boxes) for pair, boxes in received]  # alone with its number: no first row needed
-        keyed.sort(key=itemgetter(0))
-        ranked = [key for key, _ in keyed]
-        ordered: list[Transfer | Received] = [item for _, item in keyed]
-        ties = [n for n, (a, b) in enumerate(pairwise(ranked), 1) if a == b]
+        keyed += zip(map(mul, numbers, repeat(rows)), received)  # alone with its number: no first row needed
+        keyed.sort(key=_FIRST)
+        ranked = list(map(_FIRST, keyed))
+        ordered = list(map(_SECOND, keyed))
+        ties = list(compress(count(1), map(eq, ranked, islice(ranked, 1, None))))  # n: ranked[n - 1] == ranked[n]
         n = 0
         while n < len(ties):  # each stretch of transfers sharing their number, by (box, hop, target)
             start, stop = ties[n] - 1, ties[n] + 1
@@ -358,6 +360,7 @@ class PartBuilder:
         )
 
 
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 _after_peers = attrgetter("box", "hop", "target")
 """The order of one tensor's transfers between one pair of ranks (the end of ``transfer_order``'s key)."""
 

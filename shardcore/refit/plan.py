@@ -50,8 +50,8 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from itertools import accumulate, pairwise
-from operator import attrgetter, itemgetter
+from itertools import accumulate, pairwise, repeat
+from operator import add, attrgetter, itemgetter, sub
 from typing import Any, NamedTuple, Self, cast
 
 from ..errors import LayoutError, ManifestError, RefitError
@@ -60,7 +60,7 @@ from ..plan.layout import Layout, ShardPlan
 from .boxes import Box, from_fields, moved, overlap
 from .collector import gc_paused
 from .manifest import Manifest, TensorSpec, scale_shape
-from .part import KindBoxes, PartBuilder, RankRefit, Received, Transfer
+from .part import KindBoxes, PartBuilder, RankRefit, Received, Row, Transfer
 from .placement import HolderSet, Member, Placement, ShardPlacement, Slice, destination_kind, source_kind
 from .weightmap import MappedPlacement
 from .worklines import Line, Piece, Routes, Run, Tile, TileRun, WorkLine, line_cuts, relay
@@ -71,6 +71,11 @@ DEFAULT_MIN_PIECE_BYTES = 1 << 20
 
 _place = attrgetter("position", "box")
 """Where a tile lies: its tensor and box (a run's order)."""
+
+
+_POSITION, _KIND = itemgetter(0), itemgetter(2)
+"""A member's (``placement.Member``) position and kind."""
+_NAME, _DTYPES = attrgetter("name"), attrgetter("dtype", "to_dtype")
 
 
 class _RouteRows(NamedTuple):
@@ -909,6 +914,28 @@ class _Way(NamedTuple):
     """The boxes received, when ``holders`` is set."""
 
 
+class _Ways(NamedTuple):
+    """How a rank receives each member of a local tensor (``_Direct.receive``), found once for the members' sequence
+    of kinds, source slices and dtypes: the same weight of every layer has the same."""
+
+    sources: list[Sequence[Slice]]
+    dtypes: list[tuple[str, str | None]]
+    ways: list[_Way]
+    numbers: list[int] | None
+    """When every member comes whole from one holder, as most do: each way's ``number``, ``src`` and its boxes' rows,
+    as columns; None when not."""
+    srcs: list[int]
+    rows: list[tuple[Row, ...]]
+
+    @classmethod
+    def of(cls, sources: list[Sequence[Slice]], dtypes: list[tuple[str, str | None]], ways: list[_Way]) -> _Ways:
+        """The members' ways, with their columns when every member comes whole from one holder."""
+        rows = [way.boxes.rows for way in ways if way.boxes is not None and way.number >= 0]
+        if len(rows) < len(ways):
+            return cls(sources, dtypes, ways, None, [], [])
+        return cls(sources, dtypes, ways, [way.number for way in ways], [way.src for way in ways], rows)
+
+
 class _Direct:
     """One rank's receives of tensors of a kind (``HeldAlike``) whose every source slice has one holder, not the
     rank: each tile then comes whole from its holder (a work line of one holder is one segment), so no run is cut
@@ -922,6 +949,11 @@ class _Direct:
         self.kinds: dict[tuple[Any, ...], int] = {}
         self.rows: dict[tuple[Any, ...], KindBoxes] = {}
         """By (destination, kind, source kind, dtypes): the boxes received (``PartBuilder.receive``)."""
+        self.relative: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
+        """By (destination, boxes of its slices, source kind, bytes of an element): the tiles of ``_rows``, each
+        with its destination offset less its slice's."""
+        self.layouts: dict[tuple[int, tuple[Hashable, ...]], _Ways] = {}
+        """By (destination, the kinds of a local tensor's members): how each member is received."""
         self.ways: dict[tuple[int, Hashable, int], _Way] = {}
         """By (the id of a tensor's source slices, kind, destination): how such a tensor is received (a tensor of
         other dtypes makes its own)."""
@@ -930,40 +962,74 @@ class _Direct:
         """Adds to the part the receives of ``members`` (of destination ``shard``, in local tensor ``name``) whose
         kind is known and whose every source slice has one holder, not this rank; returns the others, for the plan's
         general way (a local copy or a send cuts runs). A tensor's boxes from one holder, as most are, are one
-        ``Received``: one tuple per tensor, the rest found once per ``_Way``."""
-        slices_of, specs, ways, part = (
-            self.plan.source_placement.slices,
-            self.plan.manifest.tensors,
-            self.ways,
-            self.part,
+        ``Received``. How each member is received (``_Way``) is found once per sequence of kinds, source slices and
+        dtypes (``_Ways``): the same weight of every layer has the same, so each other one costs a few passes in C
+        over its members and a ``Received`` each."""
+        kinds = tuple(map(_KIND, members))
+        if None in kinds:
+            return self._receive_alone(shard, name, members)
+        positions = list(map(_POSITION, members))
+        specs = list(map(self.plan.manifest.tensors.__getitem__, positions))
+        sources = list(map(self.plan.source_placement.slices, positions))
+        dtypes = list(map(_DTYPES, specs))
+        key = (shard, kinds)
+        known = self.layouts.get(key)
+        if known is None or known.sources != sources or known.dtypes != dtypes:
+            ways = [
+                self._way(shard, position, targets, kind, slices)
+                for (position, targets, kind), slices in zip(members, sources)
+            ]
+            known = self.layouts[key] = _Ways.of(sources, dtypes, ways)
+        if known.numbers is None:
+            return self._receive_ways(name, members, specs, known.ways)
+        self.part.received_pairs += map(add, known.numbers, positions)
+        self.part.received += map(
+            from_fields, repeat(Received), zip(map(_NAME, specs), known.srcs, known.rows, repeat(name))
         )
-        left: list[Member] = []
-        whole: list[tuple[int, Received]] = []  # each one's number in the part's order, and its boxes
-        for member in members:
-            position, targets, kind = member
-            if kind is None:
+        return []
+
+    def _receive_alone(self, shard: int, name: str, members: Sequence[Member]) -> list[Member]:
+        """``receive`` for members of which some are of no kind (left to the general way): each found alone."""
+        slices_of, specs = self.plan.source_placement.slices, self.plan.manifest.tensors
+        ways = [
+            None if kind is None else self._way(shard, position, targets, kind, slices_of(position))
+            for position, targets, kind in members
+        ]
+        return self._receive_ways(name, members, [specs[member[0]] for member in members], ways)
+
+    def _receive_ways(
+        self, name: str, members: Sequence[Member], specs: Sequence[TensorSpec], ways: Sequence[_Way | None]
+    ) -> list[Member]:
+        """Adds to the part the receives of ``members`` (their ``specs``) as their ``ways`` say; returns those the
+        plan's general way receives (of no way, or of a way without boxes)."""
+        part, rank, left = self.part, self.rank, []
+        for member, spec, way in zip(members, specs, ways):
+            if way is None or way.boxes is None:
                 left.append(member)
-                continue
-            sources = slices_of(position)
-            spec = specs[position]
-            key = (id(sources), kind, shard)
-            way = ways.get(key)
-            if way is None or way[0] is not sources or way[1] != spec.dtype or way[2] != spec.to_dtype:
-                way = ways[key] = self._way(shard, position, targets, kind, sources)
-            _, _, _, number, src, holders, boxes = way
-            if number >= 0:
-                whole.append((number + position, from_fields(Received, (spec.name, src, boxes.rows, name))))  # type: ignore[union-attr]
-            elif boxes is None:
-                left.append(member)
+            elif way.number >= 0:
+                part.received_pairs.append(way.number + member[0])
+                part.received.append(from_fields(Received, (spec.name, way.src, way.boxes.rows, name)))
             else:  # from several holders: a transfer per box
-                part.receive_apart(self.rank, name, position, holders, boxes)  # type: ignore[arg-type]
-        part.received += whole
+                part.receive_apart(rank, name, member[0], way.holders, way.boxes)  # type: ignore[arg-type]
         return left
 
     def _way(
         self, shard: int, position: int, targets: tuple[Slice, ...], kind: Hashable, sources: Sequence[Slice]
     ) -> _Way:
-        """``receive``'s way for tensor ``position`` (of ``kind``, with source slices ``sources``), made."""
+        """``receive``'s way for tensor ``position`` (of ``kind``, with source slices ``sources``), found once per
+        (source slices, kind, destination, dtypes)."""
+        spec = self.plan.manifest.tensors[position]
+        key = (id(sources), kind, shard)
+        way = self.ways.get(key)
+        if way is not None and way.sources is sources and way.dtype == spec.dtype and way.to_dtype == spec.to_dtype:
+            return way
+        way = self.ways[key] = self._new_way(shard, position, targets, kind, sources)
+        return way
+
+    def _new_way(
+        self, shard: int, position: int, targets: tuple[Slice, ...], kind: Hashable, sources: Sequence[Slice]
+    ) -> _Way:
+        """``_way``'s way, made."""
         known = self.sources.get(id(sources))
         if known is None or known[0] is not sources:
             known = self._source(sources)
@@ -989,13 +1055,36 @@ class _Direct:
         return found
 
     def _rows(self, shard: int, position: int, targets: tuple[Slice, ...], sources: Sequence[Slice]) -> KindBoxes:
-        """``receive``'s boxes of a kind: the plan's tiles of tensor ``position`` (``RefitPlan._tiles_alike``, found
-        once per kind of slices on both sides)."""
-        rows = []
-        for i, tile in self.plan._tiles_alike(self.found, position, shard, targets, sources):
-            shape = tuple([stop - start for start, stop in tile.box])
-            rows.append(((tile.box, shape, tile.src_offset, tile.dst_offset, tile.rows * tile.row_bytes), i))
-        rows.sort()
+        """``receive``'s boxes of a kind: the plan's tiles of tensor ``position`` (``RefitPlan._tiles_into``), found
+        once per (destination, boxes of its slices, kind of source slices, bytes of an element) with the
+        destination's offsets apart: slices alike at other offsets (every expert's slot of a stacked tensor) take
+        those tiles moved there. No tile's seed is read: each comes whole from its one holder."""
+        spec = self.plan.manifest.tensors[position]
+        key = (
+            shard,
+            tuple([(piece.box, len(piece.offset)) for piece in targets]),
+            self.sources[id(sources)][1],
+            spec.wire_itemsize,
+        )
+        relative = self.relative.get(key)
+        if relative is None:
+            relative = self.relative[key] = [
+                (tile.box, tile.src_offset, j, tuple(map(sub, tile.dst_offset, targets[j].offset)), tile, i)
+                for j, i, tile in self.plan._tiles_into(position, shard, targets, sources, [()] * len(targets))
+            ]
+        rows = sorted(
+            (
+                (
+                    box,
+                    tuple([stop - start for start, stop in box]),
+                    src_offset,
+                    tuple(map(add, moved_by, targets[j].offset)),
+                    tile.rows * tile.row_bytes,
+                ),
+                i,
+            )
+            for box, src_offset, j, moved_by, tile, i in relative
+        )
         of_slice = tuple([i for _, i in rows])
         return KindBoxes(tuple([row for row, _ in rows]), of_slice, tuple(sorted(set(of_slice))))
 

@@ -31,6 +31,7 @@ import hashlib
 import warnings
 from array import array
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping
+from contextlib import suppress
 from operator import itemgetter
 from typing import NamedTuple
 
@@ -230,6 +231,7 @@ class WeightMap:
         self._kinds: list[Fill] = []
         self._fills: dict[str, tuple[int, tuple[str, ...]]] = {}
         self._reads: dict[str, list[tuple[str, int]]] = {}  # source -> (target, slot) of each filling reading it
+        self._slot_positions: dict[str, tuple[int, ...]] = {}  # target -> the positions of the sources its slots read
         for target, (fill, names) in fills.items():
             number = numbered.get(id(fill))
             if number is None:
@@ -238,12 +240,13 @@ class WeightMap:
             self._fills[target] = (number, names)
             for slot, source in enumerate(names):
                 self._reads.setdefault(source, []).append((target, slot))
+            with suppress(ManifestError):  # a name no source has: ``_check`` names it
+                self._slot_positions[target] = sources.positions(names)  # while at hand: every rank's part asks
         patterns: dict[tuple[tuple[Box, Box], ...], int] = {}
         self._patterns = [patterns.setdefault(fill.links, len(patterns)) for fill in self._kinds]
         self._pattern_boxes = tuple(patterns)
         self._slot_links: dict[int, tuple[tuple[int, ...], ...]] = {}
         self._feeds: dict[str, tuple[int, ...]] = {}
-        self._slot_positions: dict[str, tuple[int, ...]] = {}
         self._links: tuple[Link, ...] | None = None
         self._digest = ""
         if not checked:
@@ -252,17 +255,16 @@ class WeightMap:
     def _check(self) -> None:
         """The class's checks: each fill's links once per (fill, tensors' shapes), each tiling once per (pattern,
         size, padding)."""
-        at = {tensor.name: n for n, tensor in enumerate(self.sources)}
         shapes = {tensor.name: tensor.shape for tensor in self.targets}
         sources = self.sources.tensors
         checked: set[tuple[int, tuple[int, ...], tuple[tuple[int, ...], ...]]] = set()
         for target, (number, names) in self._fills.items():
             shape = shapes.get(target)
-            positions = [at.get(name) for name in names]
-            if shape is None or None in positions:  # the manifests' own errors, naming the tensor
+            positions = self._slot_positions.get(target)
+            if shape is None or positions is None:  # the manifests' own errors, naming the tensor
                 shape = self.targets.tensor(target).shape
-                positions = [self.sources.index(name) for name in names]
-            source_shapes = tuple([sources[position].shape for position in positions])  # type: ignore[index]
+                positions = self.sources.positions(names)
+            source_shapes = tuple([sources[position].shape for position in positions])
             if (number, shape, source_shapes) not in checked:
                 self._check_links(target, names, shape, source_shapes)
                 checked.add((number, shape, source_shapes))
@@ -718,7 +720,9 @@ class MappedPlacement(Placement):
         self._reads: dict[int, tuple[list[int], list[_Image], tuple[tuple[int, int], ...]]] = {}
         self._met: dict[tuple[object, ...], list[tuple[int, int, Entry]]] = {}
         self._kinds: dict[tuple[tuple[int, int], ...], tuple[HolderSet, ...]] = {}
-        self._slots: dict[tuple[int, int, int], list[tuple[int, tuple[Slice, ...]]]] = {}
+        self._slots: dict[tuple[int, int, int], tuple[list[int], list[tuple[Slice, ...]], list[int]]] = {}
+        """By (image, fill, rank): the slots the rank holds slices of, those slices per slot, and their ids (their
+        kinds), as columns (``held_alike``)."""
 
     @property
     def ranks(self) -> Collection[int]:
@@ -893,10 +897,13 @@ class MappedPlacement(Placement):
                 for order, (number, box, offset, holders, block) in image.of_rank(rank):
                     piece = from_fields(Slice, (box, offset, holders, block, order, ""))
                     by_slot.setdefault(fill.slots[number], []).append(piece)
-                slots = self._slots[key] = [(slot, tuple(pieces)) for slot, pieces in by_slot.items()]
-            members: list[Member] = [(positions[slot], pieces, id(pieces)) for slot, pieces in slots]
+                made = [tuple(pieces) for pieces in by_slot.values()]
+                slots = self._slots[key] = (list(by_slot), made, list(map(id, made)))
+            numbers, pieces, kinds = slots
+            at = list(map(positions.__getitem__, numbers))
+            members: list[Member] = list(zip(at, pieces, kinds))
             members.sort(key=itemgetter(0))
-            if len({member[0] for member in members}) < len(members):  # one source in two slots
+            if len(set(at)) < len(at):  # one source in two slots
                 members = [(alone.position, alone.slices, None) for alone in self._held_one(rank, held)]
             if members:  # as ``held``: an engine tensor no source feeds on this rank is not among them
                 yield HeldAlike(name, held.shape, members)
