@@ -14,9 +14,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
-from itertools import compress, repeat
 from math import prod
-from operator import attrgetter, is_not
+from operator import attrgetter
 from typing import Any, TypeGuard
 
 from ..errors import ManifestError
@@ -100,7 +99,6 @@ _LONG_NAME = 100
 
 _NORMALIZED = ("shape", "itemsize", "blocks", "stage", "to_dtype", "scale")
 """The fields of a TensorSpec that its checks set (normalized, or derived: itemsize)."""
-_SCALE_OF = attrgetter("scale_of")
 _SHARED = attrgetter("shared")
 _SHARED_FIELDS = attrgetter("shape", "dtype", "tp_dim", "blocks", "unit", "stage", "to_dtype", "scale")
 """The fields of a tensor that its file form writes (``TensorSpec.to_dict``) but its name, layer and expert: the
@@ -482,6 +480,9 @@ class Manifest:
     _by_layer: dict[int, tuple[int, ...]] = field(init=False, repr=False, compare=False)
     _by_expert: dict[tuple[int, int], tuple[int, ...]] = field(init=False, repr=False, compare=False)
     _by_stage: dict[str, tuple[int, ...]] = field(init=False, repr=False, compare=False)
+    scale_positions: frozenset[int] = field(init=False, repr=False, compare=False)
+    """The positions of the fp8 scale tensors (``TensorSpec.scale_of``), found with the rest: a plan's runs and
+    stats ask of every tile."""
     _digest: str = field(init=False, repr=False, compare=False, default="")
 
     def __post_init__(self) -> None:
@@ -501,6 +502,7 @@ class Manifest:
         by_layer: dict[int, list[int]] = {}
         by_expert: dict[tuple[int, int], list[int]] = {}
         by_stage: dict[str, list[int]] = {s: [] for s in STAGES}
+        scales: list[int] = []
         for position, tensor in enumerate(self.tensors):
             if not isinstance(tensor, TensorSpec):
                 raise ManifestError(f"manifest entry {position} is a {type(tensor).__name__}, not a TensorSpec")
@@ -516,7 +518,10 @@ class Manifest:
                 by_layer.setdefault(tensor.layer, []).append(position)
             for stage in tensor.stage:
                 by_stage[stage].append(position)
+            if tensor.scale_of is not None:
+                scales.append(position)
         object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "scale_positions", frozenset(scales))
         object.__setattr__(self, "_by_layer", {k: tuple(v) for k, v in by_layer.items()})
         object.__setattr__(self, "_by_expert", {k: tuple(v) for k, v in by_expert.items()})
         object.__setattr__(self, "_by_stage", {k: tuple(v) for k, v in by_stage.items()})
@@ -589,13 +594,6 @@ class Manifest:
         shared: dict[str, int] = {}
         numbers = [shared.setdefault(fields, len(shared)) for fields in map(_SHARED, given)]
         return given, numbers, list(shared)
-
-    @cached_property
-    def scale_positions(self) -> frozenset[int]:
-        """The positions of the fp8 scale tensors (``TensorSpec.scale_of``), found once: a plan's runs and stats ask
-        of every tile."""
-        tensors = self.tensors
-        return frozenset(compress(range(len(tensors)), map(is_not, map(_SCALE_OF, tensors), repeat(None))))
 
     @cached_property
     def converting(self) -> frozenset[str]:

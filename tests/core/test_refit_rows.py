@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from shardcore.plan.layout import plan_layout
+from shardcore.refit.manifest import Manifest, TensorSpec
 from shardcore.refit.part import Received, Rows
 from shardcore.refit.planner import plan_refit
 from shardcore.refit.schedule import MessagePieces, pair_messages, rank_batches
@@ -77,3 +78,44 @@ def test_a_message_reads_its_packed_boxes_as_their_pieces() -> None:
         else:
             assert all(isinstance(entry, Received) for entry in packed)
             assert packed and (cap < 1 << 20 or any(len(entry.rows) > 1 for entry in packed))
+
+
+@pytest.mark.parametrize("source", ["tp=2,role=train", "tp=1,pp=2,role=train"])
+def test_each_layer_is_received_as_it_is_held_and_typed(source: str) -> None:
+    """A rank's receives are found once for the same weight of every layer, yet each layer's are its own: a layer on
+    another pipeline stage comes from that stage's ranks, and a layer of another dtype moves its own bytes."""
+    tensors = [
+        TensorSpec(
+            f"decoder.layers.{layer}.mlp.linear_fc1.weight",
+            (64, 32),
+            dtype="float32" if layer % 2 else "bfloat16",
+            tp_dim=0,
+            layer=layer,
+        )
+        for layer in range(4)
+    ]
+    layout = plan_layout(2 + 4, f"{source} + tp=4")
+    plan = plan_refit(layout, 0, [1], Manifest(tuple(tensors), layers=4), min_piece_bytes=0)
+    every = list(plan.transfers())
+    for rank in range(2, 6):
+        mine = plan.for_rank(rank)
+        assert any(isinstance(item, Received) for item in mine.recvs.items)
+        assert sorted(mine.recvs) == sorted(t for t in every if t.dst == rank and t.src != rank)
+    assert {t.bytes for t in every if t.tensor.startswith("decoder.layers.1.")} == {16 * 32 * 4}
+
+
+def test_an_engine_rank_receives_each_stage_from_its_own_ranks() -> None:
+    """Every MoE layer of an engine's stacked tensors is alike, so its receives are found once; a trainer whose
+    pipeline stages hold different layers still sends each from the stage that holds it."""
+    model = model_of("qwen3_moe")
+    layout = plan_layout(4 + 4, "tp=1,pp=2,dp=2,ep=2,expt_tp=1,role=train + tp=4,ep=2,expt_tp=2")
+    plan = plan_refit(layout, 0, [1], model.manifest, layouts={1: model.layout("vllm")}, min_piece_bytes=0)
+    every = list(plan.transfers())
+    stages = {layer: stage for stage, layers in enumerate(model.manifest.stage_layers(2)) for layer in layers}
+    for rank in range(4, 8):
+        mine = plan.for_rank(rank)
+        assert sorted(mine.recvs) == sorted(t for t in every if t.dst == rank and t.src != rank)
+        for transfer in mine.recvs:
+            layer = model.manifest.tensor(transfer.tensor).layer
+            if layer is not None:
+                assert layout.shards[0].coords(transfer.src)["pp"] == stages[layer], transfer
