@@ -149,6 +149,10 @@ class Placement(ABC):
     def slices(self, position: int) -> Sequence[Slice]:
         """Every slice of tensor ``position``, in a fixed order; empty when this side holds none of it."""
 
+    def slices_each(self, positions: Iterable[int]) -> list[Sequence[Slice]]:
+        """``slices`` of each of ``positions``: a rank's part asks for a local tensor's hundreds of members at once."""
+        return list(map(self.slices, positions))
+
     def overlapping(self, position: int, box: Box) -> Iterator[Slice]:
         """The slices of tensor ``position`` that share an element with ``box``, in a fixed order."""
         return (piece for piece in self.slices(position) if meets(piece.box, box))
@@ -337,6 +341,14 @@ class ShardPlacement(Placement):
                 else tuple(piece for u in range(tp) for piece in self._slices_of(tensor, u))
             )
         return found
+
+    def slices_each(self, positions: Iterable[int]) -> list[Sequence[Slice]]:
+        """``slices`` of each of ``positions``, looked up in C where found before."""
+        positions = list(positions)
+        found: list[Sequence[Slice] | None] = list(map(self._slices.get, positions))
+        if None in found:
+            return list(map(self.slices, positions))
+        return found  # type: ignore[return-value]
 
     def overlapping(self, position: int, box: Box) -> Iterator[Slice]:
         """The slices meeting ``box``, found by arithmetic along the split dim: block, then tp rank."""

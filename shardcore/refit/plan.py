@@ -970,7 +970,7 @@ class _Direct:
             return self._receive_alone(shard, name, members)
         positions = list(map(_POSITION, members))
         specs = list(map(self.plan.manifest.tensors.__getitem__, positions))
-        sources = list(map(self.plan.source_placement.slices, positions))
+        sources = self.plan.source_placement.slices_each(positions)
         dtypes = list(map(_DTYPES, specs))
         key = (shard, kinds)
         known = self.layouts.get(key)
