@@ -232,6 +232,8 @@ class WeightMap:
         self._fills: dict[str, tuple[int, tuple[str, ...]]] = {}
         self._reads: dict[str, list[tuple[str, int]]] = {}  # source -> (target, slot) of each filling reading it
         self._slot_positions: dict[str, tuple[int, ...]] = {}  # target -> the positions of the sources its slots read
+        self._starts: dict[str, int] = {}  # target -> where its sources' names start among every fill's
+        every: list[str] = []
         for target, (fill, names) in fills.items():
             number = numbered.get(id(fill))
             if number is None:
@@ -240,8 +242,13 @@ class WeightMap:
             self._fills[target] = (number, names)
             for slot, source in enumerate(names):
                 self._reads.setdefault(source, []).append((target, slot))
-            with suppress(ManifestError):  # a name no source has: ``_check`` names it
-                self._slot_positions[target] = sources.positions(names)  # while at hand: every rank's part asks
+            self._starts[target] = len(every)
+            every += names
+        self._every: tuple[int, ...] | None = None
+        """The positions of every fill's sources (``_starts``), found at once while their names are at hand (every
+        rank's part asks, ``filling``); None when a name is no source's (``_check`` names it)."""
+        with suppress(ManifestError):
+            self._every = sources.positions(every)
         patterns: dict[tuple[tuple[Box, Box], ...], int] = {}
         self._patterns = [patterns.setdefault(fill.links, len(patterns)) for fill in self._kinds]
         self._pattern_boxes = tuple(patterns)
@@ -260,10 +267,9 @@ class WeightMap:
         checked: set[tuple[int, tuple[int, ...], tuple[tuple[int, ...], ...]]] = set()
         for target, (number, names) in self._fills.items():
             shape = shapes.get(target)
-            positions = self._slot_positions.get(target)
-            if shape is None or positions is None:  # the manifests' own errors, naming the tensor
+            if shape is None:  # the manifest's own error, naming the tensor
                 shape = self.targets.tensor(target).shape
-                positions = self.sources.positions(names)
+            positions = self._positions(target, names)
             source_shapes = tuple([sources[position].shape for position in positions])
             if (number, shape, source_shapes) not in checked:
                 self._check_links(target, names, shape, source_shapes)
@@ -387,8 +393,19 @@ class WeightMap:
         number, names = filling
         found = self._slot_positions.get(target)
         if found is None:
-            found = self._slot_positions[target] = self.sources.positions(names)
+            found = self._slot_positions[target] = self._positions(target, names)
         return self._kinds[number], found
+
+    def _positions(self, target: str, names: tuple[str, ...]) -> tuple[int, ...]:
+        """The positions of ``names``, the sources ``target``'s slots read, among ``_every``.
+
+        Raises:
+            ManifestError: a name that is no source's (the manifest's error, naming it).
+        """
+        if self._every is None:
+            return self.sources.positions(names)
+        start = self._starts[target]
+        return self._every[start : start + len(names)]
 
     def pattern(self, target: str) -> int:
         """A number that destination tensors share when their links have the same boxes (the same weight of every
