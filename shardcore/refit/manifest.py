@@ -99,7 +99,7 @@ _LONG_NAME = 100
 
 _NORMALIZED = ("shape", "itemsize", "blocks", "stage", "to_dtype", "scale")
 """The fields of a TensorSpec that its checks set (normalized, or derived: itemsize)."""
-_SHARED = attrgetter("shared")
+_SHARED = attrgetter("_shared")
 _SHARED_FIELDS = attrgetter("shape", "dtype", "tp_dim", "blocks", "unit", "stage", "to_dtype", "scale")
 """The fields of a tensor that its file form writes (``TensorSpec.to_dict``) but its name, layer and expert: the
 same weight of every layer shares them, so a manifest's digest numbers their few distinct values."""
@@ -199,13 +199,13 @@ class TensorSpec:
             if key is not None:
                 if len(_CHECKED) >= _CHECKED_MAX:
                     _CHECKED.clear()
-                _CHECKED[key] = {attribute: getattr(self, attribute) for attribute in (*_NORMALIZED, "shared")}
+                _CHECKED[key] = {attribute: getattr(self, attribute) for attribute in (*_NORMALIZED, "_shared")}
             return
         self.__dict__.update(checked)  # as object.__setattr__ field by field would, in one call
         self._check_indices()
 
     @cached_property
-    def shared(self) -> str:
+    def _shared(self) -> str:
         """The fields the same weight of every layer shares (``_SHARED_FIELDS``: all that the file form writes but
         the name, layer and expert), as text: what a manifest's digest numbers (``Manifest._alike``). Made once per
         kind of spec (``_CHECKED`` hands it on with the checked fields), so a digest of tens of thousands of specs
@@ -588,7 +588,7 @@ class Manifest:
     @cached_property
     def _alike(self) -> tuple[list[TensorSpec], list[int], list[str]]:
         """The given tensors (the derived scale tensors left out), each one's number in the table of the distinct
-        fields they have but name, layer and expert (``TensorSpec.shared``), and that table: the same weight of every
+        fields they have but name, layer and expert (``TensorSpec._shared``), and that table: the same weight of every
         layer shares them. What ``digest`` and ``nbytes`` read, made once."""
         given = [tensor for tensor in self.tensors if tensor.scale_of is None]
         shared: dict[str, int] = {}

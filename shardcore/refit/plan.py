@@ -798,7 +798,7 @@ class RefitPlan:
         found: dict[tuple[int, ...], Any] = {}  # tiles of tensors with the same slices (``_alike``): received,
         sent: dict[tuple[int, ...], Any] = {}  # and sent
         part = PartBuilder(self.world_size, tensors)
-        direct = _Direct(self, rank, part, found)
+        direct = _Direct(self, rank, part)
         source_slices = self.source_placement.slices
         for shard, placement in enumerate(self.destination_placements):
             landing = placement.landing if isinstance(placement, MappedPlacement) else None
@@ -941,14 +941,14 @@ class _Direct:
     rank: each tile then comes whole from its holder (a work line of one holder is one segment), so no run is cut
     for it, and the receives of a kind against a kind of source slices are found once and given each such tensor."""
 
-    def __init__(self, plan: RefitPlan, rank: int, part: PartBuilder, found: dict[tuple[Any, ...], Any]) -> None:
-        self.plan, self.rank, self.part, self.found = plan, rank, part, found
+    def __init__(self, plan: RefitPlan, rank: int, part: PartBuilder) -> None:
+        self.plan, self.rank, self.part = plan, rank, part
         self.sources: dict[int, tuple[Sequence[Slice], int, tuple[int, ...] | None]] = {}
         """By the id of a tensor's source slices: them (kept, so no other takes the id), the number of their kind
         (``source_kind``, numbered in ``kinds``), and each slice's one holder (None when a slice has more)."""
         self.kinds: dict[tuple[Any, ...], int] = {}
         self.rows: dict[tuple[Any, ...], KindBoxes] = {}
-        """By (destination, kind, source kind, dtypes): the boxes received (``PartBuilder.receive``)."""
+        """By (destination, kind, source kind, dtypes): the boxes received (``_rows``)."""
         self.relative: dict[tuple[Any, ...], list[tuple[Any, ...]]] = {}
         """By (destination, boxes of its slices, source kind, bytes of an element): the tiles of ``_rows``, each
         with its destination offset less its slice's."""
@@ -1023,17 +1023,23 @@ class _Direct:
         way = self.ways.get(key)
         if way is not None and way.sources is sources and way.dtype == spec.dtype and way.to_dtype == spec.to_dtype:
             return way
-        way = self.ways[key] = self._new_way(shard, position, targets, kind, sources)
+        way = self.ways[key] = self._new_way(shard, position, spec, targets, kind, sources)
         return way
 
     def _new_way(
-        self, shard: int, position: int, targets: tuple[Slice, ...], kind: Hashable, sources: Sequence[Slice]
+        self,
+        shard: int,
+        position: int,
+        spec: TensorSpec,
+        targets: tuple[Slice, ...],
+        kind: Hashable,
+        sources: Sequence[Slice],
     ) -> _Way:
-        """``_way``'s way, made."""
+        """``_way``'s way for tensor ``position`` (``spec``), made."""
         known = self.sources.get(id(sources))
         if known is None or known[0] is not sources:
             known = self._source(sources)
-        holders, rank, spec = known[2], self.rank, self.plan.manifest.tensors[position]
+        holders, rank = known[2], self.rank
         if holders is None or rank in holders:
             return _Way(sources, spec.dtype, spec.to_dtype, -1, -1, None, None)
         key = (shard, kind, known[1], spec.dtype, spec.to_dtype)
@@ -1069,21 +1075,20 @@ class _Direct:
         relative = self.relative.get(key)
         if relative is None:
             relative = self.relative[key] = [
-                (tile.box, tile.src_offset, j, tuple(map(sub, tile.dst_offset, targets[j].offset)), tile, i)
+                (
+                    tile.box,
+                    tuple([stop - start for start, stop in tile.box]),
+                    tile.src_offset,
+                    j,
+                    tuple(map(sub, tile.dst_offset, targets[j].offset)),
+                    tile.rows * tile.row_bytes,
+                    i,
+                )
                 for j, i, tile in self.plan._tiles_into(position, shard, targets, sources, [()] * len(targets))
             ]
         rows = sorted(
-            (
-                (
-                    box,
-                    tuple([stop - start for start, stop in box]),
-                    src_offset,
-                    tuple(map(add, moved_by, targets[j].offset)),
-                    tile.rows * tile.row_bytes,
-                ),
-                i,
-            )
-            for box, src_offset, j, moved_by, tile, i in relative
+            ((box, shape, src_offset, tuple(map(add, moved_by, targets[j].offset)), nbytes), i)
+            for box, shape, src_offset, j, moved_by, nbytes, i in relative
         )
         of_slice = tuple([i for _, i in rows])
         return KindBoxes(tuple([row for row, _ in rows]), of_slice, tuple(sorted(set(of_slice))))
