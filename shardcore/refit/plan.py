@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import warnings
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -683,6 +684,16 @@ class RefitPlan:
             if self.fan_out:
                 return list(self._cut_runs(self._all_tiles()))
             return self._kind_runs()
+
+    @property
+    def scale_positions(self) -> frozenset[int]:
+        """Deprecated, goes in the next release: the manifest's (``Manifest.scale_positions``)."""
+        warnings.warn(
+            "RefitPlan.scale_positions is deprecated and goes in the next release: use plan.manifest.scale_positions",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.manifest.scale_positions
 
     def fingerprint(self) -> dict[str, str]:
         """What every rank executing this plan must agree on, part by part, as short readable texts:

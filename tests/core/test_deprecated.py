@@ -52,3 +52,15 @@ def test_weight_map_numbers_warns_and_gives_read_bys_numbers() -> None:
     with pytest.warns(DeprecationWarning, match="WeightMap.numbers is deprecated .* use WeightMap.read_by"):
         numbers = weights.numbers(source)
     assert numbers == tuple(number for _, number in weights.read_by(source)) and len(numbers) == 2
+
+
+def test_a_plans_scale_positions_warn_and_give_the_manifests() -> None:
+    from shardcore.plan.layout import plan_layout
+    from shardcore.refit import plan_refit, preset
+
+    manifest = preset("tiny-dense").converted("float8_e4m3fn", "tensor")
+    plan = plan_refit(plan_layout(4, "tp=2,role=train + tp=2"), 0, [1], manifest)
+    with pytest.warns(DeprecationWarning, match=r"RefitPlan.scale_positions is deprecated .* plan.manifest.scale"):
+        found = plan.scale_positions
+    expected = {p for p, tensor in enumerate(plan.manifest.tensors) if tensor.scale_of is not None}
+    assert found == plan.manifest.scale_positions == expected and found
