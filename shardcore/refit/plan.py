@@ -905,14 +905,9 @@ class RefitPlan:
 
 
 class _Way(NamedTuple):
-    """How a rank receives a tensor of a kind from source slices (``_Direct``): found once for the same weight of
-    every layer."""
+    """How a rank receives a tensor of a kind from its source slices (``_Direct``), found once per local tensor's
+    members for the same weight of every layer (``_Ways``)."""
 
-    sources: Sequence[Slice]
-    """The tensor's source slices (kept, so no other takes their id)."""
-    dtype: str
-    to_dtype: str | None
-    """The tensor's dtypes: they set the bytes of an element."""
     number: int
     """The number of the pair (holder, rank) in the part's order (``PartBuilder.number``), when every box comes
     from one holder; -1 when not."""
@@ -965,9 +960,6 @@ class _Direct:
         with its destination offset less its slice's."""
         self.layouts: dict[tuple[int, tuple[Hashable, ...]], _Ways] = {}
         """By (destination, the kinds of a local tensor's members): how each member is received."""
-        self.ways: dict[tuple[int, Hashable, int], _Way] = {}
-        """By (the id of a tensor's source slices, kind, destination): how such a tensor is received (a tensor of
-        other dtypes makes its own)."""
 
     def receive(self, shard: int, name: str, members: Sequence[Member]) -> list[Member]:
         """Adds to the part the receives of ``members`` (of destination ``shard``, in local tensor ``name``) whose
@@ -1027,40 +1019,21 @@ class _Direct:
     def _way(
         self, shard: int, position: int, targets: tuple[Slice, ...], kind: Hashable, sources: Sequence[Slice]
     ) -> _Way:
-        """``receive``'s way for tensor ``position`` (of ``kind``, with source slices ``sources``), found once per
-        (source slices, kind, destination, dtypes)."""
-        spec = self.plan.manifest.tensors[position]
-        key = (id(sources), kind, shard)
-        way = self.ways.get(key)
-        if way is not None and way.sources is sources and way.dtype == spec.dtype and way.to_dtype == spec.to_dtype:
-            return way
-        way = self.ways[key] = self._new_way(shard, position, spec, targets, kind, sources)
-        return way
-
-    def _new_way(
-        self,
-        shard: int,
-        position: int,
-        spec: TensorSpec,
-        targets: tuple[Slice, ...],
-        kind: Hashable,
-        sources: Sequence[Slice],
-    ) -> _Way:
-        """``_way``'s way for tensor ``position`` (``spec``), made."""
+        """How ``receive`` receives tensor ``position`` (of ``kind``, with source slices ``sources``)."""
         known = self.sources.get(id(sources))
         if known is None or known[0] is not sources:
             known = self._source(sources)
-        holders, rank = known[2], self.rank
+        holders, rank, spec = known[2], self.rank, self.plan.manifest.tensors[position]
         if holders is None or rank in holders:
-            return _Way(sources, spec.dtype, spec.to_dtype, -1, -1, None, None)
+            return _Way(-1, -1, None, None)
         key = (shard, kind, known[1], spec.dtype, spec.to_dtype)
         boxes = self.rows.get(key)
         if boxes is None:
             boxes = self.rows[key] = self._rows(shard, position, targets, sources)
         src = holders[boxes.slices[0]]
         if any(holders[i] != src for i in boxes.slices):
-            return _Way(sources, spec.dtype, spec.to_dtype, -1, -1, holders, boxes)
-        return _Way(sources, spec.dtype, spec.to_dtype, self.part.number(src, rank, 0), src, holders, boxes)
+            return _Way(-1, -1, holders, boxes)
+        return _Way(self.part.number(src, rank, 0), src, holders, boxes)
 
     def _source(self, sources: Sequence[Slice]) -> tuple[Sequence[Slice], int, tuple[int, ...] | None]:
         """``sources``' entry in ``self.sources``, made."""

@@ -231,7 +231,6 @@ class WeightMap:
         self._kinds: list[Fill] = []
         self._fills: dict[str, tuple[int, tuple[str, ...]]] = {}
         self._reads: dict[str, list[tuple[str, int]]] = {}  # source -> (target, slot) of each filling reading it
-        self._slot_positions: dict[str, tuple[int, ...]] = {}  # target -> the positions of the sources its slots read
         self._starts: dict[str, int] = {}  # target -> where its sources' names start among every fill's
         every: list[str] = []
         for target, (fill, names) in fills.items():
@@ -391,10 +390,7 @@ class WeightMap:
         if filling is None:
             return None
         number, names = filling
-        found = self._slot_positions.get(target)
-        if found is None:
-            found = self._slot_positions[target] = self._positions(target, names)
-        return self._kinds[number], found
+        return self._kinds[number], self._positions(target, names)
 
     def _positions(self, target: str, names: tuple[str, ...]) -> tuple[int, ...]:
         """The positions of ``names``, the sources ``target``'s slots read, among ``_every``.
