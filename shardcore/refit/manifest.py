@@ -99,7 +99,6 @@ _LONG_NAME = 100
 
 _NORMALIZED = ("shape", "itemsize", "blocks", "stage", "to_dtype", "scale")
 """The fields of a TensorSpec that its checks set (normalized, or derived: itemsize)."""
-_SHARED = attrgetter("_shared")
 _SHARED_FIELDS = attrgetter("shape", "dtype", "tp_dim", "blocks", "unit", "stage", "to_dtype", "scale")
 """The fields of a tensor that its file form writes (``TensorSpec.to_dict``) but its name, layer and expert: the
 same weight of every layer shares them, so a manifest's digest numbers their few distinct values."""
@@ -484,6 +483,15 @@ class Manifest:
     """The positions of the fp8 scale tensors (``TensorSpec.scale_of``), found with the rest: a plan's runs and
     stats ask of every tile."""
     _digest: str = field(init=False, repr=False, compare=False, default="")
+    alike_numbers: list[int] = field(init=False, repr=False, compare=False)
+    """Per position, the number of its tensor's fields but name, layer and expert (``TensorSpec._shared``) among the
+    manifest's distinct ones, numbered as first met: the same weight of every layer shares it. Found with the rest,
+    while each tensor is at hand, so a rank's part compares a layer's weights with another's as a column of ints,
+    without reading tens of thousands of specs again."""
+    _alike_texts: list[str] = field(init=False, repr=False, compare=False)
+    """Those distinct fields, by number."""
+    ordered_names: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    """Every tensor's name, by position."""
 
     def __post_init__(self) -> None:
         if isinstance(self.tensors, (str, bytes, Mapping)) or not isinstance(self.tensors, Iterable):
@@ -503,6 +511,8 @@ class Manifest:
         by_expert: dict[tuple[int, int], list[int]] = {}
         by_stage: dict[str, list[int]] = {s: [] for s in STAGES}
         scales: list[int] = []
+        shared: dict[str, int] = {}
+        alike: list[int] = []
         for position, tensor in enumerate(self.tensors):
             if not isinstance(tensor, TensorSpec):
                 raise ManifestError(f"manifest entry {position} is a {type(tensor).__name__}, not a TensorSpec")
@@ -520,7 +530,11 @@ class Manifest:
                 by_stage[stage].append(position)
             if tensor.scale_of is not None:
                 scales.append(position)
+            alike.append(shared.setdefault(tensor._shared, len(shared)))
         object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "alike_numbers", alike)
+        object.__setattr__(self, "_alike_texts", list(shared))
+        object.__setattr__(self, "ordered_names", tuple(index))
         object.__setattr__(self, "scale_positions", frozenset(scales))
         object.__setattr__(self, "_by_layer", {k: tuple(v) for k, v in by_layer.items()})
         object.__setattr__(self, "_by_expert", {k: tuple(v) for k, v in by_expert.items()})
@@ -588,12 +602,14 @@ class Manifest:
     @cached_property
     def _alike(self) -> tuple[list[TensorSpec], list[int], list[str]]:
         """The given tensors (the derived scale tensors left out), each one's number in the table of the distinct
-        fields they have but name, layer and expert (``TensorSpec._shared``), and that table: the same weight of every
-        layer shares them. What ``digest`` and ``nbytes`` read, made once."""
-        given = [tensor for tensor in self.tensors if tensor.scale_of is None]
-        shared: dict[str, int] = {}
-        numbers = [shared.setdefault(fields, len(shared)) for fields in map(_SHARED, given)]
-        return given, numbers, list(shared)
+        fields they have but name, layer and expert (``alike_numbers``, numbered among the given tensors alone), and
+        that table. What ``digest`` and ``nbytes`` read, made once."""
+        if not self.scale_positions:
+            return list(self.tensors), self.alike_numbers, self._alike_texts
+        kept = [position for position in range(len(self.tensors)) if position not in self.scale_positions]
+        renumbered: dict[int, int] = {}
+        numbers = [renumbered.setdefault(self.alike_numbers[position], len(renumbered)) for position in kept]
+        return [self.tensors[position] for position in kept], numbers, [self._alike_texts[n] for n in renumbered]
 
     @cached_property
     def converting(self) -> frozenset[str]:

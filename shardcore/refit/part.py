@@ -12,8 +12,8 @@ from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from itertools import compress, count, islice, repeat
-from operator import attrgetter, eq, itemgetter, mul
+from itertools import compress, count, islice
+from operator import attrgetter, eq
 from typing import Any, NamedTuple
 
 from .boxes import Box, fitted, from_fields
@@ -259,8 +259,8 @@ def transfer_order(manifest: Manifest) -> Callable[[Transfer], tuple[Any, ...]]:
 
 class PartBuilder:
     """One rank's transfers as they are found, put in the order of ``RankRefit`` at the end (``transfer_order``).
-    (src, dst, position, first row of the box) is one number, sorted as such; the few transfers sharing it (boxes
-    of one tensor between one pair that start on the same row) are ordered among themselves by the rest of the key."""
+    (src, dst, position) is one number, sorted as such (an int sort in C); the few transfers sharing it (boxes of one
+    tensor between one pair) are ordered among themselves by the rest of the key."""
 
     def __init__(self, world_size: int, tensors: Sequence[TensorSpec]) -> None:
         self.transfers: list[Transfer] = []
@@ -334,14 +334,10 @@ class PartBuilder:
                         self.transfers += made
                 kept = [i for i, pair in enumerate(numbers) if pair not in clash]
                 received, numbers = [received[i] for i in kept], [numbers[i] for i in kept]
-        rows = max([t.box[0][0] for t in self.transfers], default=0) + 1
-        keyed: list[tuple[int, Transfer | Received]] = [
-            (pair * rows + t.box[0][0], t) for pair, t in zip(self.pairs, self.transfers)
-        ]
-        keyed += zip(map(mul, numbers, repeat(rows)), received)  # alone with its number: no first row needed
-        keyed.sort(key=_FIRST)
-        ranked = list(map(_FIRST, keyed))
-        ordered = list(map(_SECOND, keyed))
+        keys, items = self.pairs + numbers, self.transfers + received
+        order = sorted(range(len(keys)), key=keys.__getitem__)  # ints, compared in C (one digit, most worlds)
+        ranked = list(map(keys.__getitem__, order))
+        ordered = list(map(items.__getitem__, order))
         ties = list(compress(count(1), map(eq, ranked, islice(ranked, 1, None))))  # n: ranked[n - 1] == ranked[n]
         n = 0
         while n < len(ties):  # each stretch of transfers sharing their number, by (box, hop, target)
@@ -351,8 +347,8 @@ class PartBuilder:
                 stop, n = stop + 1, n + 1
             ordered[start:stop] = sorted(ordered[start:stop], key=_after_peers)  # transfers only: see the doc
         span, pair = self.world_size * self.tensors, (rank * self.world_size + rank) * self.tensors
-        first, last = bisect_left(ranked, rank * span * rows), bisect_left(ranked, (rank + 1) * span * rows)
-        low, high = bisect_left(ranked, pair * rows), bisect_left(ranked, (pair + self.tensors) * rows)
+        first, last = bisect_left(ranked, rank * span), bisect_left(ranked, (rank + 1) * span)
+        low, high = bisect_left(ranked, pair), bisect_left(ranked, pair + self.tensors)
         return (
             Rows((*ordered[first:low], *ordered[high:last]), rank),
             Rows((*ordered[:first], *ordered[last:]), rank),
@@ -360,7 +356,6 @@ class PartBuilder:
         )
 
 
-_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 _after_peers = attrgetter("box", "hop", "target")
 """The order of one tensor's transfers between one pair of ranks (the end of ``transfer_order``'s key)."""
 

@@ -76,7 +76,6 @@ _place = attrgetter("position", "box")
 
 _POSITION, _KIND = itemgetter(0), itemgetter(2)
 """A member's (``placement.Member``) position and kind."""
-_NAME, _DTYPES = attrgetter("name"), attrgetter("dtype", "to_dtype")
 
 
 class _RouteRows(NamedTuple):
@@ -925,7 +924,9 @@ class _Ways(NamedTuple):
     of kinds, source slices and dtypes: the same weight of every layer has the same."""
 
     sources: list[Sequence[Slice]]
-    dtypes: list[tuple[str, str | None]]
+    alike: list[int]
+    """The members' ``Manifest.alike_numbers``: their dtypes among the rest (a layer of another dtype has other
+    bytes)."""
     ways: list[_Way]
     numbers: list[int] | None
     """When every member comes whole from one holder, as most do: each way's ``number``, ``src`` and its boxes' rows,
@@ -934,12 +935,12 @@ class _Ways(NamedTuple):
     rows: list[tuple[Row, ...]]
 
     @classmethod
-    def of(cls, sources: list[Sequence[Slice]], dtypes: list[tuple[str, str | None]], ways: list[_Way]) -> _Ways:
+    def of(cls, sources: list[Sequence[Slice]], alike: list[int], ways: list[_Way]) -> _Ways:
         """The members' ways, with their columns when every member comes whole from one holder."""
         rows = [way.boxes.rows for way in ways if way.boxes is not None and way.number >= 0]
         if len(rows) < len(ways):
-            return cls(sources, dtypes, ways, None, [], [])
-        return cls(sources, dtypes, ways, [way.number for way in ways], [way.src for way in ways], rows)
+            return cls(sources, alike, ways, None, [], [])
+        return cls(sources, alike, ways, [way.number for way in ways], [way.src for way in ways], rows)
 
 
 class _Direct:
@@ -971,47 +972,47 @@ class _Direct:
         kinds = tuple(map(_KIND, members))
         if None in kinds:
             return self._receive_alone(shard, name, members)
+        manifest = self.plan.manifest
         positions = list(map(_POSITION, members))
-        specs = list(map(self.plan.manifest.tensors.__getitem__, positions))
         sources = self.plan.source_placement.slices_each(positions)
-        dtypes = list(map(_DTYPES, specs))
+        alike = list(map(manifest.alike_numbers.__getitem__, positions))
         key = (shard, kinds)
         known = self.layouts.get(key)
-        if known is None or known.sources != sources or known.dtypes != dtypes:
+        if known is None or known.sources != sources or known.alike != alike:
             ways = [
                 self._way(shard, position, targets, kind, slices)
                 for (position, targets, kind), slices in zip(members, sources)
             ]
-            known = self.layouts[key] = _Ways.of(sources, dtypes, ways)
+            known = self.layouts[key] = _Ways.of(sources, alike, ways)
         if known.numbers is None:
-            return self._receive_ways(name, members, specs, known.ways)
+            return self._receive_ways(name, members, known.ways)
         self.part.received_pairs += map(add, known.numbers, positions)
         self.part.received += map(
-            from_fields, repeat(Received), zip(map(_NAME, specs), known.srcs, known.rows, repeat(name))
+            from_fields,
+            repeat(Received),
+            zip(map(manifest.ordered_names.__getitem__, positions), known.srcs, known.rows, repeat(name)),
         )
         return []
 
     def _receive_alone(self, shard: int, name: str, members: Sequence[Member]) -> list[Member]:
         """``receive`` for members of which some are of no kind (left to the general way): each found alone."""
-        slices_of, specs = self.plan.source_placement.slices, self.plan.manifest.tensors
+        slices_of = self.plan.source_placement.slices
         ways = [
             None if kind is None else self._way(shard, position, targets, kind, slices_of(position))
             for position, targets, kind in members
         ]
-        return self._receive_ways(name, members, [specs[member[0]] for member in members], ways)
+        return self._receive_ways(name, members, ways)
 
-    def _receive_ways(
-        self, name: str, members: Sequence[Member], specs: Sequence[TensorSpec], ways: Sequence[_Way | None]
-    ) -> list[Member]:
-        """Adds to the part the receives of ``members`` (their ``specs``) as their ``ways`` say; returns those the
-        plan's general way receives (of no way, or of a way without boxes)."""
-        part, rank, left = self.part, self.rank, []
-        for member, spec, way in zip(members, specs, ways):
+    def _receive_ways(self, name: str, members: Sequence[Member], ways: Sequence[_Way | None]) -> list[Member]:
+        """Adds to the part the receives of ``members`` as their ``ways`` say; returns those the plan's general way
+        receives (of no way, or of a way without boxes)."""
+        part, rank, left, names = self.part, self.rank, [], self.plan.manifest.ordered_names
+        for member, way in zip(members, ways):
             if way is None or way.boxes is None:
                 left.append(member)
             elif way.number >= 0:
                 part.received_pairs.append(way.number + member[0])
-                part.received.append(from_fields(Received, (spec.name, way.src, way.boxes.rows, name)))
+                part.received.append(from_fields(Received, (names[member[0]], way.src, way.boxes.rows, name)))
             else:  # from several holders: a transfer per box
                 part.receive_apart(rank, name, member[0], way.holders, way.boxes)  # type: ignore[arg-type]
         return left

@@ -419,3 +419,29 @@ def test_names_hash_with_their_boundaries() -> None:
 
     assert hashed(["ab", "c"]) != hashed(["a", "bc"]) != hashed(["abc"]) != hashed(["ab", "c", ""])
     assert hashed(["ab", "c"]) == hashed(["a" + "b", "c"]) and hashed(["\ud800"]) != hashed(["\ud801"])
+
+
+def test_alike_numbers_tell_the_same_weight_of_every_layer_apart_from_any_other() -> None:
+    """``Manifest.alike_numbers`` is what a rank's part compares instead of each spec's fields: equal exactly when two
+    tensors share every field but name, layer and expert (a layer in another dtype differs), and the digest numbered
+    from it is the one of the same tensors given without their derived scales' places."""
+    base = preset("tiny-moe")
+    odd = tuple(
+        replace(t, dtype="float32") if t.layer == 1 and t.name.endswith("linear_fc1.weight") else t
+        for t in base.tensors
+    )
+    manifest = replace(base, tensors=odd)
+    fields = [(t.shape, t.dtype, t.tp_dim, t.blocks, t.unit, t.stage, t.to_dtype, t.scale) for t in manifest]
+    for a, first in enumerate(fields):
+        for b, second in enumerate(fields):
+            assert (manifest.alike_numbers[a] == manifest.alike_numbers[b]) == (first == second)
+    assert manifest.ordered_names == tuple(t.name for t in manifest)
+    fc1 = [p for p, t in enumerate(manifest) if t.name.endswith("linear_fc1.weight") and t.expert is None]
+    assert len({manifest.alike_numbers[p] for p in fc1}) == 2  # layer 1's float32 fc1 apart from the others
+    scaled = base.converted("float8_e4m3fn", "tensor")
+    given = [t for t in scaled if t.scale_of is None]
+    first = next(n for n, t in enumerate(given) if t.scale is not None)
+    scale = scaled.tensor(f"{given[first].name}_scale_inv")
+    moved = replace(scaled, tensors=(*given[: first + 1], scale, *given[first + 1 :]))
+    assert [t.name for t in moved] != [t.name for t in scaled]
+    assert moved.digest() == scaled.digest()  # a scale tensor's place among the given ones leaves the digest
