@@ -259,7 +259,7 @@ class RefitPlan:
         the tensor's source slices), each with the number of its source slice. A tensor whose slices have the boxes
         of an earlier one's (a shard placement's, for the same weight of every layer; an engine's, for every expert
         of a layer) has that tensor's tiles, moved to it (``_alike``); so most tiles are not found again. With
-        fan-out each target's group (``_groups``) is found first: the tiles are made of it, and keyed by it."""
+        fan-out each target's group (``_groups``) is found first: the tiles are made with it."""
         groups = self._groups(position, shard, targets)
         return self._alike(
             found,
@@ -275,8 +275,7 @@ class RefitPlan:
         """The tiles of source slice ``source`` toward destination ``shard`` (``_tiles_from``), found once per
         distinct (source slice, destination's slices) as ``_tiles_alike`` finds them. The destination's slices are
         only those meeting ``source``: a rank's sends cost its own tiles, not every slice of an engine's image. With
-        fan-out the tiles' groups are made of the destinations' slices with those slices' boxes, whose identity
-        keys the tiles (``_alike``)."""
+        fan-out the tiles' groups are made of the destinations' slices with those slices' boxes."""
         targets = tuple(self.destination_placements[shard].overlapping(position, source.box))
         groups = self._groups(position, shard, targets)
         made = self._alike(
@@ -307,14 +306,13 @@ class RefitPlan:
         A tile depends on its two slices' boxes, the source's offset, and the numbers that seed it (``_tile``):
         those make the key. The destination's offset, both holder sets and the local tensor's name are read off
         the slices of the tensor at hand, so slices alike in shape share tiles (a MoE layer's experts do, each
-        at another slot of an engine's stacked tensor). With fan-out a tile's group is made of destination slices
-        (the members of ``groups``, each target's), so the key is the identity of every slice (``found`` keeps them
-        alive: no other slice takes their ids)."""
-        if self.fan_out:
-            members = (piece for group in groups for _, piece in group)
-            key = (*key, *map(id, targets), -1, *map(id, sources), -2, *map(id, members))
-        else:
-            key = (key, destination_kind(targets), source_kind(sources))
+        at another slot of an engine's stacked tensor). With fan-out a tile's group (``groups``, each target's) is
+        read off the tensor at hand too, and its first member seeds the tile in the target's place: the key holds
+        each group's first destination, block and part (every layer's weight has the same, so its tiles are found
+        once, where keying by the slices' identity found them tensor by tensor)."""
+        key = (key, destination_kind(targets), source_kind(sources))
+        if self.fan_out:  # what of a group seeds its tiles (``_tile``): its first member's destination and slice
+            key = (*key, tuple([(group[0][0], group[0][1].block, group[0][1].part) for group in groups]))
         itemsize = self.manifest.tensors[position].wire_itemsize
         known = found.get(key)
         if known is None:
@@ -329,11 +327,10 @@ class RefitPlan:
                     tile.seed - tile.position,
                     tile.rows,
                     tile.row_bytes // itemsize,
-                    tile.group,
                 )
                 for j, i, tile in made
             ]
-            found[key] = ((targets, sources, groups), kept)
+            found[key] = kept
             return [(i, tile) for _, i, tile in made]
         # another tensor's tiles, moved here: the same boxes; the seed (which starts from the position, ``_tile``),
         # the bytes of a row, the destination's offset, the holders and the local tensor are this tensor's
@@ -358,8 +355,8 @@ class RefitPlan:
                     ),
                 ),
             )
-            for j, i, shard, box, src_offset, seed, rows, per_row, group in known[1]
-            for target in (targets[j],)
+            for j, i, shard, box, src_offset, seed, rows, per_row in known
+            for target, group in ((targets[j], groups[j]),)
         ]
 
     # -- pieces ------------------------------------------------------------------------------
@@ -813,7 +810,8 @@ class RefitPlan:
         for shard, placement in enumerate(self.destination_placements):
             landing = placement.landing if isinstance(placement, MappedPlacement) else None
             local = placement.local_tensors()
-            # with fan-out a tile's group is keyed by its slices' identity: the slices as ``held`` makes them
+            # with fan-out each tensor goes the general way (``_Direct`` receives from holders, never from a relay),
+            # its slices named as ``held`` names them (a group's members are the slices with the target's local name)
             holdings = Placement.held_alike(placement, rank) if self.fan_out else placement.held_alike(rank)
             for local_tensor in holdings:
                 members = local_tensor.members

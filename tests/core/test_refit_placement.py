@@ -450,3 +450,26 @@ def test_bad_plan_refit_from_arguments_are_refit_errors() -> None:
     with pytest.raises(RefitError, match=r"manifest must be a shardcore\.refit\.Manifest; got str"):
         ExplicitPlacement("tiny-dense", [])  # type: ignore[arg-type]
     assert plan_refit_from(shards[0], shards[1]).world_size == 4
+
+
+def test_fan_out_shares_tiles_only_between_tensors_seeded_alike() -> None:
+    """With fan-out a tile is seeded by its group's first member (``RefitPlan._tile``), so two tensors whose slices
+    lie alike in a destination share its tiles only when their groups start alike there. Here ``a`` and ``b`` lie
+    alike in the second destination (whole, on four replicas of one node that holds no source), but the first
+    destination holds ``a`` whole and ``b`` in halves: ``a``'s group there starts in the first destination, ``b``'s in
+    the second. ``b`` planned after ``a`` must move exactly as ``b`` planned alone (relays chosen by its own seed)."""
+    manifest = Manifest(tuple(TensorSpec(name, (8,), "float32", stage="all") for name in ("a", "b")))
+    source = ExplicitPlacement(manifest, [HeldBox(name, 0, ((0, 8),)) for name in ("a", "b")], label="trainer")
+    halves = [HeldBox("b", 4 + k, ((4 * k, 4 * k + 4),)) for k in (0, 1)]
+    first = ExplicitPlacement(manifest, [HeldBox("a", 4, ((0, 8),)), *halves], index=1, label="split")
+    whole = [HeldBox(name, rank, ((0, 8),)) for name in ("a", "b") for rank in range(8, 12)]
+    second = ExplicitPlacement(manifest, whole, index=2, label="whole")
+    plan = plan_refit_from(source, [first, second], 4, min_piece_bytes=0, fan_out=True)
+    alone = plan.subset(["b"])
+    for rank in range(plan.world_size):
+        part, part_alone = plan.for_rank(rank), alone.for_rank(rank)
+        for direction in ("sends", "recvs", "copies"):
+            moved = [t for t in getattr(part, direction) if t.tensor == "b"]
+            assert moved == list(getattr(part_alone, direction)), (rank, direction)
+    relays = {t.dst for t in plan.transfers() if t.tensor == "b" and t.src == 0 and t.dst >= 8}
+    assert len(relays) == 1 and any(t.hop for t in plan.transfers() if t.tensor == "b")  # one relay forwards
