@@ -483,7 +483,7 @@ class Manifest:
     """The positions of the fp8 scale tensors (``TensorSpec.scale_of``), found with the rest: a plan's runs and
     stats ask of every tile."""
     _digest: str = field(init=False, repr=False, compare=False, default="")
-    alike_numbers: list[int] = field(init=False, repr=False, compare=False)
+    alike_numbers: tuple[int, ...] = field(init=False, repr=False, compare=False)
     """Per position, the number of its tensor's fields but name, layer and expert (``TensorSpec._shared``) among the
     manifest's distinct ones, numbered as first met: the same weight of every layer shares it. Found with the rest,
     while each tensor is at hand, so a rank's part compares a layer's weights with another's as a column of ints,
@@ -532,7 +532,7 @@ class Manifest:
                 scales.append(position)
             alike.append(shared.setdefault(tensor._shared, len(shared)))
         object.__setattr__(self, "_index", index)
-        object.__setattr__(self, "alike_numbers", alike)
+        object.__setattr__(self, "alike_numbers", tuple(alike))
         object.__setattr__(self, "_alike_texts", list(shared))
         object.__setattr__(self, "ordered_names", tuple(index))
         object.__setattr__(self, "scale_positions", frozenset(scales))
@@ -600,7 +600,7 @@ class Manifest:
         return sum(alike[number].nbytes * count for number, count in Counter(numbers).items())
 
     @cached_property
-    def _alike(self) -> tuple[list[TensorSpec], list[int], list[str]]:
+    def _alike(self) -> tuple[list[TensorSpec], Sequence[int], list[str]]:
         """The given tensors (the derived scale tensors left out), each one's number in the table of the distinct
         fields they have but name, layer and expert (``alike_numbers``, numbered among the given tensors alone), and
         that table. What ``digest`` and ``nbytes`` read, made once."""
