@@ -810,10 +810,7 @@ class RefitPlan:
         for shard, placement in enumerate(self.destination_placements):
             landing = placement.landing if isinstance(placement, MappedPlacement) else None
             local = placement.local_tensors()
-            # with fan-out each tensor goes the general way (``_Direct`` receives from holders, never from a relay),
-            # its slices named as ``held`` names them (a group's members are the slices with the target's local name)
-            holdings = Placement.held_alike(placement, rank) if self.fan_out else placement.held_alike(rank)
-            for local_tensor in holdings:
+            for local_tensor in placement.held_alike(rank):
                 members = local_tensor.members
                 if chosen is not None:
                     members = [member for member in members if member[0] in chosen]
@@ -944,10 +941,26 @@ class _Ways(NamedTuple):
 class _Direct:
     """One rank's receives of tensors of a kind (``HeldAlike``) whose every source slice has one holder, not the
     rank: each tile then comes whole from its holder (a work line of one holder is one segment), so no run is cut
-    for it, and the receives of a kind against a kind of source slices are found once and given each such tensor."""
+    for it, and the receives of a kind against a kind of source slices are found once and given each such tensor.
+
+    With fan-out a tile comes whole from its holder too when the rank is its only needer on its node (no relay
+    there: the tile's group has no other holder on the node). Whether it is depends on the rank's own destination
+    alone when no other destination has a rank on its node, and then it is the same for every tensor of the same
+    kinds; otherwise every tensor goes the plan's general way."""
 
     def __init__(self, plan: RefitPlan, rank: int, part: PartBuilder) -> None:
         self.plan, self.rank, self.part = plan, rank, part
+        self.node: range | None = None
+        """With fan-out, the ranks of this rank's node (None: no fan-out, or no direct receive with it)."""
+        if plan.fan_out and plan.ranks_per_node is not None:
+            per = plan.ranks_per_node
+            node = range(rank - rank % per, rank - rank % per + per)
+            mine = [placement for placement in plan.destination_placements if rank in placement.ranks]
+            others = [placement for placement in plan.destination_placements if rank not in placement.ranks]
+            if mine and not any(r in placement.ranks for placement in others for r in node):
+                self.node = node
+        self.direct = not plan.fan_out or self.node is not None
+        """Whether a tensor may be received directly at all."""
         self.sources: dict[int, tuple[Sequence[Slice], int, tuple[int, ...] | None]] = {}
         """By the id of a tensor's source slices: them (kept, so no other takes the id), the number of their kind
         (``source_kind``, numbered in ``kinds``), and each slice's one holder (None when a slice has more)."""
@@ -967,6 +980,8 @@ class _Direct:
         ``Received``. How each member is received (``_Way``) is found once per sequence of kinds, source slices and
         dtypes (``_Ways``): the same weight of every layer has the same, so each other one costs a few passes in C
         over its members and a ``Received`` each."""
+        if not self.direct:
+            return list(members)
         kinds = tuple(map(_KIND, members))
         if None in kinds:
             return self._receive_alone(shard, name, members)
@@ -978,7 +993,7 @@ class _Direct:
         known = self.layouts.get(key)
         if known is None or known.sources != sources or known.alike != alike:
             ways = [
-                self._way(shard, position, targets, kind, slices)
+                self._way(shard, name, position, targets, kind, slices)
                 for (position, targets, kind), slices in zip(members, sources)
             ]
             known = self.layouts[key] = _Ways.of(sources, alike, ways)
@@ -996,7 +1011,7 @@ class _Direct:
         """``receive`` for members of which some are of no kind (left to the general way): each found alone."""
         slices_of = self.plan.source_placement.slices
         ways = [
-            None if kind is None else self._way(shard, position, targets, kind, slices_of(position))
+            None if kind is None else self._way(shard, name, position, targets, kind, slices_of(position))
             for position, targets, kind in members
         ]
         return self._receive_ways(name, members, ways)
@@ -1016,9 +1031,16 @@ class _Direct:
         return left
 
     def _way(
-        self, shard: int, position: int, targets: tuple[Slice, ...], kind: Hashable, sources: Sequence[Slice]
+        self,
+        shard: int,
+        name: str,
+        position: int,
+        targets: tuple[Slice, ...],
+        kind: Hashable,
+        sources: Sequence[Slice],
     ) -> _Way:
-        """How ``receive`` receives tensor ``position`` (of ``kind``, with source slices ``sources``)."""
+        """How ``receive`` receives tensor ``position`` (of ``kind``, with source slices ``sources``, in local tensor
+        ``name``)."""
         known = self.sources.get(id(sources))
         if known is None or known[0] is not sources:
             known = self._source(sources)
@@ -1029,10 +1051,26 @@ class _Direct:
         boxes = self.rows.get(key)
         if boxes is None:
             boxes = self.rows[key] = self._rows(shard, position, targets, sources)
+        if self.node is not None and not self._alone(shard, name, position, targets):
+            return _Way(-1, -1, None, None)
         src = holders[boxes.slices[0]]
         if any(holders[i] != src for i in boxes.slices):
             return _Way(-1, -1, holders, boxes)
         return _Way(self.part.number(src, rank, 0), src, holders, boxes)
+
+    def _alone(self, shard: int, name: str, position: int, targets: tuple[Slice, ...]) -> bool:
+        """With fan-out: whether this rank is the only needer on its node of every tile of ``targets`` (its slices of
+        tensor ``position``, in local tensor ``name``): no other holder of a slice of the same box there (``_groups``),
+        so no relay forwards to it or through it."""
+        if name:  # a kind's slices are shared under no local tensor's name; a group's members carry it
+            targets = tuple([piece._replace(target=name) for piece in targets])
+        node, rank = self.node, self.rank
+        return all(
+            r == rank or r not in node  # type: ignore[operator]
+            for group in self.plan._groups(position, shard, targets)
+            for _, piece in group
+            for r in piece.holders.ranks
+        )
 
     def _source(self, sources: Sequence[Slice]) -> tuple[Sequence[Slice], int, tuple[int, ...] | None]:
         """``sources``' entry in ``self.sources``, made."""

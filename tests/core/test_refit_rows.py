@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 
 from shardcore.plan.layout import plan_layout
+from shardcore.plan.spec import parse_shards
 from shardcore.refit.manifest import Manifest, TensorSpec
 from shardcore.refit.part import Received, Rows
 from shardcore.refit.planner import plan_refit
@@ -119,3 +120,44 @@ def test_an_engine_rank_receives_each_stage_from_its_own_ranks() -> None:
             layer = model.manifest.tensor(transfer.tensor).layer
             if layer is not None:
                 assert layout.shards[0].coords(transfer.src)["pp"] == stages[layer], transfer
+
+
+@pytest.mark.parametrize(
+    ("spec", "to", "per_node", "direct"),
+    [
+        # replicas on nodes of their own: each expert's box has one needer per node, received whole from its holder
+        ("tp=2,ep=2,expt_tp=1,role=train + tp=2,dp=2,expt_tp=2", [1], 2, {2, 3, 4, 5}),
+        # both replicas on the trainer's node: each needer shares it with another, so every tensor goes the general way
+        ("tp=2,ep=2,expt_tp=1,role=train + tp=2,dp=2,expt_tp=2", [1], 6, set()),
+        # two engines; ranks 3, 4 and 5 share a node across them, so they never receive directly; rank 2 may
+        ("tp=2,ep=2,expt_tp=1,role=train + tp=2,expt_tp=2 + tp=2,expt_tp=2", [1, 2], 3, {2}),
+        # the second engine shares a node with the first's second stage: a layer there has a needer of each engine on
+        # the node, a layer of the first stage one, so whether a rank there is alone differs from layer to layer
+        ("tp=2,ep=2,expt_tp=1,role=train + tp=2,pp=2,expt_tp=2 + tp=2,expt_tp=2", [1, 2], 4, {2, 3}),
+    ],
+)
+def test_fan_out_receives_directly_only_where_no_relay_serves(
+    spec: str, to: list[int], per_node: int, direct: set[int]
+) -> None:
+    """With fan-out, an engine rank receives a tensor's boxes directly (as ``Received`` boxes, found once per
+    layer's pattern) only where it is the tile's one needer on its node; every rank's part still equals the plan's
+    transfers made tile by tile (which never take the direct way)."""
+    model = model_of("qwen3_moe")
+    layout = plan_layout(sum(shard.world_size for shard in parse_shards(spec)), spec)
+    vllm = model.layout("vllm")
+    plan = plan_refit(
+        layout,
+        0,
+        to,
+        model.manifest,
+        layouts=dict.fromkeys(to, vllm),
+        min_piece_bytes=0,
+        fan_out=True,
+        ranks_per_node=per_node,
+    )
+    every = list(plan.transfers())
+    for rank in range(layout.world_size):
+        mine = plan.for_rank(rank)
+        assert sorted(mine.recvs) == sorted(t for t in every if t.dst == rank and t.src != rank), rank
+        assert sorted(mine.sends) == sorted(t for t in every if t.src == rank and t.dst != rank), rank
+        assert any(isinstance(item, Received) for item in mine.recvs.items) == (rank in direct), rank
