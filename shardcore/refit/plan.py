@@ -953,11 +953,11 @@ class _Direct:
         self.node: range | None = None
         """With fan-out, the ranks of this rank's node (None: no fan-out, or no direct receive with it)."""
         if plan.fan_out and plan.ranks_per_node is not None:
-            per = plan.ranks_per_node
-            node = range(rank - rank % per, rank - rank % per + per)
-            mine = [placement for placement in plan.destination_placements if rank in placement.ranks]
-            others = [placement for placement in plan.destination_placements if rank not in placement.ranks]
-            if mine and not any(r in placement.ranks for placement in others for r in node):
+            start = rank - rank % plan.ranks_per_node
+            node = range(start, start + plan.ranks_per_node)
+            sides = [placement.ranks for placement in plan.destination_placements]
+            shared = any(r in ranks for ranks in sides if rank not in ranks for r in node)  # another destination's
+            if any(rank in ranks for ranks in sides) and not shared:
                 self.node = node
         self.direct = not plan.fan_out or self.node is not None
         """Whether a tensor may be received directly at all."""
@@ -1051,22 +1051,22 @@ class _Direct:
         boxes = self.rows.get(key)
         if boxes is None:
             boxes = self.rows[key] = self._rows(shard, position, targets, sources)
-        if self.node is not None and not self._alone(shard, name, position, targets):
+        if self.node is not None and not self._alone(self.node, shard, name, position, targets):
             return _Way(-1, -1, None, None)
         src = holders[boxes.slices[0]]
         if any(holders[i] != src for i in boxes.slices):
             return _Way(-1, -1, holders, boxes)
         return _Way(self.part.number(src, rank, 0), src, holders, boxes)
 
-    def _alone(self, shard: int, name: str, position: int, targets: tuple[Slice, ...]) -> bool:
-        """With fan-out: whether this rank is the only needer on its node of every tile of ``targets`` (its slices of
-        tensor ``position``, in local tensor ``name``): no other holder of a slice of the same box there (``_groups``),
-        so no relay forwards to it or through it."""
+    def _alone(self, node: range, shard: int, name: str, position: int, targets: tuple[Slice, ...]) -> bool:
+        """With fan-out: whether this rank is the only needer on its ``node`` of every tile of ``targets`` (its slices
+        of tensor ``position``, in local tensor ``name``): no other holder of a slice of the same box there
+        (``_groups``), so no relay forwards to it or through it."""
         if name:  # a kind's slices are shared under no local tensor's name; a group's members carry it
             targets = tuple([piece._replace(target=name) for piece in targets])
-        node, rank = self.node, self.rank
+        rank = self.rank
         return all(
-            r == rank or r not in node  # type: ignore[operator]
+            r == rank or r not in node
             for group in self.plan._groups(position, shard, targets)
             for _, piece in group
             for r in piece.holders.ranks
