@@ -78,6 +78,12 @@ _POSITION, _KIND = itemgetter(0), itemgetter(2)
 """A member's (``placement.Member``) position and kind."""
 
 
+def _named(targets: tuple[Slice, ...], name: str) -> tuple[Slice, ...]:
+    """A kind's slices, which alike tensors share under no local tensor's name (``HeldAlike``), as the slices of local
+    tensor ``name`` (empty: the tensor itself, as named already): what a tile and a fan-out group read."""
+    return tuple([piece._replace(target=name) for piece in targets]) if name else targets
+
+
 class _RouteRows(NamedTuple):
     """One tensor's rows on one route (``RefitPlan._kind_runs``), in the order of their boxes."""
 
@@ -826,8 +832,8 @@ class RefitPlan:
                         destination_shapes[scales] = scale_shape(local_tensor.shape)
                         destination_dtypes[scales] = local.tensor(scales).destination_dtype
                 for position, targets, kind in direct.receive(shard, local_tensor.name, members):
-                    if kind is not None and local_tensor.name:  # slices shared by a kind name no local tensor
-                        targets = tuple([piece._replace(target=local_tensor.name) for piece in targets])
+                    if kind is not None:
+                        targets = _named(targets, local_tensor.name)
                     made = self._tiles_alike(found, position, shard, targets, source_slices(position))
                     receiving += [tile for _, tile in made]
         source_shapes: dict[str, tuple[int, ...]] = {}
@@ -1047,12 +1053,12 @@ class _Direct:
         holders, rank, spec = known[2], self.rank, self.plan.manifest.tensors[position]
         if holders is None or rank in holders:
             return _Way(-1, -1, None, None)
+        if self.node is not None and not self._alone(self.node, shard, name, position, targets):
+            return _Way(-1, -1, None, None)
         key = (shard, kind, known[1], spec.dtype, spec.to_dtype)
         boxes = self.rows.get(key)
         if boxes is None:
             boxes = self.rows[key] = self._rows(shard, position, targets, sources)
-        if self.node is not None and not self._alone(self.node, shard, name, position, targets):
-            return _Way(-1, -1, None, None)
         src = holders[boxes.slices[0]]
         if any(holders[i] != src for i in boxes.slices):
             return _Way(-1, -1, holders, boxes)
@@ -1062,12 +1068,10 @@ class _Direct:
         """With fan-out: whether this rank is the only needer on its ``node`` of every tile of ``targets`` (its slices
         of tensor ``position``, in local tensor ``name``): no other holder of a slice of the same box there
         (``_groups``), so no relay forwards to it or through it."""
-        if name:  # a kind's slices are shared under no local tensor's name; a group's members carry it
-            targets = tuple([piece._replace(target=name) for piece in targets])
         rank = self.rank
         return all(
             r == rank or r not in node
-            for group in self.plan._groups(position, shard, targets)
+            for group in self.plan._groups(position, shard, _named(targets, name))
             for _, piece in group
             for r in piece.holders.ranks
         )
