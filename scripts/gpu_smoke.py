@@ -12,9 +12,12 @@ What it checks, in that world:
    explicit ``strategy="local"`` is refused before any rank communicates;
 3. ``shardcore check``'s verification (``check_groups``): every group all-gathers its planned
    ranks, on the GPU;
-4. a DTensor op on a shard's mesh: a tensor sharded over the shard's tp dim and gathered back.
+4. a DTensor op on a shard's mesh: a tensor sharded over the shard's tp dim and gathered back;
+5. the refit's fp8 conversion on the GPU (block amaxes, ``scale_inv``, quantization of boxes at
+   offsets, a stacked tensor, a per-tensor scale) equals the CPU's byte for byte: what the CPU tests
+   pin is what a GPU sender puts on the wire.
 
-On a machine without CUDA it runs the same steps on gloo/CPU (nothing GPU-specific is then
+On a machine without CUDA it runs steps 1, 3 and 4 on gloo/CPU (nothing GPU-specific is then
 verified). Rank 0 prints one line per step and exits non-zero on the first failure.
 """
 
@@ -90,8 +93,49 @@ def main() -> int:
     finally:
         destroy_shards(shards)
         dist.destroy_process_group()
+    if cuda:
+        say(f"5. fp8 conversion on {device} equals the CPU's byte for byte: {fp8_matches_cpu(device)} tensors")
     say("ok")
     return 0
+
+
+def fp8_matches_cpu(device: object) -> int:
+    """Block amaxes, scales and quantized boxes of a few bf16 tensors computed on ``device`` and on the CPU
+    must be equal byte for byte; returns how many tensors were compared.
+
+    Raises:
+        SystemExit: the first that differs, named.
+    """
+    import torch
+
+    from shardcore.engine.transfer.convert import amax_of, block_amax, quantize, scale_inv_of
+
+    generator = torch.Generator().manual_seed(0)
+    # (shape, box start, box end): cut blocks, whole blocks, a stacked tensor, a 1-d tensor
+    cases = [
+        ((300, 260), (5, 7), (290, 259)),
+        ((256, 384), (128, 0), (256, 384)),
+        ((2, 256, 200), (1, 3, 0), (2, 250, 200)),
+        ((1000,), (130,), (999,)),
+    ]
+    for shape, start, end in cases:
+        full = (torch.randn(shape, generator=generator) * 3).to(torch.bfloat16)
+        full.view(-1)[:: max(1, full.numel() // 5)] = 0
+        box = tuple(slice(a, b) for a, b in zip(start, end))
+        for scales in ("block", "tensor"):
+            results = []
+            for where in (torch.device("cpu"), device):
+                local = full.to(where)
+                amax = block_amax(local) if scales == "block" else amax_of(local)
+                scale_inv = scale_inv_of(amax)
+                quantized = quantize(local[box], scale_inv, start)
+                results.append((amax.cpu(), scale_inv.cpu(), quantized.cpu().view(torch.uint8)))
+            for what, on_cpu, on_device in zip(("amax", "scale_inv", "quantized"), *results):
+                if not torch.equal(on_cpu, on_device):
+                    raise SystemExit(
+                        f"fp8 {what} of a {shape} tensor ({scales} scales) differs between cpu and {device}"
+                    )
+    return len(cases) * 2
 
 
 if __name__ == "__main__":
