@@ -52,6 +52,11 @@ def _has_mesh_layout(distributed: ModuleType) -> bool:
     return callable(layout.collapse) and callable(layout.remap_to_tensor)
 
 
+def _has_mesh_method(name: str) -> Callable[[ModuleType], bool]:
+    """The check of one DeviceMesh method: one each, so a torch without one is told which."""
+    return lambda distributed: callable(getattr(distributed.device_mesh.DeviceMesh, name))
+
+
 MESH_INTERNALS: dict[str, Callable[[ModuleType], bool]] = {
     "device_mesh.DeviceMesh(..., _layout=, _rank_map=, _root_mesh=, _init_backend=)": lambda distributed: (
         {
@@ -62,9 +67,7 @@ MESH_INTERNALS: dict[str, Callable[[ModuleType], bool]] = {
         }
         <= set(inspect.signature(distributed.device_mesh.DeviceMesh.__init__).parameters)
     ),
-    f"device_mesh.DeviceMesh.{'/'.join(MESH_METHODS)}": lambda distributed: all(
-        callable(getattr(distributed.device_mesh.DeviceMesh, name)) for name in MESH_METHODS
-    ),
+    **{f"device_mesh.DeviceMesh.{name}": _has_mesh_method(name) for name in MESH_METHODS},
     "_mesh_layout._MeshLayout (collapse, remap_to_tensor)": _has_mesh_layout,
 }
 """The torch.distributed internals this module relies on, checked when it is imported."""

@@ -34,7 +34,7 @@ def test_the_running_torch_has_every_mesh_internal() -> None:
     [
         (
             "del device_mesh.DeviceMesh._create_flatten_mesh",
-            "torch.distributed.device_mesh.DeviceMesh._create_sub_mesh/",
+            "torch.distributed.device_mesh.DeviceMesh._create_flatten_mesh,",
         ),
         ("del _mesh_layout._MeshLayout.collapse", "torch.distributed._mesh_layout._MeshLayout (collapse"),
     ],
