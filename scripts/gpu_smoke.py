@@ -116,13 +116,14 @@ def fp8_matches_cpu(device: object) -> int:
     must be equal byte for byte; returns how many tensors were compared.
 
     Raises:
-        SystemExit: the first that differs, named.
+        SystemExit: naming each result that differs, and in how many elements.
     """
     import torch
 
     from shardcore.engine.transfer.convert import amax_of, block_amax, quantize, scale_inv_of
 
     generator = torch.Generator().manual_seed(0)
+    differ: list[str] = []
     # (shape, box start, box end): cut blocks, whole blocks, a stacked tensor, a 1-d tensor
     cases = [
         ((300, 260), (5, 7), (290, 259)),
@@ -144,9 +145,9 @@ def fp8_matches_cpu(device: object) -> int:
                 results.append((amax.cpu(), scale_inv.cpu(), quantized.cpu().view(torch.uint8)))
             for what, on_cpu, on_device in zip(("amax", "scale_inv", "quantized"), *results):
                 if not torch.equal(on_cpu, on_device):
-                    raise SystemExit(
-                        f"fp8 {what} of a {shape} tensor ({scales} scales) differs between cpu and {device}"
-                    )
+                    differ.append(f"{what} of {shape} ({scales} scales): {int((on_cpu != on_device).sum())} elements")
+    if differ:
+        raise SystemExit(f"fp8 conversion differs between cpu and {device}: {'; '.join(differ)}")
     return len(cases) * 2
 
 

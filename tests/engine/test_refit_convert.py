@@ -54,6 +54,16 @@ def test_a_blocks_largest_magnitude_maps_to_448_and_dequantizes_close() -> None:
     assert float(amax_of(values)) == float(values.abs().max())
 
 
+def test_scale_inv_is_amax_over_448_rounded_once_not_a_reciprocal_product() -> None:
+    """float32's correctly rounded quotient is float64's rounded to float32. CUDA divides a tensor by a Python
+    number as a product with its reciprocal, which differs in the last bit for most amaxes (an H100 showed it in
+    ``scripts/gpu_smoke.py``): ``scale_inv_of`` divides by a tensor, so every device gives the quotient."""
+    amax = torch.rand(10_000, generator=torch.Generator().manual_seed(3)) * 10 + 0.01
+    quotient = (amax.double() / E4M3_MAX).float()
+    assert torch.equal(scale_inv_of(amax), quotient)
+    assert not torch.equal(amax * torch.tensor(1 / E4M3_MAX), quotient)  # these amaxes tell the two apart
+
+
 @pytest.mark.parametrize("shape", [(512, 384), (500, 300), (1000,)])
 def test_a_piece_quantized_where_it_lies_equals_the_global_reference(shape: tuple[int, ...]) -> None:
     values = torch.randn(shape, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(2))
