@@ -9,6 +9,7 @@ at 25 GB/s on every link (``RefitStats``, the bytes scaled by the measured wire 
 encoding and applying per byte, from the single-process measurement printed first.
 
 Usage: python benchmarks/bench_refit_delta.py [--world 8] [--layers 12] [--repeat 3]
+       python benchmarks/bench_refit_delta.py --device cuda   (the encode and apply measurement alone, on a GPU)
 """
 
 from __future__ import annotations
@@ -24,35 +25,44 @@ FRACTIONS = (0.001, 0.02, 0.3, 1.0)
 LINK_GBPS = 25.0
 
 
-def _encode_apply_ns_per_byte(fraction: float, elements: int = 32 << 20) -> tuple[float, float, float]:
-    """One process, one thread: (encode, apply) ns per dense byte of a bf16 piece of ``elements`` with
-    ``fraction`` of them changed, and the encoded size as a fraction of the dense one. Encoding is what a
-    sender does beyond a dense send: find the changes, encode them, refresh its snapshot."""
+def _encode_apply_ns_per_byte(
+    fraction: float, elements: int = 32 << 20, device: str = "cpu"
+) -> tuple[float, float, float]:
+    """One process (one thread on a CPU): (encode, apply) ns per dense byte of a bf16 piece of ``elements`` on
+    ``device`` with ``fraction`` of them changed, and the encoded size as a fraction of the dense one. Encoding
+    is what a sender does beyond a dense send: find the changes, encode them, refresh its snapshot. On a GPU
+    the clock stops after the device finishes (the best of more rounds: the first ones load kernels)."""
     import torch
 
     from shardcore.engine.transfer.delta_codec import DENSE, apply_piece, encode_piece, write_encoding
     from shardcore.engine.transfer.exchange import as_bytes
 
-    torch.set_num_threads(1)
-    before = torch.randn(elements).to(torch.bfloat16)
-    chosen = torch.rand(elements) < fraction
+    on_cpu = device == "cpu"
+    if on_cpu:
+        torch.set_num_threads(1)
+    finish = (lambda: None) if on_cpu else torch.cuda.synchronize
+    before = torch.randn(elements).to(torch.bfloat16).to(device)
+    chosen = torch.rand(elements).to(device) < fraction
     after = torch.where(chosen, (before.float() + 1).to(torch.bfloat16), before)
     snapshot, target = before.clone(), before.clone()
-    out = torch.empty(elements * 2, dtype=torch.uint8)
+    out = torch.empty(elements * 2, dtype=torch.uint8, device=device)
     now = as_bytes(after)
     best_encode = best_apply = float("inf")
-    for _ in range(3):
+    for _ in range(3 if on_cpu else 10):
         snapshot.copy_(before)
         target.copy_(before)
+        finish()
         started = time.perf_counter()
         kind, count, parts = encode_piece(now, as_bytes(snapshot), 2)
         size = 0 if parts is None else write_encoding(out, *parts)
+        finish()
         best_encode = min(best_encode, time.perf_counter() - started)
         if kind == DENSE:  # a dense piece is the dense refit's own copy: nothing more to apply
             best_apply = 0.0
             continue
         started = time.perf_counter()
         assert apply_piece(target, out[:size], kind, count, torch.bfloat16) is None
+        finish()
         best_apply = min(best_apply, time.perf_counter() - started)
         assert torch.equal(target.view(torch.int16), after.view(torch.int16))
         assert torch.equal(snapshot.view(torch.int16), after.view(torch.int16))
@@ -118,6 +128,15 @@ def bench_rank(rank: int, world: int, layers: int, repeat: int) -> dict[str, Any
     return out
 
 
+def _print_costs(costs: dict[float, tuple[float, float, float]]) -> None:
+    """The encode and apply table: per fraction changed, the encoded size and the cost per dense byte."""
+    print("| changed | encoded / dense | encode ns/B | apply ns/B | encode GB/s | apply GB/s |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for fraction, (encode, apply, ratio) in costs.items():
+        shown_apply = f"{1 / apply:.2f}" if apply > 0 else "-"
+        print(f"| {fraction:.1%} | {ratio:.3f} | {encode:.4f} | {apply:.4f} | {1 / encode:.1f} | {shown_apply} |")
+
+
 def main() -> None:
     import os
 
@@ -129,17 +148,23 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=8, choices=sorted(SPECS))
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--device", help="measure encoding and applying alone, on this device (cuda)")
+    parser.add_argument("--elements", type=int, default=32 << 20, help="bf16 elements of the measured piece")
     args = parser.parse_args()
+    if args.device:
+        import torch
+
+        name = torch.cuda.get_device_name() if args.device.startswith("cuda") else args.device
+        size = f"a {args.elements * 2 >> 20} MiB bf16 piece"
+        print(f"encode and apply alone on {name} (torch {torch.__version__}), {size}:\n")
+        _print_costs({f: _encode_apply_ns_per_byte(f, args.elements, args.device) for f in FRACTIONS})
+        return
     manifest = bench_manifest(args.layers)
     print(f"model: {manifest.name}, {manifest.nbytes / 1e9:.3f} GB bf16; world {args.world} `{SPECS[args.world]}`")
     print(f"load average before: {os.getloadavg()[0]:.1f}")
     costs = {fraction: _encode_apply_ns_per_byte(fraction) for fraction in FRACTIONS}
     print("\nencode and apply alone (one process, one thread, a 64 MiB bf16 piece):\n")
-    print("| changed | encoded / dense | encode ns/B | apply ns/B | encode GB/s | apply GB/s |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    for fraction, (encode, apply, ratio) in costs.items():
-        shown_apply = f"{1 / apply:.2f}" if apply > 0 else "-"
-        print(f"| {fraction:.1%} | {ratio:.3f} | {encode:.3f} | {apply:.3f} | {1 / encode:.2f} | {shown_apply} |")
+    _print_costs(costs)
     plan = plan_refit(plan_layout(args.world, SPECS[args.world]), 0, [1], manifest)
     stats = RefitStats.of(plan)
     dense_estimate = stats.estimate_seconds(LINK_GBPS, LINK_GBPS)
