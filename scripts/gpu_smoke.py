@@ -16,12 +16,16 @@ What it checks, in that world:
 5. the refit's fp8 conversion on the GPU (block amaxes, ``scale_inv``, quantization of boxes at
    offsets, a stacked tensor, a per-tensor scale) equals the CPU's byte for byte: what the CPU tests
    pin is what a GPU sender puts on the wire.
+6. collocated refits between two layouts over the whole world, their tensors on the GPUs
+   (``check_refit``, what ``refit --check`` runs), every destination byte equal to a reference made
+   on the CPU: fp32 -> fp8 per 128x128 block, a delta refit after a 2 % step (checksummed), and a
+   Qwen3-MoE config into vLLM's layout quantized where it lands.
 
 The backend is the default (dtensor) or ``$SHARDCORE_BACKEND``'s; step 4 needs the dtensor one (a
 torch it does not support fails its import in one line naming the internal it lacks, and another
 backend, the test plugin ``toy`` say, still checks the groups on the GPU).
 
-On a machine without CUDA it runs steps 1, 3 and 4 on gloo/CPU (nothing GPU-specific is then
+On a machine without CUDA it runs steps 1, 3, 4 and 6 on gloo/CPU (nothing GPU-specific is then
 verified). Rank 0 prints one line per step and exits non-zero on the first failure.
 """
 
@@ -100,11 +104,62 @@ def main() -> int:
         say(f"4. skipped: the {get_backend().name} backend's handle holds no DeviceMesh")
     finally:
         destroy_shards(shards)
+    try:
+        if cuda:
+            say(f"5. fp8 conversion on {device} equals the CPU's byte for byte: {fp8_matches_cpu(device)} tensors")
+        for label, checked in collocated_refits(rank, world):
+            say(f"6. refit {label}: rank 0's {checked} destination tensors equal the CPU's references")
+    finally:
         dist.destroy_process_group()
-    if cuda:
-        say(f"5. fp8 conversion on {device} equals the CPU's byte for byte: {fp8_matches_cpu(device)} tensors")
     say("ok")
     return 0
+
+
+QWEN3_MOE = {
+    "model_type": "qwen3_moe", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+    "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 32, "vocab_size": 1000, "num_experts": 8,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 128, "torch_dtype": "bfloat16",
+}  # fmt: skip
+"""A small Qwen3-MoE Hugging Face config (vLLM packs its experts into FusedMoE's stacked tensors)."""
+
+
+def collocated_refits(rank: int, world: int) -> list[tuple[str, int]]:
+    """Step 6: each refit checked on this world (the default group's device), with this rank's count of
+    destination tensors checked.
+
+    Raises:
+        SystemExit: this rank's first mismatch, named.
+    """
+    from math import gcd
+
+    from shardcore.engine.live.refit_check import check_refit
+    from shardcore.refit import RefitRequest, manifest_from_hf_config
+
+    tp, pp = gcd(world, 8), 2 if world % 2 == 0 else 1  # the tiny model's 8 heads; a pp source keeps fp8 blocks whole
+    split, staged, target = f"tp={tp},dp={world // tp}", f"pp={pp},dp={world // pp}", f"tp=1,dp={world}"
+    fp8 = {"to_dtype": "float8_e4m3fn", "scale": "block"}
+    delta = {"changes": (0.02,), "version": 1, "delta": True, "delta_checksum": True}
+    qwen = manifest_from_hf_config(QWEN3_MOE)
+    cases = [
+        (
+            f"{staged} -> {target}, fp32 -> fp8 per block",
+            RefitRequest("tiny-dense", staged, 0, (0,), target, **fp8),
+            {},
+        ),
+        (f"{split} -> {target}, a delta after a 2 % step", RefitRequest("tiny-dense", split, 0, (0,), target), delta),
+        (
+            f"Qwen3-MoE {staged} -> vLLM {target}, fp8 per block",
+            RefitRequest(qwen, staged, 0, (0,), target, to_layout="vllm", **fp8),
+            {},
+        ),
+    ]
+    done = []
+    for label, request, options in cases:
+        report = check_refit(request.plan(world), rank, timeout=300, **options)
+        if report.mismatches:
+            raise SystemExit(f"rank {rank}: refit {label}: {report.mismatches[0]}")
+        done.append((label, report.checked))
+    return done
 
 
 class SkipDTensor(Exception):

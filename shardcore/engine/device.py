@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
 
 from ..errors import BackendUnavailableError
 from .torch_state import EXTENSION_FIXES, import_torch
+
+if TYPE_CHECKING:
+    import torch
 
 COLLECTIVE_DEVICES = {"gloo": "cpu", "nccl": "cuda", "hccl": "npu"}
 """The collective libraries shardcore moves tensors with, and the device type each moves tensors on: the one map
@@ -74,3 +78,14 @@ def device_notes() -> list[str]:
 
 
 __all__ = ["COLLECTIVE_DEVICES", "comm_backend", "device_notes", "device_type", "npu_status"]
+
+
+def collective_device(backend: str) -> torch.device:
+    """Where a process puts the tensors a group of ``backend`` moves (``dist.get_backend()``'s answer, which names
+    several libraries for a group made with ``'cpu:gloo,cuda:nccl'``): the CPU when a library of it moves CPU
+    tensors, else its accelerator's current device (torchrun's ``LOCAL_RANK`` one, ``init_from_env``)."""
+    torch = import_torch()
+    served = [device for library, device in COLLECTIVE_DEVICES.items() if library in backend]
+    if not served or "cpu" in served:
+        return torch.device("cpu")
+    return torch.device(served[0], getattr(torch, served[0]).current_device())

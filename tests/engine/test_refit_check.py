@@ -20,6 +20,22 @@ SHARDS = "tp=2,role=train+tp=1,role=decode+tp=1,role=decode"
 ARGS = ["--shards", SHARDS, "--from", "0", "--to", "1,2", "--model", "tiny-dense"]
 
 
+@pytest.mark.parametrize(
+    ("backend", "device"), [("gloo", "cpu"), ("cpu:gloo,cuda:nccl", "cpu"), ("nccl", "cuda:3"), ("mpi", "cpu")]
+)
+def test_the_check_puts_its_tensors_where_the_group_moves_them(
+    backend: str, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under NCCL the check's sources and destinations go on the rank's current GPU (torchrun's LOCAL_RANK),
+    where the executor wants them; a group whose libraries move CPU tensors keeps them on the CPU."""
+    import torch
+
+    from shardcore.engine.device import collective_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert collective_device(backend) == torch.device(device)
+
+
 def _assert_refit_checked(result: subprocess.CompletedProcess[str]) -> None:
     """``--json``: every destination shard ok, and every byte the plan moves counted live."""
     assert result.returncode == 0, result.stderr

@@ -127,32 +127,43 @@ def reference(manifest: Manifest, name: str, full: Callable[[str], torch.Tensor]
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, on the CPU where the references are made (a GPU destination's are copied there)."""
     import torch
 
-    return tensor.contiguous().reshape(-1).view(torch.uint8)
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
 def check_refit(plan: Any, rank: int, *, changes: Sequence[float] = (), **execute_options: Any) -> RefitReport:
     """Fill this rank's sources, execute ``plan`` (with ``execute_options`` for ``execute_refit``), and compare
     its destinations bitwise with the slices of the same known global tensors.
 
+    The sources and destinations lie where the default group moves tensors (``collective_device``: a GPU
+    under NCCL, so ``refit --check`` under torchrun checks the GPU path); the known tensors and the
+    references are made on the CPU, the same on every rank whatever its device.
+
     With ``changes``, one more refit follows per entry, each after a simulated optimizer step that changes
     about that fraction of the elements (``KnownWeights``), at the next version: what a delta refit checks.
     The report counts every refit's mismatches and the last refit's bytes and time.
     """
     import torch
+    import torch.distributed as dist
 
+    from ..device import collective_device
     from ..transfer.execute import execute_refit
 
     manifest = plan.manifest
     mine = plan.for_rank(rank)
     target_plan = next((p for p in plan.destinations if rank in p), None)
     weights = KnownWeights(manifest)
+    device = collective_device(dist.get_backend())
     sources = {
-        name: cut(weights.full(name), manifest.tensor(name), plan.source, rank, manifest) for name in mine.source_shapes
+        name: cut(weights.full(name), manifest.tensor(name), plan.source, rank, manifest).to(device)
+        for name in mine.source_shapes
     }
     destinations = {
-        name: torch.full(shape, -1.0, dtype=getattr(torch, plan.destination_tensor(name).destination_dtype))
+        name: torch.full(
+            shape, -1.0, dtype=getattr(torch, plan.destination_tensor(name).destination_dtype), device=device
+        )
         for name, shape in mine.destination_shapes.items()
     }
     mapped = through_map(plan, rank)
