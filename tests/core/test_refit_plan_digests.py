@@ -84,6 +84,14 @@ def _into_vllm_fan_out() -> RefitPlan:
     return plan_refit(layout, 0, [1, 2], model.manifest, ranks_per_node=2, fan_out=True, layouts=layouts)
 
 
+def _into_vllm_fan_out_shared_kv() -> RefitPlan:
+    """vLLM at tp=4 holds each of the model's 2 kv heads on two tp ranks: one destination holds a box in two slices,
+    so a fan-out group has two members from it (``RefitPlan._groups``)."""
+    model = model_of("llama")
+    layout = plan_layout(2 + 8, "tp=2,role=train + tp=4,dp=2")
+    return plan_refit(layout, 0, 1, model.manifest, ranks_per_node=4, fan_out=True, layouts={1: model.layout("vllm")})
+
+
 def _from_hf() -> RefitPlan:
     model = model_of("deepseek_v3")
     layout = plan_layout(4 + 4, "dp=4 + tp=2,dp=2,ep=2,expt_tp=1,role=train")
@@ -123,6 +131,7 @@ CASES: dict[str, Callable[[], RefitPlan]] = {
     "qwen3-moe-into-layouts": _into_layouts("qwen3_moe"),
     "deepseek-v3-into-layouts": _into_layouts("deepseek_v3"),
     "qwen3-moe-into-vllm-fan-out": _into_vllm_fan_out,
+    "llama-into-vllm-fan-out-shared-kv": _into_vllm_fan_out_shared_kv,
     "deepseek-v3-from-hf": _from_hf,
     "fp8-blocks": _fp8_blocks,
     "fp8-per-tensor": _fp8_per_tensor,
@@ -170,8 +179,11 @@ def test_every_case_is_recorded_and_none_is_empty() -> None:
     """The record names the cases this module plans, and every case moves something over the wire, with a hop or a
     target or a conversion where its name says so."""
     assert set(json.loads(RECORDED.read_text())) == set(CASES)
-    fanned = [_dense_fan_out(), _into_vllm_fan_out()]
+    fanned = [_dense_fan_out(), _into_vllm_fan_out(), _into_vllm_fan_out_shared_kv()]
     assert all(any(t.hop for t in plan.transfers()) for plan in fanned)
+    engine = fanned[2].destination_placements[0]
+    boxes = [(piece.target, piece.box) for p in range(len(engine.manifest)) for piece in engine.slices(p)]
+    assert len(set(boxes)) < len(boxes)  # a box in two slices of one destination
     assert all(t.target for t in _into_vllm_fan_out().transfers())
     assert amax_exchange(_fp8_per_tensor(), 0).sends and not amax_exchange(_fp8_blocks(), 0).sends
     assert _moe_subset().tensors and _renumbered_source().world_size == 10
