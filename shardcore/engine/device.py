@@ -77,9 +77,6 @@ def device_notes() -> list[str]:
     return [] if usable else [f"npu: {why}"]
 
 
-__all__ = ["COLLECTIVE_DEVICES", "comm_backend", "device_notes", "device_type", "npu_status"]
-
-
 def collective_device(backend: str) -> torch.device:
     """Where a process puts the tensors a group of ``backend`` moves (``dist.get_backend()``'s answer, which names
     several libraries for a group made with ``'cpu:gloo,cuda:nccl'``): the CPU when a library of it moves CPU
@@ -89,3 +86,6 @@ def collective_device(backend: str) -> torch.device:
     if not served or "cpu" in served:
         return torch.device("cpu")
     return torch.device(served[0], getattr(torch, served[0]).current_device())
+
+
+__all__ = ["COLLECTIVE_DEVICES", "collective_device", "comm_backend", "device_notes", "device_type", "npu_status"]

@@ -47,7 +47,7 @@ QUANTIZE_ELEMENTS = 1 << 19
 def scale_inv_of(amax: torch.Tensor) -> torch.Tensor:
     """``scale_inv`` from an amax (any shape): amax / 448 in float32, correctly rounded on every device, and 1
     where the amax is 0. The divisor is a tensor on the amax's device: CUDA multiplies by the reciprocal of a
-    Python number instead of dividing, which differs in the last bit for some amaxes (seen on an H100), so a
+    Python number instead of dividing, which differs in the last bit for most amaxes (seen on an H100), so a
     GPU sender's scales would differ from a CPU check's."""
     import torch
 
