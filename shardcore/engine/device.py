@@ -80,8 +80,10 @@ def device_notes() -> list[str]:
 def collective_device(backend: str) -> torch.device:
     """Where a process puts the tensors a group of ``backend`` moves (``dist.get_backend()``'s answer, which names
     several libraries for a group made with ``'cpu:gloo,cuda:nccl'``): the CPU when a library of it moves CPU
-    tensors, else its accelerator's current device (torchrun's ``LOCAL_RANK`` one, ``init_from_env``)."""
-    torch = import_torch()
+    tensors, else its accelerator's current device (torchrun's ``LOCAL_RANK`` one, ``init_from_env``). Asked where a
+    group exists, so torch is imported already."""
+    import torch
+
     served = [device for library, device in COLLECTIVE_DEVICES.items() if library in backend]
     if not served or "cpu" in served:
         return torch.device("cpu")
