@@ -77,6 +77,12 @@ def device_notes() -> list[str]:
     return [] if usable else [f"npu: {why}"]
 
 
+def served_devices(backend: str) -> list[str]:
+    """The device types a group of ``backend`` moves tensors on (``dist.get_backend()``'s answer, one library or
+    several as in ``'cpu:gloo,cuda:nccl'``), in ``COLLECTIVE_DEVICES``' order."""
+    return [device for library, device in COLLECTIVE_DEVICES.items() if library in backend]
+
+
 def collective_device(backend: str) -> torch.device:
     """Where a process puts the tensors a group of ``backend`` moves (``dist.get_backend()``'s answer, which names
     several libraries for a group made with ``'cpu:gloo,cuda:nccl'``): the CPU when a library of it moves CPU
@@ -84,10 +90,18 @@ def collective_device(backend: str) -> torch.device:
     group exists, so torch is imported already."""
     import torch
 
-    served = [device for library, device in COLLECTIVE_DEVICES.items() if library in backend]
+    served = served_devices(backend)
     if not served or "cpu" in served:
         return torch.device("cpu")
     return torch.device(served[0], getattr(torch, served[0]).current_device())
 
 
-__all__ = ["COLLECTIVE_DEVICES", "collective_device", "comm_backend", "device_notes", "device_type", "npu_status"]
+__all__ = [
+    "COLLECTIVE_DEVICES",
+    "collective_device",
+    "comm_backend",
+    "device_notes",
+    "device_type",
+    "npu_status",
+    "served_devices",
+]

@@ -51,7 +51,7 @@ from ...refit.options import DEFAULT_BUCKET_BYTES, DEFAULT_MAX_OPS, ExecuteOptio
 from ...refit.schedule import Batch, rank_batches
 from ...version import __version__
 from ..agreement import GRACE, Party, Purpose, Terms, arrive_failed, convene, declare_absent, exchange_notes, meet
-from ..device import COLLECTIVE_DEVICES
+from ..device import served_devices
 from ..torch_state import dist, import_torch, is_fake_world
 from .convert import Conversion
 from .delta import DeltaSession
@@ -589,7 +589,7 @@ def _device_problems(tensors: Iterable[Any], backend: str) -> list[str]:
 
     # each tensor's device, then their types: tens of thousands of tensors, almost always one device
     devices = {device.type for device in {t.device for t in tensors if isinstance(t, torch.Tensor)}}
-    served = {device for name, device in COLLECTIVE_DEVICES.items() if name in backend}
+    served = set(served_devices(backend))
     if len(devices) > 1:
         return [f"tensors are on several devices ({', '.join(sorted(devices))}): put sources and destinations on one"]
     if devices and served and not devices <= served:
