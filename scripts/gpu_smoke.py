@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 
 def spec_for(world: int) -> str:
@@ -86,22 +87,11 @@ def main() -> int:
         mine = my_shard(shards)
         if mine is None:
             raise SystemExit(f"rank {rank}: the layout left it idle")
-        from torch.distributed.tensor import Shard, distribute_tensor
-
-        if not hasattr(mine.handle, "mesh"):
-            raise SkipDTensor
-        tp_mesh = mine.handle.mesh["tp"]
-        full = torch.arange(4 * tp_mesh.size(), dtype=torch.float32, device=device)
-        sharded = distribute_tensor(full, tp_mesh, [Shard(0)])
-        if not torch.equal(sharded.full_tensor(), full) or sharded.to_local().numel() != 4:
-            raise SystemExit(f"rank {rank}: DTensor round trip over {tp_mesh} differs")
-        total = (sharded * 2).sum().full_tensor()
-        if float(total) != float(full.sum() * 2):
-            raise SystemExit(f"rank {rank}: DTensor sum {float(total)} != {float(full.sum() * 2)}")
-        dist.barrier()
-        say("4. DTensor: shard, gather and sum over each shard's tp mesh: ok")
-    except SkipDTensor:
-        say(f"4. skipped: the {get_backend().name} backend's handle holds no DeviceMesh")
+        if hasattr(mine.handle, "mesh"):
+            dtensor_round_trip(rank, mine.handle.mesh["tp"], device)
+            say("4. DTensor: shard, gather and sum over each shard's tp mesh: ok")
+        else:
+            say(f"4. skipped: the {get_backend().name} backend's handle holds no DeviceMesh")
     finally:
         destroy_shards(shards)
     try:
@@ -162,8 +152,24 @@ def collocated_refits(rank: int, world: int) -> list[tuple[str, int]]:
     return done
 
 
-class SkipDTensor(Exception):
-    """The backend in use builds no DeviceMesh (``$SHARDCORE_BACKEND`` names another than dtensor)."""
+def dtensor_round_trip(rank: int, tp_mesh: Any, device: Any) -> None:
+    """Shard a tensor over ``tp_mesh``, gather it back and sum it: DTensor's collectives on the shard's own mesh.
+
+    Raises:
+        SystemExit: naming the rank and what differs.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    full = torch.arange(4 * tp_mesh.size(), dtype=torch.float32, device=device)
+    sharded = distribute_tensor(full, tp_mesh, [Shard(0)])
+    if not torch.equal(sharded.full_tensor(), full) or sharded.to_local().numel() != 4:
+        raise SystemExit(f"rank {rank}: DTensor round trip over {tp_mesh} differs")
+    total = (sharded * 2).sum().full_tensor()
+    if float(total) != float(full.sum() * 2):
+        raise SystemExit(f"rank {rank}: DTensor sum {float(total)} != {float(full.sum() * 2)}")
+    dist.barrier()
 
 
 def fp8_matches_cpu(device: object) -> int:
